@@ -1,0 +1,1 @@
+"""The offloading runtime: plain PyTorch, model-agnostic, never imports ComfyUI."""

@@ -1,0 +1,45 @@
+"""Per-block torch.compile with an activation-memory budget.
+
+Each block is compiled on its own (one graph per block type, reused by every block of that type: compile time is
+seconds, not minutes). The budget is read by AOTAutograd's partitioner while the graph is compiled, and dynamo's
+guards do not look at it, so a graph compiled under one budget would be reused under another. Hence one backend
+callable per (backend, budget, mode): the budget is applied while *that* backend compiles (and restored after), and
+dynamo keys its cache on the backend, so each budget gets its own graphs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch._functorch.config as functorch_config
+
+from .strategy import Strategy
+
+_BACKENDS: dict[tuple[str, float, str], Callable] = {}
+
+
+def _backend(name: str, budget: float, mode: str) -> Callable:
+    key = (name, budget, mode)
+    if key not in _BACKENDS:
+        inner = torch._dynamo.lookup_backend(name)
+        options = {} if mode == "default" else torch._inductor.list_mode_options(mode)
+
+        def backend(gm, example_inputs):
+            import torch._inductor.config as inductor_config
+            with functorch_config.patch(activation_memory_budget=budget), inductor_config.patch(options):
+                return inner(gm, example_inputs)
+
+        backend.__name__ = f"tightrope_{name}_budget{budget}_{mode}"
+        _BACKENDS[key] = backend
+    return _BACKENDS[key]
+
+
+def compile_block(forward: Callable, strategy: Strategy) -> Callable:
+    return torch.compile(forward, backend=_backend(strategy.compile_backend, strategy.activation_memory_budget,
+                                                   strategy.compile_mode))
+
+
+def compiled_graph_count() -> int:
+    """Graphs compiled in this process so far (recompiles show up as growth between steps)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,51 @@
+"""Choose which blocks to offload for a strategy.
+
+Why "spread": a transfer hides behind compute only if there is compute to hide behind. Offloading the smallest
+blocks first moves the fewest bytes per offloaded block, and spacing them out leaves resident blocks in between
+whose compute covers the next offloaded block's copy.
+"""
+from __future__ import annotations
+
+import math
+
+from .strategy import Strategy, StrategyError
+
+
+def select_offloaded(block_bytes: list[int], strategy: Strategy) -> list[int]:
+    """Indices (model order) of the blocks whose frozen weights live in host memory."""
+    n = len(block_bytes)
+    if strategy.offload_blocks is not None:
+        bad = [i for i in strategy.offload_blocks if i >= n]
+        if bad:
+            raise StrategyError(f"Strategy.offload_blocks has indices {bad} but the model has {n} blocks "
+                                f"(0..{n - 1}): use indices in that range")
+        return list(strategy.offload_blocks)
+    target = strategy.offload_fraction * sum(block_bytes)
+    if target <= 0:
+        return []
+    if strategy.offload_policy in ("first", "last"):
+        order = list(range(n)) if strategy.offload_policy == "first" else list(reversed(range(n)))
+        chosen, total = [], 0
+        for i in order:
+            if total >= target * (1 - 1e-9):
+                break
+            chosen.append(i)
+            total += block_bytes[i]
+        return sorted(chosen)
+    return _spread(block_bytes, target)
+
+
+def _spread(block_bytes: list[int], target: float) -> list[int]:
+    groups: dict[int, list[int]] = {}
+    for i, b in enumerate(block_bytes):
+        groups.setdefault(b, []).append(i)
+    chosen: list[int] = []
+    remaining = target * (1 - 1e-9)
+    for size in sorted(groups):
+        if remaining <= 0:
+            break
+        members = groups[size]
+        k = len(members) if size == 0 else max(1, min(len(members), math.ceil(remaining / size)))
+        chosen += [members[int((j + 0.5) * len(members) / k)] for j in range(k)]
+        remaining -= k * size
+    return sorted(chosen)

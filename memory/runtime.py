@@ -1,0 +1,217 @@
+"""The orchestrator: applies a Strategy to a model in one fixed order, and undoes it in reverse.
+
+Apply order:
+  1. blocks: discover the block lists; choose the offloaded blocks.
+  2. placement: everything except offloaded blocks' frozen weights moves to the device (frozen weights in the
+     weight dtype); trainable parameters (LoRA) are always resident, so their optimizer state is too.
+  3. layer offload: host master copies and device slots for the offloaded blocks.
+  4. block forwards, from the inside out: per-block compile, then "load this block (and prefetch)" plus input
+     clones, then eager checkpointing, then saved-tensor hooks (weight references, activation offload). The result
+     is set as the block's instance-level `forward`, so module names and state-dict keys never change.
+undo() reverses 4, 3, 2. Use `with MemoryRuntime(...) as rt:`; the undo runs in `finally`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .activation_offload import ActivationOffload
+from .block_compile import compile_block, compiled_graph_count
+from .blocks import Block, discover_blocks
+from .checkpointing import checkpointed_call
+from .layer_offload import LayerOffload, WeightRef, in_backward
+from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
+from .offload_selection import select_offloaded
+from .stats import StepStats, StepTimer
+from .strategy import Strategy, StrategyError
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class MemoryRuntime:
+    def __init__(self, model: nn.Module, strategy: Strategy, device: torch.device | str, *,
+                 poison_slots: bool = False, activation_min_bytes: int = 1 << 16):
+        self.model = model
+        self.strategy = strategy
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise StrategyError(f"device '{device}' was asked for but CUDA is not available: use device 'cpu' "
+                                "or install a CUDA build of PyTorch")
+        self.poison_slots = poison_slots
+        self.activation_min_bytes = activation_min_bytes
+        self.blocks: list[Block] = discover_blocks(model, strategy.block_lists)
+        wdtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+        self.weight_dtype = wdtype
+        self.sizes: WeightSizes = measure_weight_sizes(model, [b.module for b in self.blocks],
+                                                       wdtype.itemsize if wdtype else None)
+        self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy)
+        self.offload: LayerOffload | None = None
+        self.acts: ActivationOffload | None = None
+        self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
+        self._patched: list[tuple[nn.Module, Any]] = []
+        self._last_backward_block: int | None = None
+        self._timer = StepTimer(self.device)
+        self.applied = False
+
+    # -- apply / undo --------------------------------------------------------------------------------------------
+    def __enter__(self) -> "MemoryRuntime":
+        self.apply()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+    def apply(self) -> None:
+        if self.applied:
+            raise RuntimeError("this MemoryRuntime is already applied; undo() it first")
+        try:
+            self._place()
+            if self.offloaded:
+                self.offload = LayerOffload([b.module for b in self.blocks], self.offloaded, self.device,
+                                            prefetch_depth=self.strategy.prefetch_depth,
+                                            pin_memory=self.strategy.pin_memory, weight_dtype=self.weight_dtype,
+                                            poison_slots=self.poison_slots)
+                self.offload.attach()
+            if self.strategy.activation_offload:
+                self.acts = ActivationOffload(self.device, pin_memory=self.strategy.pin_memory,
+                                              min_bytes=self.activation_min_bytes)
+            for i, block in enumerate(self.blocks):
+                self._patch_forward(i, block.module)
+            self.applied = True
+        except BaseException:
+            self.applied = True
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        if not self.applied:
+            return
+        for module, previous in reversed(self._patched):
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._patched.clear()
+        if self.offload is not None:
+            self.offload.detach()
+            self.offload = None
+        self.acts = None
+        for t, kept, dev, dtype in reversed(self._placed):
+            t.data = kept if kept is not None else t.data.to(dev, dtype)
+        self._placed.clear()
+        self.applied = False
+
+    def _place(self) -> None:
+        offloaded_params = {id(p) for i in self.offloaded for p in self.blocks[i].module.parameters()
+                            if not p.requires_grad}
+        for p in self.model.parameters():
+            if id(p) in offloaded_params:
+                continue
+            dtype = self.weight_dtype if (self.weight_dtype and not p.requires_grad and p.is_floating_point()) \
+                else p.dtype
+            self._move(p, dtype, keep=not p.requires_grad)
+        for b in self.model.buffers():
+            self._move(b, b.dtype, keep=True)
+
+    def _move(self, t: torch.Tensor, dtype: torch.dtype, keep: bool) -> None:
+        if t.device == self.device and t.dtype == dtype:
+            return
+        original = t.data
+        t.data = original.to(self.device, dtype)
+        # frozen tensors get their original object back on undo (exact); trainable ones keep what was learned
+        self._placed.append((t, original if keep else None, original.device, original.dtype))
+
+    def _patch_forward(self, index: int, module: nn.Module) -> None:
+        s = self.strategy
+        compiled = s.compile == "per_block"
+        checkpointed = s.checkpoints_block(index)
+        offloaded = index in self.offloaded
+        compact = checkpointed or (compiled and s.activation_memory_budget < 1.0)
+        offload_acts = self.acts is not None and compact
+        if not (compiled or checkpointed or self.offload is not None or offload_acts):
+            return  # nothing to do for this block: no wrapper, no overhead
+        previous = module.__dict__.get("forward")
+        inner: Callable = module.forward
+        if compiled:
+            inner = compile_block(inner, s)
+
+        def body(*args, **kwargs):
+            self._enter_block(index)
+            return inner(*args, **kwargs)
+
+        hooks = self._saved_tensor_hooks(index, offloaded and not checkpointed, offload_acts)
+
+        def forward(*args, **kwargs):
+            with hooks():
+                if checkpointed and torch.is_grad_enabled():
+                    return checkpointed_call(body, args, kwargs)
+                return body(*args, **kwargs)
+
+        module.forward = forward
+        self._patched.append((module, previous))
+
+    def _enter_block(self, index: int) -> None:
+        if self.offload is not None:
+            self.offload.load(index)
+        if self.acts is not None and in_backward() and index != self._last_backward_block:
+            self._last_backward_block = index
+            if index > 0:
+                self.acts.prefetch(index - 1)  # the next block backward will recompute from these inputs
+
+    def _saved_tensor_hooks(self, index: int, weights: bool, acts: bool) -> Callable[[], Any]:
+        if not weights and not acts:
+            return contextlib.nullcontext
+        offload, act_store = self.offload, self.acts
+
+        def pack(t: torch.Tensor):
+            if weights and offload.owns(t):
+                return offload.pack(t)
+            return act_store.pack(t, index) if acts else t
+
+        def unpack(x):
+            if isinstance(x, WeightRef):
+                return offload.unpack(x)
+            if acts:
+                self._enter_block(index)
+                return act_store.unpack(x)
+            return x
+
+        return lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    # -- per step ------------------------------------------------------------------------------------------------
+    def autocast(self):
+        if self.strategy.compute_dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.strategy.compute_dtype])
+
+    def counters(self) -> dict[str, int]:
+        return {"h2d_bytes": self.offload.counters.h2d_bytes if self.offload else 0,
+                "d2h_bytes": self.acts.d2h_bytes if self.acts else 0,
+                "graphs": compiled_graph_count() if self.strategy.compile == "per_block" else 0}
+
+    def start_step(self) -> None:
+        self._timer.start(self.counters())
+
+    def end_step(self) -> StepStats:
+        if self.acts is not None:
+            self.acts.end_step()
+        self._last_backward_block = None
+        wait = self.offload.collect_wait_seconds() if self.offload else 0.0
+        return self._timer.stop(self.counters(), wait)
+
+    # -- memory accounting ---------------------------------------------------------------------------------------
+    def predicted_weight_bytes(self) -> int:
+        return predict_resident_weight_bytes(self.sizes, self.offloaded, self.strategy.prefetch_depth)
+
+    def device_weight_bytes(self) -> int:
+        """Bytes of parameters and buffers really held on the device now (slots counted whole, once)."""
+        managed = self.offload.device_storage_ptrs() if self.offload else set()
+        total = self.offload.slot_bytes() if self.offload else 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if t.device != self.device or t.untyped_storage().data_ptr() in managed:
+                continue
+            total += t.numel() * t.element_size()
+        return total

@@ -1,0 +1,118 @@
+"""A small two-stream transformer shaped like Flux, for runtime tests.
+
+It has what makes real models hard for an offloading runtime: double- and single-stream block lists, tensors passed
+as keyword arguments (vec, pe), and residuals added in place into the block inputs (as ComfyUI's Flux does) — in a
+form plain autograd accepts, so a plain-PyTorch run is the reference.
+"""
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+
+
+def _attention(h, qkv, proj, pe, heads):
+    b, n, d = h.shape
+    q, k, v = qkv(h).view(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+    q, k = q * pe, k * pe
+    return proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+
+
+class DoubleBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.txt_to_img = nn.Linear(d, d)
+        self.mod = nn.Linear(d, 3 * d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(approximate="tanh"), nn.Linear(2 * d, d))
+
+    def forward(self, img, txt, *, vec, pe):
+        img += self.txt_to_img(txt.mean(1, keepdim=True))  # in place, into the block's input
+        shift, scale, gate = self.mod(F.silu(vec)).unsqueeze(1).chunk(3, -1)
+        h = torch.cat([txt, img], 1)
+        h = F.layer_norm(h, h.shape[-1:]) * (1 + scale) + shift
+        a = _attention(h, self.qkv, self.proj, pe, self.heads)
+        txt = txt + gate * a[:, : txt.shape[1]]
+        img = img + gate * a[:, txt.shape[1]:]
+        img = img + self.mlp(F.layer_norm(img, img.shape[-1:]))
+        return img, txt
+
+
+class SingleBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.shift = nn.Linear(d, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(approximate="tanh"), nn.Linear(2 * d, d))
+
+    def forward(self, x, *, vec, pe):
+        x += self.shift(F.silu(vec)).unsqueeze(1)  # in place, into the block's input
+        h = F.layer_norm(x, x.shape[-1:])
+        x = x + _attention(h, self.qkv, self.proj, pe, self.heads)
+        return x + self.mlp(F.layer_norm(x, x.shape[-1:]))
+
+
+class TwoStream(nn.Module):
+    def __init__(self, d=32, heads=2, n_double=3, n_single=3, d_in=8):
+        super().__init__()
+        self.img_in, self.txt_in, self.vec_in = nn.Linear(d_in, d), nn.Linear(d_in, d), nn.Linear(d_in, d)
+        self.double_blocks = nn.ModuleList(DoubleBlock(d, heads) for _ in range(n_double))
+        self.single_blocks = nn.ModuleList(SingleBlock(d, heads) for _ in range(n_single))
+        self.out = nn.Linear(d, d_in)
+        self.d, self.heads = d, heads
+
+    def forward(self, img, txt, vec):
+        img, txt, vec = self.img_in(img), self.txt_in(txt), self.vec_in(vec)
+        n = txt.shape[1] + img.shape[1]
+        pe = torch.cos(torch.arange(n, dtype=img.dtype, device=img.device)[:, None]
+                       * torch.linspace(0.1, 1.0, self.d // self.heads, device=img.device))
+        for block in self.double_blocks:
+            img, txt = block(img=img, txt=txt, vec=vec, pe=pe)
+        x = torch.cat([txt, img], 1)
+        for block in self.single_blocks:
+            x = block(x, vec=vec, pe=pe)
+        return self.out(x[:, txt.shape[1]:])
+
+
+def make_lora_model(seed=0, **kw):
+    """The model with frozen base weights and LoRA (peft) on every block linear, B initialised non-zero."""
+    torch.manual_seed(seed)
+    model = TwoStream(**kw)
+    model.requires_grad_(False)
+    cfg = LoraConfig(r=4, lora_alpha=4, target_modules=r".*_blocks\.\d+\..*(qkv|proj|mod|shift|txt_to_img|mlp\.[02])")
+    model = inject_adapter_in_model(cfg, model)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05)
+    return model
+
+
+def make_batch(seed=1, b=2, n_img=12, n_txt=5, d_in=8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(img=torch.randn(b, n_img, d_in, generator=g), txt=torch.randn(b, n_txt, d_in, generator=g),
+                vec=torch.randn(b, d_in, generator=g)), torch.randn(b, n_img, d_in, generator=g)
+
+
+def train_steps(model, steps=2, runtime=None, lr=1e-2):
+    """Losses and LoRA gradients (cloned, on CPU) of `steps` AdamW steps."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+    losses, grads = [], []
+    for step in range(steps):
+        inputs, target = make_batch(seed=100 + step)
+        dev = runtime.device if runtime else torch.device("cpu")
+        inputs, target = {k: v.to(dev) for k, v in inputs.items()}, target.to(dev)
+        if runtime:
+            runtime.start_step()
+        loss = F.mse_loss(model(**inputs), target)
+        loss.backward()
+        if runtime:
+            runtime.end_step()
+        losses.append(loss.item())
+        grads.append({n: p.grad.detach().cpu().clone() for n, p in params.items()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads

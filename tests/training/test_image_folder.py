@@ -1,0 +1,170 @@
+import io
+import re
+import warnings
+
+import pytest
+from PIL import Image
+
+from tightrope.training.image_folder import (DatasetError, load_image, read_caption, read_image_size,
+                                             scan_folder)
+
+
+def _image(path, size=(16, 16), colour="red", caption="a red square", mode="RGB", **save):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, colour).save(path, **save)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+    return path
+
+
+def _says(error, *parts):
+    message = str(error.value)
+    for part in parts:
+        assert str(part) in message, f"{part!r} not in {message!r}"
+
+
+# -- scanning -----------------------------------------------------------------------------------------
+
+def test_scan_reads_captions_and_kohya_repeats(tmp_path):
+    _image(tmp_path / "root.png", caption="  root\nimage  ")
+    _image(tmp_path / "10_mychar" / "a.jpg", caption="a")
+    _image(tmp_path / "10_mychar" / "deeper" / "b.webp", caption="b")
+    _image(tmp_path / "plain" / "c.bmp", caption="c")
+    _image(tmp_path / "3_style" / "d.PNG", caption="\ufeffd")
+    _image(tmp_path / ".hidden" / "e.png")
+    (tmp_path / "notes.json").write_text("{}")
+    entries = {e.path.relative_to(tmp_path).as_posix(): (e.caption, e.repeats) for e in scan_folder(tmp_path)}
+    assert entries == {"root.png": ("root image", 1), "10_mychar/a.jpg": ("a", 10),
+                       "10_mychar/deeper/b.webp": ("b", 10), "plain/c.bmp": ("c", 1), "3_style/d.PNG": ("d", 3)}
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path / "nope")
+    _says(e, tmp_path / "nope", "does not exist", "pass the folder that holds your images")
+
+
+def test_folder_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path / "f")
+    _says(e, tmp_path / "f", "not a folder")
+
+
+def test_empty_folder_names_unsupported_formats(tmp_path):
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, tmp_path, "has no images", ".png", ".txt caption")
+    Image.new("RGB", (4, 4)).save(tmp_path / "anim.gif")
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, tmp_path / "anim.gif", "convert them to PNG or JPEG")
+
+
+def test_zero_repeat_folder(tmp_path):
+    _image(tmp_path / "0_x" / "a.png")
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, tmp_path / "0_x", "at least 1", "1_x")
+
+
+def test_missing_caption(tmp_path):
+    _image(tmp_path / "a.png", caption=None)
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, tmp_path / "a.png", "no caption file", "write its caption into", tmp_path / "a.txt")
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n\t "])
+def test_empty_caption_is_an_error(tmp_path, content):
+    _image(tmp_path / "a.png", caption=None)
+    (tmp_path / "a.txt").write_bytes(content)
+    with pytest.raises(DatasetError) as e:
+        read_caption(tmp_path / "a.png")
+    _says(e, tmp_path / "a.txt", "is empty", "write a caption", "caption_dropout")
+
+
+def test_caption_not_utf8(tmp_path):
+    _image(tmp_path / "a.png", caption=None)
+    (tmp_path / "a.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, tmp_path / "a.txt", "not valid UTF-8", "offset 3", "re-save it with UTF-8")
+
+
+def test_non_strict_skips_problems_with_a_warning_but_not_everything(tmp_path):
+    _image(tmp_path / "good.png")
+    _image(tmp_path / "nocap.png", caption=None)
+    with pytest.warns(UserWarning, match=re.escape(str(tmp_path / "nocap.png"))):
+        entries = scan_folder(tmp_path, strict=False)
+    assert [e.path.name for e in entries] == ["good.png"]
+    (tmp_path / "good.txt").unlink()
+    with pytest.warns(UserWarning), pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path, strict=False)
+    _says(e, tmp_path, "no usable images", "all 2 were skipped", "first problem", "good.png")
+
+
+# -- loading ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated"])
+def test_unreadable_image(tmp_path, content):
+    path = tmp_path / "bad.png"
+    if content == "truncated":
+        buffer = io.BytesIO()
+        Image.effect_noise((64, 64), 50).convert("RGB").save(buffer, "PNG")
+        content = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+    path.write_bytes(content)
+    with pytest.raises(DatasetError) as e:
+        load_image(path)
+    _says(e, path, "cannot read image", "re-export it", "strict=False")
+
+
+def test_decompression_bomb_guard_is_an_error_not_a_warning(tmp_path, monkeypatch):
+    path = _image(tmp_path / "big.png", size=(64, 64))
+    with pytest.raises(DatasetError) as e:
+        load_image(path, max_pixels=1000)
+    _says(e, path, "64x64", "decompression bombs", "max_image_pixels")
+    with pytest.raises(DatasetError):
+        read_image_size(path, max_pixels=1000)
+    # PIL's own thresholds: its warning is silenced, its error becomes ours.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 3000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_image(path).size == (64, 64)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DatasetError) as e:
+        load_image(path)
+    _says(e, path, "decompression bombs")
+
+
+def test_exif_orientation_is_honoured(tmp_path):
+    image = Image.new("RGB", (40, 20), (255, 0, 0))
+    image.paste(Image.new("RGB", (20, 20), (0, 0, 255)), (20, 0))  # left red, right blue
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    path = tmp_path / "rotated.jpg"
+    image.save(path, exif=exif, quality=95)
+    assert read_image_size(path) == (20, 40)
+    loaded = load_image(path)
+    assert loaded.size == (20, 40)
+    top, bottom = loaded.getpixel((10, 5)), loaded.getpixel((10, 35))
+    assert top[0] > 200 and top[2] < 60  # the left (red) half is now on top
+    assert bottom[2] > 200 and bottom[0] < 60
+
+
+def test_modes_convert_to_rgb(tmp_path):
+    # Transparent pixels composite onto white; 16-bit greyscale scales down instead of clipping.
+    _image(tmp_path / "rgba.png", mode="RGBA", colour=(255, 0, 0, 0))
+    _image(tmp_path / "la.png", mode="LA", colour=(0, 128))
+    _image(tmp_path / "i16.png", mode="I;16", colour=128 * 257)
+    palette = Image.new("P", (8, 8), 1)
+    palette.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
+    palette.save(tmp_path / "pal_transparent.png", transparency=1)
+    palette.save(tmp_path / "pal.png")
+    _image(tmp_path / "cmyk.jpg", mode="CMYK", colour=(0, 0, 0, 0), quality=100)
+    expected = {"rgba.png": (255, 255, 255), "la.png": (128, 128, 128), "i16.png": (128, 128, 128),
+                "pal_transparent.png": (255, 255, 255), "pal.png": (0, 255, 0), "cmyk.jpg": (255, 255, 255)}
+    for name, rgb in expected.items():
+        image = load_image(tmp_path / name)
+        assert image.mode == "RGB", name
+        assert all(abs(a - b) <= 2 for a, b in zip(image.getpixel((2, 2)), rgb)), (name, image.getpixel((2, 2)))

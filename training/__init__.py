@@ -1,0 +1,1 @@
+"""Training pipeline: dataset, LoRA, loss, step loop, save, model adapters."""

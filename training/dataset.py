@@ -1,0 +1,360 @@
+"""The training dataset: encoded once, cached on disk, served as deterministic single-bucket batches.
+
+Every image is encoded once into a latent and every distinct caption once into (context, pooled). With
+a cache_dir these go to disk as safetensors keyed by what determines them:
+    latent: sha256(file bytes) + image encoder cache_id + bucket resolution + preprocessing version
+    text:   caption + text encoder cache_id
+so a second run (or a resumed one) skips encoding, and an edited image or caption gets a new key. The
+dataset then keeps only paths and reads each tensor when a batch needs it, so a large T5 context per
+caption costs disk, not RAM. Without a cache_dir everything stays in memory.
+
+Batches: the epoch order is a pure function of (seed, epoch) and every epoch has the same number of
+steps, so a run resumed at step S regenerates exactly the batches it would have seen.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .buckets import choose_bucket, fit_to_bucket
+from .encoders import ImageEncoder, TextEncoder
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, load_image, no_usable_images, read_image_size,
+                           scan_folder, skip_or_raise)
+
+# Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
+PREPROCESS_VERSION = "fit-lanczos-center-v1"
+_TEXT_BATCH = 32  # captions per text-encoder call
+
+
+@dataclass
+class _Sample:
+    """One distinct image. `latent` is the tensor, or the cache file that holds it."""
+    latent: Tensor | Path
+    shape: tuple[int, ...]
+    caption: str
+    text: int  # index into the dataset's text store
+
+
+def _sha256(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8") if isinstance(part, str) else part)
+        h.update(b"\0")  # separator, so ("ab", "c") and ("a", "bc") differ
+    return h.hexdigest()
+
+
+def _derive_seed(*parts) -> int:
+    """A 63-bit seed from (seed, purpose, epoch): independent streams that a resumed run can rebuild."""
+    return int(_sha256(*(str(p) for p in parts))[:16], 16) >> 1
+
+
+def _atomic_save(tensors: dict[str, Tensor], path: Path) -> None:
+    """Write to a temp file beside the target, then rename: readers never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
+    """Shapes of the named tensors in a cache file, read from its header; None if missing or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    except Exception:  # a damaged cache entry is re-encoded, not fatal
+        return None
+
+
+def _load(x: Tensor | Path, name: str) -> Tensor:
+    return x if isinstance(x, Tensor) else load_file(str(x))[name]
+
+
+def _cpu(x: Tensor) -> Tensor:
+    return x.detach().to("cpu").contiguous()
+
+
+def image_to_tensor(image) -> Tensor:
+    """8-bit RGB PIL image -> (3, H, W) float32 in [-1, 1]."""
+    w, h = image.size
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
+    return pixels.permute(2, 0, 1).float().div(127.5).sub(1.0)
+
+
+class TrainingDataset:
+    """Encoded images + caption embeddings, batched by bucket.
+
+    Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits.
+    """
+
+    def __init__(self, folder: str | Path, image_encoder: ImageEncoder, text_encoder: TextEncoder, *,
+                 max_pixels: int = 512 * 512, multiple: int | None = None, use_repeats: bool = True,
+                 caption_dropout: float = 0.0, cache_dir: str | Path | None = None, strict: bool = True,
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+        """multiple: bucket sides are multiples of this; default downscale * 2 (a patch-2 transformer
+        like Flux). use_repeats=False ignores kohya N_name repeat counts."""
+        downscale = int(image_encoder.downscale)
+        multiple = downscale * 2 if multiple is None else multiple
+        if multiple < 1 or multiple % downscale:
+            raise ValueError(f"multiple={multiple} must be a positive multiple of the image encoder's downscale "
+                             f"({downscale}), or every latent side would not be a whole number")
+        self._init_common(caption_dropout)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.encoded_images = self.image_cache_hits = 0
+        self.encoded_captions = self.caption_cache_hits = 0
+
+        entries = scan_folder(folder, strict=strict)
+        captions = sorted({e.caption for e in entries} | {""})
+        text_index = self._encode_captions(captions, text_encoder)
+        self._empty_text = text_index[""]
+
+        samples, repeats, problems = [], [], []
+        for entry in entries:
+            try:
+                latent, shape = self._encode_image(entry.path, image_encoder, max_pixels, multiple, max_image_pixels)
+            except DatasetError as e:
+                skip_or_raise(e, strict)
+                problems.append(e)
+                continue
+            samples.append(_Sample(latent, shape, entry.caption, text_index[entry.caption]))
+            repeats.append(entry.repeats if use_repeats else 1)
+        if not samples:
+            raise no_usable_images(Path(folder), len(entries), problems)
+        self._finish(samples, repeats)
+
+    @classmethod
+    def from_tensors(cls, latents: list[Tensor], contexts: list[Tensor], pooled: list[Tensor], *,
+                     captions: list[str] | None = None, empty_context: Tensor | None = None,
+                     empty_pooled: Tensor | None = None, caption_dropout: float = 0.0,
+                     repeats: list[int] | None = None) -> TrainingDataset:
+        """From already-encoded tensors (ComfyUI's LATENT and CONDITIONING lists): latents (C, h, w),
+        contexts (T, D), pooled (P), each optionally with a leading batch dim of 1. Caption dropout
+        needs the empty caption's encoding as empty_context / empty_pooled."""
+        n = len(latents)
+        if n == 0:
+            raise DatasetError("from_tensors got no latents: pass at least one encoded image")
+        captions = [""] * n if captions is None else list(captions)
+        repeats = [1] * n if repeats is None else list(repeats)
+        for name, values in (("contexts", contexts), ("pooled", pooled), ("captions", captions), ("repeats", repeats)):
+            if len(values) != n:
+                raise DatasetError(f"from_tensors got {n} latents but {len(values)} {name}: pass one per latent")
+        if any(r < 1 for r in repeats):
+            raise DatasetError(f"from_tensors got repeats {repeats}: every repeat count must be at least 1")
+        if caption_dropout > 0 and (empty_context is None or empty_pooled is None):
+            raise DatasetError(f"caption_dropout={caption_dropout} needs the empty caption's encoding: pass "
+                               f"empty_context and empty_pooled (encode the caption \"\"), or set caption_dropout=0")
+
+        def unbatch(x: Tensor, ndim: int, what: str) -> Tensor:
+            if x.ndim == ndim + 1 and x.shape[0] == 1:
+                x = x[0]
+            if x.ndim != ndim:
+                raise DatasetError(f"from_tensors: a {what} has shape {tuple(x.shape)}, expected {ndim} dims "
+                                   f"(or {ndim + 1} with a leading batch of 1): pass one item per list entry")
+            return _cpu(x)
+
+        self = cls.__new__(cls)
+        self._init_common(caption_dropout)
+        self.cache_dir = None
+        self.encoded_images = self.image_cache_hits = self.encoded_captions = self.caption_cache_hits = 0
+        self._texts = [(unbatch(c, 2, "context"), unbatch(p, 1, "pooled")) for c, p in zip(contexts, pooled)]
+        if empty_context is not None and empty_pooled is not None:
+            self._texts.append((unbatch(empty_context, 2, "context"), unbatch(empty_pooled, 1, "pooled")))
+            self._empty_text = len(self._texts) - 1
+        else:
+            self._empty_text = None
+        self._text_shapes = [(c.shape, p.shape) for c, p in self._texts]
+        samples = []
+        for i, (latent, caption) in enumerate(zip(latents, captions)):
+            latent = unbatch(latent, 3, "latent")
+            samples.append(_Sample(latent, tuple(latent.shape), caption, i))
+        self._finish(samples, repeats)
+        return self
+
+    # -- construction helpers ------------------------------------------------------------------------
+
+    def _init_common(self, caption_dropout: float) -> None:
+        if not 0.0 <= caption_dropout <= 1.0:
+            raise ValueError(f"caption_dropout must be between 0 and 1, got {caption_dropout}")
+        self.caption_dropout = float(caption_dropout)
+        self._texts: list[tuple[Tensor, Tensor] | Path] = []
+        self._text_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def _encode_captions(self, captions: list[str], encoder: TextEncoder) -> dict[str, int]:
+        """Fill the text store, from the cache where possible; returns caption -> store index."""
+        index, missing = {}, []
+        for caption in captions:
+            path = self._cache_path("text", _sha256(caption, encoder.cache_id))
+            shapes = _cached_shapes(path, ("context", "pooled")) if path else None
+            index[caption] = len(self._texts)
+            if shapes:
+                self.caption_cache_hits += 1
+                self._texts.append(path)
+                self._text_shapes.append((shapes["context"], shapes["pooled"]))
+            else:
+                self._texts.append(None)  # filled below
+                self._text_shapes.append(None)
+                missing.append(caption)
+        with torch.no_grad():
+            for start in range(0, len(missing), _TEXT_BATCH):
+                chunk = missing[start:start + _TEXT_BATCH]
+                context, pooled = encoder.encode(chunk)
+                for caption, c, p in zip(chunk, _cpu(context), _cpu(pooled)):
+                    i, c, p = index[caption], c.clone(), p.clone()
+                    path = self._cache_path("text", _sha256(caption, encoder.cache_id))
+                    if path:
+                        _atomic_save({"context": c, "pooled": p}, path)
+                    self._texts[i] = path or (c, p)
+                    self._text_shapes[i] = (tuple(c.shape), tuple(p.shape))
+                    self.encoded_captions += 1
+        return index
+
+    def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int,
+                      max_image_pixels: int) -> tuple[Tensor | Path, tuple[int, ...]]:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
+        bucket = choose_bucket(*read_image_size(path, data=data, max_pixels=max_image_pixels), max_pixels, multiple)
+        key = _sha256(hashlib.sha256(data).hexdigest(), encoder.cache_id, f"{bucket[0]}x{bucket[1]}",
+                      PREPROCESS_VERSION)
+        cache_path = self._cache_path("latents", key)
+        shapes = _cached_shapes(cache_path, ("latent",)) if cache_path else None
+        if shapes:
+            self.image_cache_hits += 1
+            return cache_path, shapes["latent"]
+
+        image = fit_to_bucket(load_image(path, data=data, max_pixels=max_image_pixels), bucket)
+        with torch.no_grad():
+            latent = _cpu(encoder.encode(image_to_tensor(image)[None])[0]).clone()
+        self.encoded_images += 1
+        if cache_path:
+            _atomic_save({"latent": latent}, cache_path)
+            return cache_path, tuple(latent.shape)
+        return latent, tuple(latent.shape)
+
+    def _cache_path(self, kind: str, key: str) -> Path | None:
+        # Two-character fan-out keeps directories small for big datasets.
+        return self.cache_dir / kind / key[:2] / f"{key}.safetensors" if self.cache_dir else None
+
+    def _finish(self, samples: list[_Sample], repeats: list[int]) -> None:
+        context_shapes = set(self._text_shapes)
+        if len(context_shapes) > 1:
+            raise DatasetError(f"caption embeddings differ in shape ({sorted(context_shapes)}): the text encoder must "
+                               f"pad every caption to the same length so they can be batched")
+        self._samples = samples
+        # An item is one appearance of a sample in an epoch; repeats make several.
+        self._items = [i for i, r in enumerate(repeats) for _ in range(r)]
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for item, sample in enumerate(self._items):
+            buckets.setdefault(self._samples[sample].shape, []).append(item)
+        self._buckets = dict(sorted(buckets.items()))
+
+    # -- access --------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Items per epoch, after repeats."""
+        return len(self._items)
+
+    @property
+    def num_images(self) -> int:
+        return len(self._samples)
+
+    @property
+    def bucket_counts(self) -> dict[tuple[int, ...], int]:
+        """Latent shape -> items (after repeats) in that bucket."""
+        return {shape: len(items) for shape, items in self._buckets.items()}
+
+    def latent(self, index: int) -> Tensor:
+        """The latent of distinct image `index` (0 <= index < num_images)."""
+        return _load(self._samples[index].latent, "latent")
+
+    def caption(self, index: int) -> str:
+        return self._samples[index].caption
+
+    def text(self, index: int) -> tuple[Tensor, Tensor]:
+        """(context, pooled) of distinct image `index`'s caption."""
+        return self._text(self._samples[index].text)
+
+    def empty_text(self) -> tuple[Tensor, Tensor]:
+        if self._empty_text is None:
+            raise DatasetError("this dataset has no empty-caption encoding: build it with empty_context/empty_pooled")
+        return self._text(self._empty_text)
+
+    def _text(self, i: int) -> tuple[Tensor, Tensor]:
+        entry = self._texts[i]
+        if isinstance(entry, Path):
+            tensors = load_file(str(entry))
+            return tensors["context"], tensors["pooled"]
+        return entry
+
+    # -- batching ------------------------------------------------------------------------------------
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Batches per epoch: each bucket gives ceil(items / batch_size), its last batch possibly smaller."""
+        self._check_batch_size(batch_size)
+        return sum(math.ceil(len(items) / batch_size) for items in self._buckets.values())
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if batch_size > len(self):
+            raise DatasetError(f"batch_size={batch_size} is larger than the dataset ({len(self)} items after repeats): "
+                               f"lower batch_size to at most {len(self)}, or add images or repeats")
+
+    def epoch_plan(self, batch_size: int, seed: int, epoch: int) -> list[list[tuple[int, bool]]]:
+        """The epoch's batches as lists of (item, caption dropped); a pure function of its arguments."""
+        self._check_batch_size(batch_size)
+        g = torch.Generator().manual_seed(_derive_seed(seed, "order", epoch))
+        batches = []
+        for items in self._buckets.values():  # sorted by shape, so the draw order is fixed
+            shuffled = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+            batches += [shuffled[i:i + batch_size] for i in range(0, len(shuffled), batch_size)]
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+        # Dropout draws use their own stream, so changing the rate never changes the order.
+        g = torch.Generator().manual_seed(_derive_seed(seed, "caption_dropout", epoch))
+        draws = iter(torch.rand(len(self), generator=g, dtype=torch.float64).tolist())
+        return [[(item, next(draws) < self.caption_dropout) for item in batch] for batch in batches]
+
+    def batches(self, batch_size: int, seed: int, start_step: int = 0) -> Iterator[dict]:
+        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}; one bucket
+        per batch. start_step resumes: step S is the same batch a run from step 0 would see at S."""
+        if self.caption_dropout > 0 and self._empty_text is None:
+            raise DatasetError("caption dropout needs the empty caption's encoding: build the dataset with "
+                               "empty_context/empty_pooled, or set caption_dropout=0")
+        steps = self.steps_per_epoch(batch_size)
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        epoch, offset = divmod(start_step, steps)
+        while True:
+            for batch in self.epoch_plan(batch_size, seed, epoch)[offset:]:
+                yield self._collate(batch)
+            epoch, offset = epoch + 1, 0
+
+    def _collate(self, batch: list[tuple[int, bool]]) -> dict:
+        latents, contexts, pooled, captions = [], [], [], []
+        for item, dropped in batch:
+            sample = self._samples[self._items[item]]
+            context, vec = self._text(self._empty_text if dropped else sample.text)
+            latents.append(_load(sample.latent, "latent"))
+            contexts.append(context)
+            pooled.append(vec)
+            captions.append("" if dropped else sample.caption)
+        return {"latents": torch.stack(latents), "context": torch.stack(contexts),
+                "pooled": torch.stack(pooled), "captions": captions}

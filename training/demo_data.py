@@ -1,0 +1,58 @@
+"""A tiny captioned dataset drawn on the fly, so the demo and the tests need no downloads.
+
+Each image is one shape (circle, square or triangle) in one colour on a contrasting background, at a
+varied position and size; its caption says which ("a red circle on a blue background").
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLOURS = {
+    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210), "yellow": (240, 210, 40),
+    "white": (245, 245, 245), "black": (15, 15, 15), "purple": (140, 50, 170), "orange": (245, 140, 30),
+}
+SHAPES = ("circle", "square", "triangle")
+
+
+def _luma(rgb: tuple[int, int, int]) -> float:
+    r, g, b = rgb
+    return 0.299 * r + 0.587 * g + 0.114 * b
+
+
+def _a(word: str) -> str:
+    return f"an {word}" if word[0] in "aeiou" else f"a {word}"
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+
+
+def make_demo_dataset(folder: str | Path, n_images: int = 16, size: int = 64, seed: int = 0) -> Path:
+    """Write NNN.png + NNN.txt pairs into `folder` (created if needed); same seed -> same bytes."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    names = sorted(COLOURS)
+    for i in range(n_images):
+        shape = SHAPES[rng.randrange(len(SHAPES))]
+        colour = names[rng.randrange(len(names))]
+        # Contrasting: a background whose brightness differs enough that the shape stays visible.
+        backgrounds = [n for n in names if abs(_luma(COLOURS[n]) - _luma(COLOURS[colour])) > 60]
+        background = backgrounds[rng.randrange(len(backgrounds))]
+        side = rng.randint(size * 3 // 10, size * 7 // 10)
+        x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
+
+        image = Image.new("RGB", (size, size), COLOURS[background])
+        _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + side - 1, y0 + side - 1), COLOURS[colour])
+        image.save(folder / f"{i:03d}.png", format="PNG")
+        (folder / f"{i:03d}.txt").write_text(f"{_a(colour)} {shape} on {_a(background)} background\n", encoding="utf-8")
+    return folder

@@ -1,0 +1,198 @@
+"""Reading a training folder: images, their same-name .txt captions, and kohya-style repeat folders.
+
+Layout: images sit in the folder itself or in subfolders; a subfolder named `N_name` (kohya's form,
+e.g. `10_mychar/`) repeats each image under it N times per epoch; anything else counts once. Hidden
+files and folders (".name") are ignored.
+
+Every problem raises DatasetError naming the file and saying how to fix it. With strict=False a
+problem with one image or its caption skips that image with a warning instead; a dataset left with no
+usable image still raises.
+
+Captions: read as UTF-8 (a BOM is dropped), surrounding whitespace stripped and inner runs of
+whitespace/newlines joined into single spaces. A missing or empty (blank) caption file is an error,
+not a silent empty caption: it is almost always a forgotten caption, and training on purpose without
+captions is what caption dropout is for.
+"""
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageOps
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# Formats people often drop in by mistake; named in the "no images" error so the fix is obvious.
+_UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".psd")
+# 100 megapixels: far above any training image, far below what would exhaust memory while decoding.
+DEFAULT_MAX_IMAGE_PIXELS = 100_000_000
+_REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
+_EXIF_ORIENTATION = 0x0112
+
+
+class DatasetError(ValueError):
+    """A problem with the training data; the message names the input and says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ImageEntry:
+    path: Path
+    caption: str
+    repeats: int
+
+
+def skip_or_raise(error: DatasetError, strict: bool) -> None:
+    """The strict/non-strict policy in one place: raise, or warn and let the caller skip the image."""
+    if strict:
+        raise error
+    warnings.warn(f"skipping an image (strict=False): {error}", stacklevel=3)
+
+
+def _repeats_for(folder: Path, root: Path) -> int:
+    """Repeats come from the top-level subfolder under root; the root itself and plain folders -> 1."""
+    if folder == root:
+        return 1
+    top = folder.relative_to(root).parts[0]
+    match = _REPEAT_FOLDER.match(top)
+    if not match:
+        return 1
+    repeats = int(match.group(1))
+    if repeats < 1:
+        raise DatasetError(f"folder '{root / top}' asks for {repeats} repeats: rename it with a count of at least 1, "
+                           f"e.g. '1_{match.group(2)}'")
+    return repeats
+
+
+def read_caption(image_path: Path) -> str:
+    caption_path = image_path.with_suffix(".txt")
+    if not caption_path.is_file():
+        raise DatasetError(f"image '{image_path}' has no caption file: write its caption into '{caption_path}'")
+    try:
+        text = caption_path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"caption file '{caption_path}' is not valid UTF-8 (bad byte at offset {e.start}): "
+                           f"re-save it with UTF-8 encoding") from None
+    except OSError as e:
+        raise DatasetError(f"cannot read caption file '{caption_path}' ({e.strerror or e}): "
+                           f"check that it exists and is readable") from None
+    caption = " ".join(text.split())
+    if not caption:
+        raise DatasetError(f"caption file '{caption_path}' is empty: write a caption into it (to train partly "
+                           f"without captions, caption every image and set caption_dropout instead)")
+    return caption
+
+
+def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
+    """Supported images and would-be images in unsupported formats, both sorted, hidden names skipped."""
+    images, unsupported = [], []
+    for path in sorted(root.rglob("*")):
+        if any(part.startswith(".") for part in path.relative_to(root).parts) or not path.is_file():
+            continue
+        suffix = path.suffix.lower()
+        if suffix in IMAGE_EXTENSIONS:
+            images.append(path)
+        elif suffix in _UNSUPPORTED_IMAGE_EXTENSIONS:
+            unsupported.append(path)
+    return images, unsupported
+
+
+def scan_folder(folder: str | Path, *, strict: bool = True) -> list[ImageEntry]:
+    """Find every image with its caption and repeat count (images are not decoded here)."""
+    root = Path(folder).expanduser()
+    fix = "pass the folder that holds your images and their .txt captions"
+    if not root.exists():
+        raise DatasetError(f"dataset folder '{root}' does not exist: {fix}")
+    if not root.is_dir():
+        raise DatasetError(f"dataset folder '{root}' is a file, not a folder: {fix}")
+
+    images, unsupported = _list_images(root)
+    if not images:
+        found = (f" (found {len(unsupported)} file(s) in unsupported formats, e.g. '{unsupported[0]}': "
+                 f"convert them to PNG or JPEG)") if unsupported else ""
+        raise DatasetError(f"dataset folder '{root}' has no images{found}: put {', '.join(IMAGE_EXTENSIONS)} images, "
+                           f"each with a same-name .txt caption, in it or in N_name subfolders")
+
+    entries, problems = [], []
+    for path in images:
+        try:
+            entries.append(ImageEntry(path, read_caption(path), _repeats_for(path.parent, root)))
+        except DatasetError as e:
+            skip_or_raise(e, strict)
+            problems.append(e)
+    if not entries:
+        raise no_usable_images(root, len(images), problems)
+    return entries
+
+
+def no_usable_images(root: Path, n_images: int, problems: list[DatasetError]) -> DatasetError:
+    return DatasetError(f"dataset folder '{root}' has no usable images: all {n_images} were skipped; first problem: "
+                        f"{problems[0]}")
+
+
+def _open(path: Path, data: bytes | None, max_pixels: int) -> Image.Image:
+    """Open lazily (header only) with our own decompression-bomb guard in place of PIL's warning."""
+    def too_big(pixels: str) -> DatasetError:
+        return DatasetError(f"image '{path}' has {pixels} pixels, over the limit of {max_pixels} that guards "
+                            f"against decompression bombs: downscale it, or raise max_image_pixels if you trust it")
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data) if data is not None else path)
+    except Image.DecompressionBombError:
+        raise too_big("too many") from None
+    except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
+        raise _unreadable(path, e) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise too_big(f"{width}x{height} = {width * height}")
+    return image
+
+
+def _unreadable(path: Path, error: Exception) -> DatasetError:
+    return DatasetError(f"cannot read image '{path}' ({error}): re-export it as PNG or JPEG, or delete it "
+                        f"(strict=False skips such images)")
+
+
+def read_image_size(path: Path, *, data: bytes | None = None,
+                    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) as the image will be trained, i.e. after EXIF rotation, from the header alone."""
+    with _open(path, data, max_pixels) as image:
+        width, height = image.size
+        try:
+            orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+        except Exception:  # a broken EXIF block: load_image will ignore it too
+            orientation = 1
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB; transparency is composited onto white."""
+    mode = image.mode
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        # 16-bit greyscale: scale 0..65535 to 0..255 (Pillow's own conversion clips instead).
+        return image.convert("I").point(lambda v: v / 257).convert("L").convert("RGB")
+    if mode == "F":
+        return image.point(lambda v: v * 255).convert("L").convert("RGB")  # assumes 0..1 floats
+    has_alpha = mode in ("RGBA", "RGBa", "LA", "La", "PA") or (mode == "P" and "transparency" in image.info)
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image if mode == "RGB" else image.convert("RGB")  # covers L, 1, P, CMYK, YCbCr, LAB, HSV
+
+
+def load_image(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode fully, apply EXIF orientation, and convert to RGB. `data` (the file's bytes) avoids a re-read."""
+    image = _open(path, data, max_pixels)
+    try:
+        image.load()  # decodes now, so a truncated or corrupt file fails here, not mid-training
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception:  # a broken EXIF block is not worth losing the image over
+            pass
+        return to_rgb(image)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise _unreadable(path, e) from None
