@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
+from .atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, load_image, no_usable_images, read_image_size,
@@ -56,19 +55,6 @@ def _sha256(*parts: str | bytes) -> str:
 def _derive_seed(*parts) -> int:
     """A 63-bit seed from (seed, purpose, epoch): independent streams that a resumed run can rebuild."""
     return int(_sha256(*(str(p) for p in parts))[:16], 16) >> 1
-
-
-def _atomic_save(tensors: dict[str, Tensor], path: Path) -> None:
-    """Write to a temp file beside the target, then rename: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
@@ -218,7 +204,7 @@ class TrainingDataset:
                     i, c, p = index[caption], c.clone(), p.clone()
                     path = self._cache_path("text", _sha256(caption, encoder.cache_id))
                     if path:
-                        _atomic_save({"context": c, "pooled": p}, path)
+                        atomic_save_file({"context": c, "pooled": p}, path)
                     self._texts[i] = path or (c, p)
                     self._text_shapes[i] = (tuple(c.shape), tuple(p.shape))
                     self.encoded_captions += 1
@@ -244,7 +230,7 @@ class TrainingDataset:
             latent = _cpu(encoder.encode(image_to_tensor(image)[None])[0]).clone()
         self.encoded_images += 1
         if cache_path:
-            _atomic_save({"latent": latent}, cache_path)
+            atomic_save_file({"latent": latent}, cache_path)
             return cache_path, tuple(latent.shape)
         return latent, tuple(latent.shape)
 

@@ -1,0 +1,6 @@
+"""`python -m tightrope ...` is the `tightrope` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""Measure one benchmark configuration: a few real LoRA training steps (AdamW) under the MemoryRuntime."""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..memory.runtime import MemoryRuntime
+from .grid import BenchConfig
+from .models import BenchModel
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | str, *, steps: int = 5,
+               warmup: int = 2) -> dict[str, Any]:
+    """Median figures over `steps` measured steps after `warmup` steps. The first step's excess over a steady step
+    is reported as compile (and other one-off) time. A CUDA out-of-memory is a result, not a crash."""
+    device = torch.device(device)
+    model = bench.model
+    record: dict[str, Any] = {"name": config.name, "label": config.label, "batch": config.batch,
+                              "resolution": config.resolution, "strategy": config.strategy.to_dict()}
+    inputs, target = bench.make_inputs(config.batch, config.resolution, device=device)
+    steps_data: list[dict[str, float]] = []
+    try:
+        with MemoryRuntime(model, config.strategy, device) as rt:
+            record["offloaded_blocks"] = len(rt.offloaded)
+            record["weights_on_device_bytes"] = rt.device_weight_bytes()
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-5)
+            for _ in range(warmup + steps):
+                steps_data.append(_one_step(model, rt, opt, inputs, target, device))
+            del opt
+    except torch.cuda.OutOfMemoryError as exc:
+        record.update(oom=True, error=str(exc).splitlines()[0])
+        return record
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    steady = steps_data[warmup:] or steps_data[-1:]
+
+    def med(key: str) -> float:
+        return statistics.median(d[key] for d in steady)
+
+    step_s = med("step_s")
+    record.update(
+        oom=False, steps=len(steady), step_s=step_s, fwd_s=med("fwd_s"), bwd_s=med("bwd_s"), opt_s=med("opt_s"),
+        images_per_s=config.batch / step_s if step_s > 0 else None,
+        peak_allocated_bytes=max(d["peak_allocated"] for d in steady),
+        peak_reserved_bytes=max(d["peak_reserved"] for d in steady),
+        h2d_bytes=med("h2d_bytes"), h2d_fwd_bytes=med("h2d_fwd_bytes"), d2h_bytes=med("d2h_bytes"),
+        transfer_wait_s=med("wait_s"),
+        compile_s=max(0.0, steps_data[0]["step_s"] - step_s),
+        graphs_first_step=int(steps_data[0]["recompiles"]),
+        recompiles=int(sum(d["recompiles"] for d in steps_data[1:])),
+        loss=steady[-1]["loss"])
+    return record
+
+
+def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:
+    rt.start_step()  # synchronises and resets CUDA peak stats
+    h2d_before = rt.counters()["h2d_bytes"]
+    t0 = time.perf_counter()
+    with rt.autocast():
+        out = model(**inputs)
+    loss = F.mse_loss(out.float(), target)
+    _sync(device)  # splits forward from backward time (one extra sync per step)
+    t1 = time.perf_counter()
+    h2d_fwd = rt.counters()["h2d_bytes"] - h2d_before
+    loss.backward()
+    stats = rt.end_step()
+    t2 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _sync(device)
+    t3 = time.perf_counter()
+    return {"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "opt_s": t3 - t2,
+            "peak_allocated": stats.peak_allocated_bytes, "peak_reserved": stats.peak_reserved_bytes,
+            "h2d_bytes": stats.h2d_bytes, "h2d_fwd_bytes": h2d_fwd, "d2h_bytes": stats.d2h_bytes,
+            "wait_s": stats.transfer_wait_s, "recompiles": stats.recompiles, "loss": float(loss.detach())}
+
+
+def add_bounds(records: list[dict[str, Any]], h2d_bytes_per_s: float) -> None:
+    """Physical bound of every run: max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer, with C from the offload-0
+    twin's measured forward/backward (same batch, resolution, checkpointing, compile), X = bytes streamed in that
+    pass / measured H2D bandwidth. Activation offload copies are not in X (they use their own stream)."""
+    twins = {_twin_key(r): r for r in records if not r.get("oom") and r["strategy"]["offload_fraction"] == 0}
+    for r in records:
+        ref = twins.get(_twin_key(r))
+        if r.get("oom") or ref is None:
+            r["bound_s"] = r["bound_ratio"] = None
+            continue
+        x_fwd = r["h2d_fwd_bytes"] / h2d_bytes_per_s
+        x_bwd = (r["h2d_bytes"] - r["h2d_fwd_bytes"]) / h2d_bytes_per_s
+        bound = max(ref["fwd_s"], x_fwd) + max(ref["bwd_s"], x_bwd) + ref["opt_s"]
+        r["bound_s"] = bound
+        r["bound_ratio"] = r["step_s"] / bound if bound > 0 else None
+
+
+def _twin_key(r: dict[str, Any]) -> tuple:
+    s = dict(r["strategy"])
+    for k in ("offload_fraction", "offload_blocks", "prefetch_depth", "offload_policy"):
+        s.pop(k, None)
+    return r["batch"], r["resolution"], tuple(sorted((k, str(v)) for k, v in s.items()))

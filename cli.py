@@ -1,0 +1,118 @@
+"""`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
+
+    tightrope run WORKFLOW.json [--output-dir DIR] [--resume]
+    tightrope bench ...
+
+Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C.
+No module-level state: every call of main() stands alone (torchrun will start one per rank).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench CLI, --help included
+        return run_bench(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse already printed
+        return exit_request.code if isinstance(exit_request.code, int) else EXIT_WORKFLOW_ERROR
+    if args.command != "run":
+        parser.print_help(sys.stderr)
+        return EXIT_WORKFLOW_ERROR
+    return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tightrope", description="Train LoRAs on large diffusion transformers on "
+                                     "small GPUs: run Tightrope workflows without ComfyUI.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser("run", help="run a workflow saved from ComfyUI (UI or API format)",
+                              description="Run a workflow saved from ComfyUI (Workflow > Save, or Export (API)) "
+                                          "using Tightrope's nodes, without ComfyUI.")
+    run.add_argument("workflow", metavar="WORKFLOW.json", help="the workflow file")
+    run.add_argument("--output-dir", default="output", metavar="DIR",
+                     help="where nodes write LoRAs, samples and logs (default: ./output)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run from its last saved state in the output dir")
+    commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
+    return parser
+
+
+def run_command(workflow_path: str, *, output_dir: str, resume: bool) -> int:
+    from .headless.executor import NodeExecutionError
+    from .headless.graph import WorkflowError
+    try:
+        return _run(workflow_path, os.path.abspath(output_dir), resume)
+    except WorkflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_WORKFLOW_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C); if the workflow saves checkpoints, run again with --resume to continue",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except NodeExecutionError as exc:
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # a bug, not a workflow problem: the traceback is what helps
+        traceback.print_exc(file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _run(workflow_path: str, output_dir: str, resume: bool) -> int:
+    from .headless.executor import run_workflow
+    from .headless.graph import WorkflowError
+    from .headless.run_summary import summary_lines
+    from .headless.workflow_format import UI_FORMAT, load_workflow, read_workflow_json, workflow_format
+
+    data = read_workflow_json(workflow_path)
+    node_mappings = load_node_mappings()
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as exc:
+        raise WorkflowError(f"cannot create output dir {output_dir!r} ({exc.strerror}): pass --output-dir "
+                            f"a folder you can write to") from None
+    configure_host(output_dir, resume)
+    graph = load_workflow(data, node_mappings)
+    extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
+    started = time.monotonic()
+    results = run_workflow(graph, node_mappings, on_node=_print_progress, extra_pnginfo=extra_pnginfo)
+    for line in summary_lines(results, graph, node_mappings, output_dir):
+        print(line)
+    print(f"ran {len(results)} node(s) in {time.monotonic() - started:.1f} s; output dir: {output_dir}")
+    return EXIT_OK
+
+
+def load_node_mappings() -> dict:
+    """The pack's nodes plus ComfyUI's trivial Primitive* nodes. Imported lazily: `--help` stays instant."""
+    from . import NODE_CLASS_MAPPINGS
+    from .headless.core_primitives import with_core_primitives
+    return with_core_primitives(NODE_CLASS_MAPPINGS)
+
+
+def configure_host(output_dir: str, resume: bool) -> None:
+    """Tell the nodes they run headless: where to write, and whether to resume."""
+    from .nodes import host
+    host.set_headless_output_dir(output_dir)
+    host.set_resume(resume)  # always set: a second in-process main() must not inherit the first one's --resume
+
+
+def run_bench(argv: list[str]) -> int:
+    from .bench.cli import main as bench_main
+    code = bench_main(argv)
+    return code if isinstance(code, int) else EXIT_OK
+
+
+def _print_progress(node_id: str, class_type: str, position: int, total: int) -> None:
+    print(f"[{position}/{total}] node {node_id} '{class_type}'", file=sys.stderr, flush=True)

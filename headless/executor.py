@@ -1,0 +1,117 @@
+"""Running a graph through the node classes, the way ComfyUI's executor calls them.
+
+Each node class is instantiated and its FUNCTION called with its literal and linked inputs (plus any
+hidden inputs it declares); it returns a tuple of outputs or {"ui": ..., "result": tuple}. The whole
+graph is validated first, so a typo fails before an hour of training.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from typing import Callable
+
+from .api_format import to_api_prompt
+from .execution_order import execution_order
+from .graph import Graph, Link, NodeSpec, describe_node
+from .input_spec import hidden_inputs
+from .validation import validate_graph
+
+# on_node(node_id, class_type, position, total) is called just before each node runs (position from 1).
+OnNode = Callable[[str, str, int, int], None]
+
+
+class NodeOutputs(tuple):
+    """A node's outputs (index them like the tuple FUNCTION returned), plus the `ui` dict it returned."""
+
+    def __new__(cls, values=(), ui: dict | None = None):
+        outputs = super().__new__(cls, values)
+        outputs.ui = ui or {}
+        return outputs
+
+
+class NodeExecutionError(RuntimeError):
+    """A node failed while running; the original exception is `__cause__`."""
+
+    def __init__(self, node_id: str, class_type: str, message: str):
+        self.node_id, self.class_type = node_id, class_type
+        super().__init__(f"{describe_node(node_id, class_type)} {message}")
+
+
+def run_workflow(graph: Graph, node_mappings: dict, *, on_node: OnNode | None = None,
+                 extra_pnginfo: dict | None = None, inference_mode: bool = True) -> dict[str, NodeOutputs]:
+    """Validate `graph`, then run the nodes that lead to an output node; returns {node_id: NodeOutputs}.
+
+    `extra_pnginfo` is what nodes declaring the hidden EXTRA_PNGINFO input receive (ComfyUI passes
+    {"workflow": <UI-format workflow>}). `inference_mode` runs the nodes under torch.inference_mode() as
+    ComfyUI does, so a node that trains here also trains there (it must open inference_mode(False) itself).
+    Raises WorkflowError before running anything if the graph is wrong.
+    """
+    graph = validate_graph(graph, node_mappings)
+    order = execution_order(graph, node_mappings)
+    context = {"PROMPT": to_api_prompt(graph), "EXTRA_PNGINFO": extra_pnginfo}
+    results: dict[str, NodeOutputs] = {}
+    with _comfyui_grad_mode() if inference_mode else contextlib.nullcontext():
+        for position, node_id in enumerate(order, start=1):
+            node = graph[node_id]
+            if on_node is not None:
+                on_node(node_id, node.class_type, position, len(order))
+            results[node_id] = _run_node(node_id, node, node_mappings[node.class_type], results, context)
+    return results
+
+
+def _run_node(node_id: str, node: NodeSpec, node_class, results: dict, context: dict) -> NodeOutputs:
+    arguments = {name: _input_value(node_id, node, name, value, results) for name, value in node.inputs.items()}
+    for name, kind in hidden_inputs(node_class).items():
+        arguments[name] = node_id if kind == "UNIQUE_ID" else context.get(kind)
+    function_name = getattr(node_class, "FUNCTION", None)
+    if not function_name or not callable(getattr(node_class, function_name, None)):
+        raise NodeExecutionError(node_id, node.class_type,
+                                 f"has no callable FUNCTION ({function_name!r}): a bug in the node class")
+    try:
+        returned = getattr(node_class(), function_name)(**arguments)
+        if inspect.isawaitable(returned):
+            returned = asyncio.run(_awaited(returned))
+    except Exception as exc:
+        raise NodeExecutionError(node_id, node.class_type, f"failed: {type(exc).__name__}: {exc}") from exc
+    return _as_outputs(node_id, node.class_type, returned)
+
+
+def _input_value(node_id: str, node: NodeSpec, name: str, value, results: dict):
+    if not isinstance(value, Link):
+        return value
+    produced = results[value.from_id]
+    if value.output_index >= len(produced):
+        raise NodeExecutionError(node_id, node.class_type,
+                                 f"input '{name}' needs output {value.output_index} of node {value.from_id}, "
+                                 f"which returned only {len(produced)} value(s): a bug in that node's FUNCTION")
+    return produced[value.output_index]
+
+
+def _as_outputs(node_id: str, class_type: str, returned) -> NodeOutputs:
+    ui = None
+    if isinstance(returned, dict):
+        if "expand" in returned:
+            raise NodeExecutionError(node_id, class_type, "returned a graph expansion ('expand'), which headless "
+                                                          "runs don't support: run this workflow inside ComfyUI")
+        ui, returned = returned.get("ui"), returned.get("result", ())
+    if returned is None:
+        returned = ()
+    if not isinstance(returned, (tuple, list)):
+        raise NodeExecutionError(node_id, class_type, f"returned a {type(returned).__name__!r} value, not a "
+                                                      f"tuple of outputs: a bug in the node (return `(value,)`)")
+    return NodeOutputs(returned, ui)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _comfyui_grad_mode():
+    """ComfyUI runs every node under torch.inference_mode(); so do we, so a node that works here works there
+    (training nodes must open `torch.inference_mode(False)` themselves in both)."""
+    try:
+        import torch
+    except ImportError:
+        return contextlib.nullcontext()
+    return torch.inference_mode()

@@ -1,0 +1,101 @@
+"""What a node class's `INPUT_TYPES()` declares, read the way ComfyUI's frontend reads it.
+
+The frontend turns an input into a *widget* (an editable value saved in `widgets_values`) when its type
+has a widget constructor and it is not `forceInput`; everything else is a *socket* that must be linked.
+Some widgets drag extra "control" widgets behind them whose values are also saved in `widgets_values`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
+# The frontend (useIntWidget.ts) gives these INT inputs a control widget unless they say otherwise.
+SEED_INPUT_NAMES = ("seed", "noise_seed")
+CONTROL_MODES = ("fixed", "increment", "decrement", "randomize", "increment-wrap")
+CONTROL_MODE = "control mode"
+# Upload options make the frontend add button/preview widgets whose values are saved too (LoadImage saves
+# ["photo.png", "image"]; LoadAudio saves ["a.mp3", null, ""]).
+UPLOAD_EXTRAS = {"image_upload": ("upload button",), "video_upload": ("upload button",),
+                 "animated_image_upload": ("upload button",), "audio_upload": ("upload button", "audio player")}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    type: str  # "INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", or a socket type like "MODEL"
+    required: bool
+    options: dict = field(default_factory=dict)
+    choices: tuple | None = None  # the allowed values of a COMBO
+
+    @property
+    def is_widget(self) -> bool:
+        return self.type in WIDGET_TYPES and not self.options.get("forceInput", False)
+
+    @property
+    def saved_extras(self) -> tuple[str, ...]:
+        """What the frontend saves in `widgets_values` right after this widget's own value, in order."""
+        if not self.is_widget:
+            return ()
+        for option, extras in UPLOAD_EXTRAS.items():
+            if self.options.get(option):
+                return extras
+        control = self.options.get("control_after_generate")
+        if self.type == "INT" and (control if control is not None else self.name in SEED_INPUT_NAMES):
+            return (CONTROL_MODE,)  # `??` in the frontend: only an absent/None option falls back to the name
+        if self.type == "FLOAT" and control:
+            return (CONTROL_MODE,)
+        if self.type == "COMBO" and control:
+            return (CONTROL_MODE, "control filter")
+        return ()
+
+    @property
+    def has_default(self) -> bool:
+        return "default" in self.options
+
+    @property
+    def default(self) -> Any:
+        return self.options.get("default")
+
+
+def node_input_specs(node_class) -> dict[str, InputSpec]:
+    """Required then optional inputs, in declaration order (the order the frontend lays widgets out)."""
+    declared = _declared_inputs(node_class)
+    specs: dict[str, InputSpec] = {}
+    for category in ("required", "optional"):
+        for name, entry in (declared.get(category) or {}).items():
+            specs[name] = _parse_entry(node_class, name, entry, required=category == "required")
+    return specs
+
+
+def hidden_inputs(node_class) -> dict[str, str]:
+    """`{"hidden": {name: "UNIQUE_ID" | "PROMPT" | ...}}` — values the runtime supplies, never the workflow."""
+    hidden = _declared_inputs(node_class).get("hidden") or {}
+    return {name: (kind[0] if isinstance(kind, (tuple, list)) else kind) for name, kind in hidden.items()}
+
+
+def widget_specs(node_class) -> list[InputSpec]:
+    return [spec for spec in node_input_specs(node_class).values() if spec.is_widget]
+
+
+def _declared_inputs(node_class) -> dict:
+    try:
+        declared = node_class.INPUT_TYPES()
+    except Exception as exc:  # a node's schema failing is a bug in that node: name it
+        raise RuntimeError(f"{node_class.__name__}.INPUT_TYPES() raised {exc!r}") from exc
+    if not isinstance(declared, dict):
+        raise TypeError(f"{node_class.__name__}.INPUT_TYPES() must return a dict, got {type(declared).__name__}")
+    return declared
+
+
+def _parse_entry(node_class, name: str, entry, *, required: bool) -> InputSpec:
+    if not isinstance(entry, (tuple, list)) or not entry:
+        entry = (entry,)
+    kind, options = entry[0], (entry[1] if len(entry) > 1 and isinstance(entry[1], dict) else {})
+    if isinstance(kind, (list, tuple)):  # classic combo: the type *is* the list of choices
+        return InputSpec(name, "COMBO", required, options, tuple(kind))
+    if kind == "COMBO":  # newer spelling: ("COMBO", {"options": [...]})
+        return InputSpec(name, "COMBO", required, options, tuple(options.get("options", ())))
+    if not isinstance(kind, str):
+        raise TypeError(f"{node_class.__name__} input '{name}' has type {kind!r}; expected a type name or a list")
+    return InputSpec(name, kind, required, options)

@@ -1,0 +1,163 @@
+"""Predict a strategy's peak device memory and step time from a measured Profile.
+
+Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resident blocks + offload slots +
+  everything outside the blocks, LoRA included) + LoRA gradients + AdamW state (two fp32 moments per trainable
+  element) + activations kept for backward (per block: all it saves, only its inputs when checkpointed, or what the
+  compiler keeps under an activation budget; activation offload moves the kept bytes of checkpointed blocks to host
+  memory except a two-block window) + inputs shared by all blocks + saves outside the blocks + the largest block's
+  transient working set (its recomputed activations plus the gradients of its input and output) + a margin.
+
+Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
+blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
+host-to-device only) once a slot is free. As in layer_offload, a copy is issued when the compute stream reaches the
+block `prefetch_depth` offloaded blocks earlier, and starts after the compute queued before it. Whatever the
+schedule, a pass cannot beat its busiest resource, so the lower bound we report is
+    step >= max(sum C_fwd, sum X_fwd) + max(sum C_bwd, sum X_bwd) + other
+with C_bwd including the recompute forward of checkpointed blocks and X the offloaded bytes / H2D bandwidth.
+With depth-1 prefetch and every block offloaded the pipeline is close to sum_i max(C_i, X_i) per pass.
+On CPU the runtime's copies are synchronous memcpys, so there the transfers add to compute instead of hiding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .memory_model import predict_resident_weight_bytes
+from .offload_selection import select_offloaded
+from .profile import Profile
+from .strategy import Strategy
+
+ADAMW_BYTES_PER_ELEMENT = 8  # exp_avg and exp_avg_sq, fp32
+CUDA_MARGIN_BYTES = 256 << 20  # allocator fragmentation, cuBLAS/attention workspaces
+# Host-side cost of one block load or activation fetch (Python bookkeeping, event record/wait), an estimate. It also
+# keeps a hidden transfer from being "free": with time to spare the planner does not offload for nothing.
+LOAD_OVERHEAD_S = 50e-6
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int
+    step_s: float
+    bound_s: float                                   # the physical lower bound above
+    compute_s: float                                 # compute alone (forward, backward, recompute, other)
+    compile_s: float                                 # one-off compile time (not in step_s)
+    offloaded: tuple[int, ...]
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+def _interp(budget: float, points: dict[float, float]) -> float:
+    xs = sorted(points)
+    if budget <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if budget <= hi:
+            return points[lo] + (points[hi] - points[lo]) * (budget - lo) / (hi - lo)
+    return points[xs[-1]]
+
+
+def _compile_factors(profile: Profile, kind: str, budget: float, ckpt_ratio: float) -> tuple[float, float, float, float]:
+    """(fwd, bwd, activation, compile seconds) factors for one block type; 1.0s when the profile has none."""
+    measured = (profile.compile or {}).get(kind)
+    if not measured:
+        return 1.0, 1.0, 1.0, 0.0
+    pts = {float(b): f for b, f in measured.items()}
+    acts = {b: f.act_factor for b, f in pts.items()}
+    acts.setdefault(0.0, ckpt_ratio)  # budget 0 keeps (about) the block inputs, as checkpointing does
+    return (_interp(budget, {b: f.fwd_factor for b, f in pts.items()}),
+            _interp(budget, {b: f.bwd_factor for b, f in pts.items()}), _interp(budget, acts),
+            _interp(budget, {b: f.compile_s for b, f in pts.items()}))
+
+
+def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
+            margin_bytes: int | None = None, offloaded: list[int] | None = None) -> Prediction:
+    n, s = profile.n_blocks, batch_scale
+    off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy))
+    compiled = strategy.compile == "per_block"
+    budget = strategy.activation_memory_budget
+    kept, full, c_fwd, c_bwd, compact = [], [], [], [], []
+    compile_s: dict[str, float] = {}
+    factors: dict[str, tuple[float, float, float, float]] = {}
+    for i in range(n):
+        f_i = profile.kept_full(i) * s
+        ckpt_i = profile.act_ckpt[i] * s
+        ff = bf = af = 1.0
+        if compiled:
+            kind = profile.block_types[i]
+            if kind not in factors:
+                factors[kind] = _compile_factors(profile, kind, budget, ckpt_i / max(f_i, 1.0))
+            ff, bf, af, compile_s[kind] = factors[kind]
+        eager_ckpt = strategy.checkpoints_block(i)
+        partitioned = compiled and budget < 1.0
+        k_i = ckpt_i if eager_ckpt else max(ckpt_i, f_i * af) if partitioned else f_i * af
+        kept.append(k_i)
+        full.append(f_i * af if compiled else f_i)
+        compact.append(eager_ckpt or partitioned)
+        c_fwd.append(profile.fwd_s[i] * s * ff)
+        c_bwd.append(profile.bwd_s[i] * s * bf + (profile.fwd_s[i] * s * ff if eager_ckpt else 0.0))
+
+    on_device = list(kept)
+    act_host = [0.0] * n
+    if strategy.activation_offload:
+        window = 2 * max((k for k, c in zip(kept, compact) if c), default=0.0)
+        for i in range(n):
+            if compact[i]:
+                act_host[i], on_device[i] = kept[i], 0.0
+        act_device = sum(on_device) + min(window, sum(act_host))
+    else:
+        act_device = sum(on_device)
+    activations = act_device + (profile.act_shared + profile.act_other) * s
+    transient = max(((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s
+                     for i in range(n)), default=0.0)
+    weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.prefetch_depth)
+    grads = profile.trainable_bytes
+    optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
+    subtotal = weights + grads + optimizer + activations + transient
+    if margin_bytes is None:
+        margin_bytes = CUDA_MARGIN_BYTES if profile.device == "cuda" else 0
+    margin = margin_fraction * subtotal + margin_bytes
+    breakdown = {"weights": int(weights), "gradients": int(grads), "optimizer": int(optimizer),
+                 "activations": int(activations), "transient": int(transient), "margin": int(margin),
+                 "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host))}
+
+    bw = max(profile.h2d_bytes_per_s, 1.0)
+    offset = set(off)
+    x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
+    # the last depth+1 offloaded blocks are still in their slots when backward turns around
+    still_loaded = set(off[-(strategy.prefetch_depth + 1):]) if off else set()
+    x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
+    d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
+    overlap = profile.device == "cuda"
+    t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, strategy.prefetch_depth, overlap)
+    t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, strategy.prefetch_depth, overlap)
+    other = profile.other_s * s
+    compute = sum(c_fwd) + sum(c_bwd) + other
+    if overlap:
+        t_fwd = max(t_fwd, d2h)
+        bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd)) + other
+    else:
+        t_fwd += d2h
+        bound = compute + sum(x_fwd) + sum(x_bwd) + d2h
+    return Prediction(peak_bytes=int(subtotal + margin), step_s=t_fwd + t_bwd + other, bound_s=bound,
+                      compute_s=compute, compile_s=sum(compile_s.values()), offloaded=tuple(off),
+                      breakdown=breakdown)
+
+
+def _pipeline(order: list[int], compute: list[float], xfer: list[float], depth: int, overlap: bool) -> float:
+    """Finish time of one pass. Block i computes once its copy (xfer[i] > 0) has landed. Reaching block i, the
+    runtime fetches i if missing and the next `depth` blocks that need copies; a copy starts after the compute
+    queued before it (the copy stream waits on the compute stream) and after the previous copy."""
+    needs = [i for i in order if xfer[i] > 0]
+    ready: dict[int, float] = {}
+    t = copy_free = 0.0
+    k = 0  # needs[k:] are the blocks at or after the current one that need a copy
+    for i in order:
+        while k < len(needs) and needs[k] == i:
+            k += 1
+        targets = ([i] if xfer[i] > 0 else []) + needs[k: k + depth]
+        for j in targets:
+            if j in ready:
+                continue
+            ready[j] = copy_free = max(t, copy_free) + xfer[j]
+            if not overlap:
+                t = copy_free  # CPU simulation: the copy runs on the compute thread
+        t = max(t, ready.get(i, 0.0)) + compute[i] + (LOAD_OVERHEAD_S if xfer[i] > 0 else 0.0)
+    return t

@@ -1,0 +1,215 @@
+"""The automatic memory planner: the fastest strategy that fits a memory budget, explained in one paragraph.
+
+It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 1-2,
+checkpointing off / every 2nd block / all, activation offload on/off, and, when the profile measured it, per-block
+compile at activation budgets 1.0 and 0.5), predicts each one's peak memory and step time from a measured Profile
+(plan_cost.predict), and picks the fastest that fits; equal times go to the one using less memory. A larger budget
+can therefore never give a slower plan: it only adds candidates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .offload_selection import select_offloaded
+from .plan_cost import Prediction, predict
+from .profile import Profile
+from .strategy import Strategy, StrategyError
+
+OFFLOAD_GRID = tuple(round(0.05 * k, 2) for k in range(21))
+AUTO_MARGIN_BYTES = 512 << 20  # left free by budget="auto": other processes, the display, allocator growth
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: Strategy
+    predicted_peak_bytes: int
+    predicted_step_s: float
+    explanation: str
+    candidates_considered: int
+    prediction: Prediction
+    budget_bytes: int
+
+
+def format_bytes(n: float) -> str:
+    """GiB for anything over a GiB (device memory is sold in GiB), else MiB/KiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def auto_budget(device: torch.device | str, margin_bytes: int = AUTO_MARGIN_BYTES) -> int:
+    """Free device memory now, minus a margin. Only CUDA can say what is free."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise StrategyError(f"budget='auto' reads the free GPU memory, but the device is '{device}': give an "
+                            "explicit budget in bytes (e.g. budget_bytes=12 * 2**30)")
+    free, _total = torch.cuda.mem_get_info(device)
+    if free <= margin_bytes:
+        raise StrategyError(f"budget='auto': only {format_bytes(free)} of {device} is free, less than the "
+                            f"{format_bytes(margin_bytes)} margin: close other GPU programs or give a budget")
+    return int(free - margin_bytes)
+
+
+def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: bool = True,
+                         compile_time_budget_s: float | None = None) -> list[tuple[Strategy, list[int]]]:
+    """Distinct candidates with their offloaded blocks (offload fractions that pick the same blocks count once)."""
+    offload_sets: dict[tuple[int, ...], float] = {}
+    for f in OFFLOAD_GRID:
+        chosen = tuple(select_offloaded(profile.block_frozen, base.replace(offload_fraction=f, offload_blocks=None)))
+        offload_sets.setdefault(chosen, f)
+    compiles = [("off", 1.0)]
+    if allow_compile and compile_measured(profile):
+        for b in (1.0, 0.5):
+            seconds = sum(per[str(b)].compile_s for per in profile.compile.values())
+            if compile_time_budget_s is None or seconds <= compile_time_budget_s:
+                compiles.append(("per_block", b))
+    out, seen = [], set()
+    for chosen, f in offload_sets.items():
+        for depth in ((1, 2) if chosen else (base.prefetch_depth,)):
+            for ckpt in ("off", "every_n", "all"):
+                for compile_mode, budget in compiles:
+                    if compile_mode == "per_block" and budget < 1.0 and ckpt != "off":
+                        continue  # the compiler's partitioner replaces eager checkpointing of the block
+                    compact = ckpt != "off" or budget < 1.0
+                    for act_offload in ((False, True) if compact else (False,)):
+                        s = base.replace(offload_fraction=f, offload_blocks=None, prefetch_depth=depth,
+                                         checkpoint=ckpt, checkpoint_every=2, activation_offload=act_offload,
+                                         compile=compile_mode, activation_memory_budget=budget)
+                        key = (chosen, depth, ckpt, compile_mode, budget, act_offload)
+                        if key not in seen:
+                            seen.add(key)
+                            out.append((s, list(chosen)))
+    return out
+
+
+def compile_measured(profile: Profile) -> bool:
+    per_type = profile.compile or {}
+    return bool(per_type) and all(t in per_type and {"1.0", "0.5"} <= set(per_type[t]) for t in profile.block_types)
+
+
+def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0, allow_compile: bool = True,
+         compile_time_budget_s: float | None = None, base: Strategy | None = None, margin_fraction: float = 0.05,
+         margin_bytes: int | None = None, device: torch.device | str | None = None) -> Plan:
+    """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin)."""
+    if budget_bytes == "auto":
+        budget_bytes = auto_budget(device or profile.device)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
+        raise StrategyError(f"budget_bytes={budget_bytes!r} is not a memory budget: give a positive number of "
+                            "bytes (e.g. 12 * 2**30) or 'auto'")
+    base = base or _base_from(profile)
+    candidates = candidate_strategies(profile, base, allow_compile=allow_compile,
+                                      compile_time_budget_s=compile_time_budget_s)
+    scored = [(predict(profile, s, batch_scale=batch_scale, margin_fraction=margin_fraction,
+                       margin_bytes=margin_bytes, offloaded=off), s) for s, off in candidates]
+    fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
+    if not fitting:
+        least = min(scored, key=lambda ps: ps[0].peak_bytes)
+        raise StrategyError(
+            f"no strategy fits {format_bytes(budget_bytes)}: this model at batch {profile.batch * batch_scale:g} "
+            f"needs at least {format_bytes(least[0].peak_bytes)} with everything offloaded and checkpointed "
+            f"({_describe(least[1], least[0], profile)}): raise the budget or reduce the batch/resolution")
+    best, strategy = min(fitting, key=lambda ps: (round(ps[0].step_s, 9), ps[0].peak_bytes))
+    text = explain(profile, strategy, best, int(budget_bytes), len(scored), allow_compile)
+    return Plan(strategy, best.peak_bytes, best.step_s, text, len(scored), best, int(budget_bytes))
+
+
+def _base_from(profile: Profile) -> Strategy:
+    keep = {k: v for k, v in profile.strategy_base.items()
+            if k in ("offload_policy", "compute_dtype", "weight_dtype", "pin_memory", "block_lists", "compile_mode",
+                     "compile_backend")}
+    return Strategy.from_dict(keep)
+
+
+def _describe(s: Strategy, p: Prediction, profile: Profile) -> str:
+    parts = [f"{len(p.offloaded)} of {profile.n_blocks} blocks offloaded",
+             {"off": "no checkpointing", "all": "every block checkpointed",
+              "every_n": f"one block in {s.checkpoint_every} checkpointed"}[s.checkpoint]]
+    if s.activation_offload:
+        parts.append("activation offload")
+    if s.compile == "per_block":
+        parts.append(f"per-block compile at activation budget {s.activation_memory_budget:g}")
+    return ", ".join(parts)
+
+
+def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considered: int, allow_compile: bool) -> str:
+    b = p.breakdown
+    n = profile.n_blocks
+    if p.offloaded:
+        share = b["host_weights"] / max(sum(profile.block_frozen), 1)
+        first = (f"Offloading {share:.0%} of the blocks' frozen weights ({s.offload_policy}: {len(p.offloaded)} of {n} "
+                 f"blocks) keeps {format_bytes(b['host_weights'])} of weights in host memory, streamed in "
+                 f"{s.prefetch_depth} block{'s' if s.prefetch_depth > 1 else ''} ahead")
+    else:
+        first = f"All {n} blocks stay on the device ({format_bytes(b['weights'])} of weights)"
+    acts = {"off": "no checkpointing keeps every activation",
+            "all": "checkpointing every block keeps only the block inputs",
+            "every_n": f"checkpointing one block in {s.checkpoint_every} keeps only those blocks' inputs"}
+    if s.compile == "per_block" and s.activation_memory_budget < 1.0:
+        second = (f"each block is compiled with activation budget {s.activation_memory_budget:g}, so the compiler "
+                  "recomputes the cheap ops")
+    else:
+        second = acts[s.checkpoint]
+        if s.compile == "per_block":
+            second += ", with each block compiled"
+    second += f" ({format_bytes(b['activations'])} of activations"
+    second += f", {format_bytes(b['host_activations'])} more waiting in host memory)" if s.activation_offload else ")"
+    if s.compile == "per_block":
+        second += f"; compiling takes about {p.compile_s:.0f} s once"
+    exposed = p.step_s - p.compute_s
+    if not p.offloaded and not s.activation_offload:
+        third = "nothing is transferred"
+    elif profile.device != "cuda":
+        third = f"on {profile.device} the copies are synchronous and add ~{exposed:.2g} s/step"
+    elif exposed <= 0.02 * p.step_s:
+        third = "transfers are hidden behind compute"
+    else:
+        third = (f"transfers add ~{exposed:.2g} s/step beyond compute (the physical bound is {p.bound_s:.2g} "
+                 "s/step)")
+    note = ""
+    if allow_compile and not compile_measured(profile):
+        note = " Per-block compile was not considered: probe with measure_compile=True to measure it."
+    return (f"{first}; {second}. Predicted {format_bytes(p.peak_bytes)} peak of your {format_bytes(budget)}, "
+            f"~{p.step_s:.3g} s/step; {third} (best of {considered} candidates).{note}")
+
+
+def autotune_batch(profile: Profile | Callable[[int], Profile], budget_bytes: int, *,
+                   strategy: Strategy | None = None, max_batch: int = 4096, **plan_kwargs) -> int:
+    """The largest batch whose predicted peak fits `budget_bytes`: with `strategy` fixed, or with the best plan for
+    each batch. `profile` is a profile to scale linearly from its own batch, or a function batch -> Profile (e.g.
+    re-probing). Exponential then binary search, as the TorchDiTan study did, since peak memory grows with batch."""
+    def at(batch: int) -> Profile:
+        return profile(batch) if callable(profile) else profile.at_batch(batch)
+
+    def fits(batch: int) -> bool:
+        prof = at(batch)
+        if strategy is not None:
+            return predict(prof, strategy).peak_bytes <= budget_bytes
+        try:
+            plan(prof, budget_bytes, **plan_kwargs)
+            return True
+        except StrategyError:
+            return False
+
+    if not fits(1):
+        need = predict(at(1), strategy).peak_bytes if strategy is not None else None
+        raise StrategyError(f"not even batch 1 fits {format_bytes(budget_bytes)}"
+                            + (f" (it needs {format_bytes(need)})" if need else "")
+                            + ": raise the budget, lower the resolution, or offload and checkpoint more")
+    lo, hi = 1, 2
+    while True:
+        probe = min(hi, max_batch)
+        if not fits(probe):
+            hi = probe
+            break
+        lo = probe
+        if lo == max_batch:
+            return lo
+        hi *= 2
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,330 @@
+"""Measure a model for the planner (measure, don't guess).
+
+`probe_model` runs under the MemoryRuntime, so a model larger than the device can be probed with an offloading
+`strategy_base`. Two passes:
+  1. One whole training step (forward + backward) with every block checkpointed: the bytes each block keeps at
+     its checkpoint boundary are counted with a saved-tensors hook (torch's non-reentrant checkpoint saves the block
+     inputs outside its own hooks, so ours sees exactly those), attributed to blocks by forward pre/post hooks.
+     Storages saved by several blocks (modulation vector, RoPE tables) are "shared" and kept once; saves outside
+     any block are "other". Each block's inputs are captured on the host for pass 2.
+  2. Each block alone, on its captured inputs, without checkpointing (its unwrapped forward, weights loaded by the
+     runtime's layer offload): the bytes it saves for backward (weights excluded: they are not activations), the
+     allocator's growth on CUDA, and its forward and backward compute time (CUDA events on CUDA). Only one block's
+     activations are alive at a time, so the probe never needs the no-checkpoint peak.
+Optionally (measure_compile) the first block of each type is compiled per block at activation budgets 1.0 and 0.5.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .block_compile import compile_block
+from .layer_offload import in_backward
+from .profile import CompileFactors, Profile
+from .runtime import MemoryRuntime
+from .strategy import Strategy
+
+InputsMaker = Callable[[], tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]
+
+
+def measure_h2d_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second host -> device: pinned-memory copies on CUDA; on CPU the memcpy bandwidth, which is what
+    the runtime's CPU simulation of a transfer costs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        nbytes = nbytes or 256 << 20
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dev.copy_(host, non_blocking=True)  # warm-up: first-touch and driver setup are not bandwidth
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return nbytes * repeats / (start.elapsed_time(end) / 1000.0)
+    nbytes = nbytes or 64 << 20
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / max(statistics.median(times), 1e-9)
+
+
+class _Clock:
+    """Timestamps in stream order on CUDA (events), wall clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, a, b) -> float:
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1000.0
+
+
+class _SavedBytes:
+    """A pass-through saved-tensors hook that records each saved storage once, with the blocks that saved it."""
+
+    def __init__(self, skip: set[int]):
+        self.skip = skip
+        self.owner: int | None = None
+        self.by_ptr: dict[int, tuple[int, set]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            s = t.untyped_storage()
+            ptr, n = s.data_ptr(), s.nbytes()
+        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses: nothing to count
+            return t
+        if n and ptr not in self.skip:
+            self.by_ptr.setdefault(ptr, (n, set()))[1].add(self.owner)
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def total(self) -> int:
+        return sum(n for n, _ in self.by_ptr.values())
+
+
+@dataclass
+class _Captured:
+    data: torch.Tensor      # host copy of one block input
+    requires_grad: bool
+    ptr: int                # storage of the original, to recognise inputs shared between blocks
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device | str,
+                strategy_base: Strategy | None = None, *, batch: int | None = None, repeats: int = 3,
+                measure_compile: bool = False, h2d_nbytes: int | None = None) -> Profile:
+    """Measure `model` on the inputs `make_inputs()` returns ((kwargs for model, loss_fn(output) -> loss)).
+
+    strategy_base supplies dtypes, pinning, block lists and (for a model larger than the device) the offload used
+    while probing; checkpointing, activation offload and compile are set by the probe itself."""
+    device = torch.device(device)
+    base = strategy_base or Strategy()
+    strategy = base.replace(checkpoint="all", activation_offload=False, compile="off")
+    originals = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    clock = _Clock(device)
+    with MemoryRuntime(model, strategy, device) as rt:
+        blocks = [b.module for b in rt.blocks]
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        weights |= rt.offload.device_storage_ptrs() if rt.offload else set()
+        inputs, loss_fn = make_inputs()
+        inputs = _to_device(inputs, device)
+        first = next((v for v in inputs.values() if isinstance(v, torch.Tensor)), None)
+        batch = batch or (int(first.shape[0]) if first is not None and first.ndim else 1)
+
+        boundary, captured, step = _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock)
+        shared = {p for p, (_, owners) in boundary.by_ptr.items() if len({o for o in owners if o is not None}) > 1}
+        act_ckpt = [0] * len(blocks)
+        act_shared = act_other = 0
+        for ptr, (n, owners) in boundary.by_ptr.items():
+            inside = {o for o in owners if o is not None}
+            if ptr in shared:
+                act_shared += n
+            elif inside:
+                act_ckpt[min(inside)] += n
+            else:
+                act_other += n
+
+        act_full, act_alloc, fwd_s, bwd_s = [], [], [], []
+        for i, module in enumerate(blocks):
+            forward = originals.get(id(module)) or type(module).forward.__get__(module)
+            r = _probe_block(rt, i, forward, captured[i], shared, weights, clock, repeats)
+            act_full.append(r["saved"])
+            act_alloc.append(r["alloc"])
+            fwd_s.append(r["fwd_s"])
+            bwd_s.append(r["bwd_s"])
+        compile_factors = None
+        if measure_compile:
+            compile_factors = _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats,
+                                             fwd_s, bwd_s, act_full)
+        sizes = rt.sizes
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in model.parameters():
+        p.grad = None  # the probe's gradients are not the user's
+    return Profile(
+        device=device.type, batch=batch, block_names=[b.name for b in rt.blocks],
+        block_types=[type(m).__name__ for m in blocks], block_frozen=list(sizes.block_frozen),
+        block_packed=list(sizes.block_packed), block_trainable=list(sizes.block_trainable),
+        other_weight_bytes=sizes.other, trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=act_ckpt,
+        act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
+        other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
+        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes),
+        act_full_alloc=act_alloc if device.type == "cuda" else None, compile=compile_factors,
+        measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict())
+
+
+def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
+    """Pass 1: two checkpoint-all steps; the first counts boundary bytes and captures inputs, the second is timed."""
+    counter = _SavedBytes(weights)
+    captured: list[tuple[tuple, dict] | None] = [None] * len(blocks)
+    store: dict[tuple, _Captured] = {}
+    marks: dict[int, list] = {}
+    state = {"capture": True}
+
+    def capture(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        ptr = v.untyped_storage().data_ptr()
+        key = (ptr, v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+        if key not in store:  # inputs every block receives are copied once
+            store[key] = _Captured(v.detach().to("cpu", copy=True), v.requires_grad, ptr)
+        return store[key]
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            if in_backward():
+                return
+            counter.owner = i
+            marks[i] = [clock.mark()]
+            if state["capture"]:
+                captured[i] = (tuple(capture(a) for a in args), {k: capture(v) for k, v in kwargs.items()})
+        return hook
+
+    def post(i):
+        def hook(module, args, output):
+            if not in_backward():
+                counter.owner = None
+                marks[i].append(clock.mark())
+        return hook
+
+    handles = [h for i, m in enumerate(blocks) for h in (m.register_forward_pre_hook(pre(i), with_kwargs=True),
+                                                          m.register_forward_hook(post(i)))]
+    result: dict[str, float] = {}
+    try:
+        for step in range(2):
+            state["capture"] = step == 0
+            if clock.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = clock.mark()
+            with (counter.hooks() if step == 0 else contextlib.nullcontext()), rt.autocast():
+                loss = loss_fn(model(**inputs))
+            t1 = clock.mark()
+            loss.backward()
+            t2 = clock.mark()
+            block_fwd = sum(clock.seconds(a, b) for a, b in marks.values())
+            result = {"other_fwd_s": clock.seconds(t0, t1) - block_fwd, "step_s_checkpoint_all": clock.seconds(t0, t2)}
+            if clock.cuda:
+                result["peak_allocated_checkpoint_all"] = float(torch.cuda.max_memory_allocated())
+            del loss
+            marks.clear()
+    finally:
+        for h in handles:
+            h.remove()
+        counter.owner = None
+    missing = [i for i, c in enumerate(captured) if c is None]
+    if missing:
+        raise RuntimeError(f"blocks {missing} did not run in the probe's forward: does the model call every block "
+                           "from forward()? If some blocks are skipped, set Strategy.block_lists to the ones used")
+    return counter, captured, result
+
+
+def _restore(c, device, skip: set[int], shared: set[int]):
+    if not isinstance(c, _Captured):
+        return c
+    t = c.data.to(device, copy=True)  # fresh every call: blocks may add into their inputs in place
+    if c.requires_grad:
+        t = t.requires_grad_().clone()  # a non-leaf, so in-place updates inside the block stay legal
+    if c.ptr in shared:
+        skip.add(t.untyped_storage().data_ptr())  # kept once for all blocks: counted in act_shared
+    return t
+
+
+def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, count=True) -> dict[str, float]:
+    """One block alone, without checkpointing: bytes saved for backward, and median forward/backward times."""
+    device = rt.device
+    fwd_t, bwd_t, saved, alloc = [], [], 0, 0
+    # the first calls in a process pay one-off costs (allocator, kernel selection); repeats=0 is one timed call
+    warmup = 2 if repeats else 0
+    for r in range(max(1, repeats) + warmup):
+        if rt.offload is not None:
+            rt.offload.load(i)  # the unwrapped forward does not load: make the block's weights resident
+        skip = set(weights)
+        args = tuple(_restore(a, device, skip, shared) for a in captured[0])
+        kwargs = {k: _restore(v, device, skip, shared) for k, v in captured[1].items()}
+        counter = _SavedBytes(skip)
+        measuring = r == 0 and count
+        if clock.cuda:
+            torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated() if clock.cuda else 0
+        a = clock.mark()
+        with (counter.hooks() if measuring else contextlib.nullcontext()), rt.autocast():
+            out = forward(*args, **kwargs)
+        b = clock.mark()
+        outs = [o for o in _tensors(out) if o.requires_grad]
+        if measuring:
+            saved = counter.total()
+            if clock.cuda:
+                grown = torch.cuda.memory_allocated() - before
+                alloc = max(0, grown - sum(o.untyped_storage().nbytes() for o in _tensors(out)))
+        grads = [torch.randn_like(o) for o in outs]
+        c = clock.mark()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        d = clock.mark()
+        if r >= warmup:
+            fwd_t.append(clock.seconds(a, b))
+            bwd_t.append(clock.seconds(c, d) if outs else 0.0)
+        del out, outs, grads, args, kwargs
+    return {"saved": saved, "alloc": alloc, "fwd_s": statistics.median(fwd_t), "bwd_s": statistics.median(bwd_t)}
+
+
+def _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats, fwd_s, bwd_s, act_full):
+    """Per block type: compiled/eager time and saved-bytes ratios at activation budgets 1.0 and 0.5."""
+    factors: dict[str, dict[str, CompileFactors]] = {}
+    for i, module in enumerate(blocks):
+        kind = type(module).__name__
+        if kind in factors:
+            continue
+        factors[kind] = {}
+        eager = originals.get(id(module)) or type(module).forward.__get__(module)
+        for budget in (1.0, 0.5):
+            compiled = compile_block(eager, rt.strategy.replace(compile="per_block", activation_memory_budget=budget))
+            t0 = time.perf_counter()
+            _probe_block(rt, i, compiled, captured[i], shared, weights, clock, 0, count=False)
+            if clock.cuda:
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            r = _probe_block(rt, i, compiled, captured[i], shared, weights, clock, repeats)
+            factors[kind][str(budget)] = CompileFactors(
+                fwd_factor=r["fwd_s"] / max(fwd_s[i], 1e-12), bwd_factor=r["bwd_s"] / max(bwd_s[i], 1e-12),
+                act_factor=r["saved"] / max(act_full[i], 1), compile_s=compile_s)
+    return factors

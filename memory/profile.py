@@ -1,0 +1,113 @@
+"""A measured profile of one model at one batch size: what the planner predicts from.
+
+Everything here is measured by `probe.probe_model` (or written down for a synthetic model in tests and
+benchmarks): bytes per block, bytes of activations kept per block with and without checkpointing, compute time per
+block, and the host-to-device bandwidth. It is plain data with a JSON round trip, so a profile taken once (minutes
+on a big model) can be saved next to the model and re-planned for any budget in milliseconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .memory_model import WeightSizes
+
+
+@dataclass
+class CompileFactors:
+    """How per-block compile changed one block type, relative to eager at the same inputs (measured)."""
+    fwd_factor: float          # compiled forward time / eager forward time
+    bwd_factor: float          # compiled backward time / eager backward time
+    act_factor: float          # bytes the compiled block saves for backward / eager bytes
+    compile_s: float           # seconds to compile this block type once
+
+
+@dataclass
+class Profile:
+    device: str                          # device type the times were measured on: "cuda" or "cpu"
+    batch: int                           # batch size the probe ran at (activations and times scale with it)
+    block_names: list[str]
+    block_types: list[str]               # class name per block: compile factors are per type
+    block_frozen: list[int]              # frozen weight bytes per block, in the weight dtype
+    block_packed: list[int]              # the same as laid out in an offload slot
+    block_trainable: list[int]           # trainable (LoRA) bytes per block
+    other_weight_bytes: int              # weights outside the blocks (embedders, final layer) and buffers
+    trainable_bytes: int                 # all trainable parameters (their gradients take as much again)
+    trainable_numel: int                 # AdamW keeps two fp32 moments per trainable element
+    act_full: list[int]                  # bytes saved for backward per block without checkpointing
+    act_ckpt: list[int]                  # bytes kept per block when it is checkpointed (its inputs)
+    act_shared: int                      # inputs every block receives (modulation vector, RoPE): kept once
+    act_other: int                       # saved outside the blocks (embedders, final layer, loss)
+    fwd_s: list[float]                   # forward compute seconds per block
+    bwd_s: list[float]                   # backward compute seconds per block (without recompute)
+    other_s: float                       # forward + backward seconds outside the blocks
+    h2d_bytes_per_s: float               # host-to-device copy bandwidth (pinned on CUDA; memcpy on CPU)
+    act_full_alloc: list[int] | None = None   # CUDA: allocator growth over each block's forward, minus its output
+    compile: dict[str, dict[str, CompileFactors]] | None = None  # block type -> str(budget) -> factors
+    measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
+    strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
+
+    def __post_init__(self) -> None:
+        n = len(self.block_names)
+        for name in ("block_types", "block_frozen", "block_packed", "block_trainable", "act_full", "act_ckpt",
+                     "fwd_s", "bwd_s"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} blocks: "
+                                 "give one entry per block")
+        if self.batch < 1:
+            raise ValueError(f"Profile.batch={self.batch} must be at least 1")
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_names)
+
+    def sizes(self) -> WeightSizes:
+        return WeightSizes(list(self.block_frozen), list(self.block_packed), list(self.block_trainable),
+                           self.other_weight_bytes)
+
+    def kept_full(self, i: int) -> int:
+        """Activation bytes block i keeps without checkpointing: the larger of the two measurements."""
+        alloc = self.act_full_alloc[i] if self.act_full_alloc else 0
+        return max(self.act_full[i], alloc)
+
+    def at_batch(self, batch: int) -> "Profile":
+        """This profile linearly rescaled to another batch size: activations and compute time scale with the batch,
+        weights do not. (Linear time is pessimistic for batches too small to fill the device.)"""
+        if batch < 1:
+            raise ValueError(f"batch={batch} must be at least 1")
+        r = batch / self.batch
+
+        def ints(xs):
+            return [int(round(x * r)) for x in xs]
+
+        return dataclasses.replace(
+            self, batch=batch, act_full=ints(self.act_full), act_ckpt=ints(self.act_ckpt),
+            act_shared=int(round(self.act_shared * r)), act_other=int(round(self.act_other * r)),
+            act_full_alloc=ints(self.act_full_alloc) if self.act_full_alloc else None,
+            fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,
+            measured={})
+
+    # -- JSON ----------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown profile field(s) {unknown}: is this a profile from another version? "
+                             "re-run the probe to make a new one")
+        data = dict(data)
+        if data.get("compile"):
+            data["compile"] = {t: {b: CompileFactors(**f) for b, f in per.items()} for t, per in data["compile"].items()}
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Profile":
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,59 @@
+"""Dataset nodes: a folder of captioned images, or ComfyUI's own LATENT + CONDITIONING."""
+from __future__ import annotations
+
+from ..training.dataset_builder import dataset_from_conditioning, dataset_from_folder
+from . import host
+
+
+class TightropeLoadDataset:
+    DESCRIPTION = ("Images with same-name .txt captions (kohya 'N_name' folders repeat N times), encoded once with "
+                   "the VAE and text encoder and cached on disk, so the next run skips encoding.")
+    CATEGORY = "Tightrope/data"
+    RETURN_TYPES = ("TIGHTROPE_DATASET",)
+    RETURN_NAMES = ("dataset",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "folder": ("STRING", {"default": "", "tooltip": "Folder holding the images and their .txt captions."}),
+            "vae": ("VAE", {"tooltip": "Encodes images to latents (the model's own VAE)."}),
+            "clip": ("CLIP", {"tooltip": "Encodes captions (the model's own text encoders)."}),
+            "resolution": ("INT", {"default": 512, "min": 16, "max": 4096, "step": 16,
+                                   "tooltip": "Pixel budget: buckets keep each image's aspect ratio within "
+                                              "resolution x resolution pixels."}),
+            "caption_dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                          "tooltip": "Fraction of samples trained with an empty caption."}),
+            "use_repeats": ("BOOLEAN", {"default": True,
+                                        "tooltip": "Honour kohya 'N_name' folder repeat counts."}),
+            "strict": ("BOOLEAN", {"default": False,
+                                   "tooltip": "Stop at a bad image or caption; otherwise skip it with a warning."}),
+        }}
+
+    def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict):
+        return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
+                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir()),)
+
+
+class TightropeDatasetFromLatents:
+    DESCRIPTION = "A dataset from latents and conditioning you already encoded in ComfyUI (e.g. VAE Encode + CLIP "\
+                  "Text Encode)."
+    CATEGORY = "Tightrope/data"
+    RETURN_TYPES = ("TIGHTROPE_DATASET",)
+    RETURN_NAMES = ("dataset",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "latent": ("LATENT", {"tooltip": "The encoded training images (a batch)."}),
+            "conditioning": ("CONDITIONING", {"tooltip": "One conditioning for all images, or one per image."}),
+            "caption_dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                          "tooltip": "Fraction of samples trained with the empty conditioning."}),
+        }, "optional": {
+            "empty_conditioning": ("CONDITIONING", {"tooltip": "The empty caption's conditioning, for dropout."}),
+        }}
+
+    def load(self, latent, conditioning, caption_dropout, empty_conditioning=None):
+        return (dataset_from_conditioning(latent, conditioning, caption_dropout=caption_dropout,
+                                          empty_conditioning=empty_conditioning),)

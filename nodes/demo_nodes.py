@@ -1,0 +1,61 @@
+"""Nodes of the embedded default: a tiny Flux, stand-in encoders, and a generated image folder (no download)."""
+from __future__ import annotations
+
+from ..training.demo import demo_encoders, demo_model
+from ..training.demo_data import make_demo_dataset
+from . import host
+
+
+class TightropeDemoModel:
+    DESCRIPTION = "A tiny random-weight Flux (hidden 128, 2+2 blocks) to try Tightrope on any machine, CPU included."
+    CATEGORY = "Tightrope/demo"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
+                                              "tooltip": "Seed of the random weights: the same seed, the same model."})}}
+
+    def load(self, seed):
+        return (demo_model(seed),)
+
+
+class TightropeDemoEncoders:
+    DESCRIPTION = ("The demo's stand-ins for a VAE and text encoders (an exactly invertible latent codec and a "
+                   "hashing caption embedder) sized for the demo model. Not real models.")
+    CATEGORY = "Tightrope/demo"
+    RETURN_TYPES = ("VAE", "CLIP")
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
+                                              "tooltip": "Seed of the codec's mixing matrix and the word vectors."})}}
+
+    def load(self, seed):
+        return demo_encoders(seed)
+
+
+class TightropeDemoImages:
+    DESCRIPTION = "Draws a small captioned dataset (coloured shapes) into a folder and returns the folder's path."
+    CATEGORY = "Tightrope/demo"
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("folder",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "subfolder": ("STRING", {"default": "tightrope_demo_images",
+                                     "tooltip": "Folder name under the output folder to draw the images into."}),
+            "count": ("INT", {"default": 16, "min": 1, "max": 1000, "tooltip": "How many images to draw."}),
+            "size": ("INT", {"default": 64, "min": 16, "max": 1024, "step": 16,
+                             "tooltip": "Side of each square image in pixels."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Same seed, same images."}),
+        }}
+
+    def make(self, subfolder, count, size, seed):
+        from ..training.atomic_write import safe_output_path
+        folder = safe_output_path(host.output_dir(), subfolder)
+        return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed)),)

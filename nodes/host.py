@@ -1,0 +1,95 @@
+"""Where the nodes run: inside ComfyUI (folders, progress bar and interrupt from ComfyUI) or headless (`tightrope run`).
+
+ComfyUI has imported `folder_paths` before it loads any custom node, so its presence in sys.modules tells the two
+apart; ComfyUI modules are only imported inside these functions, and only when ComfyUI is running.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+_headless_output: Path | None = None
+_resume = False
+
+
+def set_headless_output_dir(path: str | Path) -> None:
+    global _headless_output
+    _headless_output = Path(path)
+    _headless_output.mkdir(parents=True, exist_ok=True)
+
+
+def set_resume(flag: bool) -> None:
+    global _resume
+    _resume = bool(flag)
+
+
+def resume_requested() -> bool:
+    return _resume
+
+
+def in_comfyui() -> bool:
+    return _headless_output is None and "folder_paths" in sys.modules
+
+
+def output_dir() -> Path:
+    if in_comfyui():
+        import folder_paths
+        return Path(folder_paths.get_output_directory())
+    return _headless_output or Path("output")
+
+
+def loras_dir() -> Path:
+    """ComfyUI's first `loras` folder (so LoraLoader lists the file at once); the output folder headless."""
+    if in_comfyui():
+        import folder_paths
+        return Path(folder_paths.get_folder_paths("loras")[0])
+    return output_dir()
+
+
+def preview_dir() -> tuple[Path, str]:
+    """Folder for preview images, and ComfyUI's name for its kind ("temp" is served to the UI)."""
+    if in_comfyui():
+        import folder_paths
+        return Path(folder_paths.get_temp_directory()), "temp"
+    return output_dir(), "output"
+
+
+def cache_dir() -> Path:
+    """Latent/embedding cache; it survives restarts (ComfyUI's temp folder does not)."""
+    if in_comfyui():
+        import folder_paths
+        return Path(folder_paths.get_user_directory()) / "tightrope_cache"
+    return output_dir() / ".tightrope_cache"
+
+
+def progress_reporter(total: int) -> Callable[[int, int, float], None]:
+    if in_comfyui():
+        import comfy.utils
+        bar = comfy.utils.ProgressBar(total)
+        return lambda done, _total, _loss: bar.update_absolute(done, total)
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True)
+
+    def report(done: int, _total: int, loss: float) -> None:
+        bar.n = done
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if done >= total:
+            bar.close()
+
+    return report
+
+
+def interrupt_requested() -> bool:
+    if in_comfyui():
+        import comfy.model_management
+        return comfy.model_management.processing_interrupted()
+    return False
+
+
+def raise_interrupt() -> None:
+    """Let ComfyUI end the prompt as interrupted (after we saved what was trained)."""
+    if in_comfyui():
+        import comfy.model_management
+        comfy.model_management.throw_exception_if_processing_interrupted()
+    raise KeyboardInterrupt("training interrupted")

@@ -1,0 +1,40 @@
+"""LoRA setup node: what to train (peft LoRA), not yet on which model (presets resolve per model family)."""
+from __future__ import annotations
+
+from ..training.lora import LoraSpec, resolve_existing_lora
+from . import host
+
+
+class TightropeLoraSetup:
+    DESCRIPTION = "LoRA settings (peft). Target presets resolve to the right layer names for Flux, SD3.5, Lumina 2, "\
+                  "Wan and Qwen-Image."
+    CATEGORY = "Tightrope/train"
+    RETURN_TYPES = ("TIGHTROPE_LORA",)
+    RETURN_NAMES = ("lora",)
+    FUNCTION = "setup"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "rank": ("INT", {"default": 16, "min": 1, "max": 1024, "tooltip": "LoRA rank r: capacity and file size."}),
+            "alpha": ("FLOAT", {"default": 16.0, "min": 0.01, "max": 4096.0, "step": 0.5,
+                                "tooltip": "Scale alpha: the update is multiplied by alpha/r (alpha/sqrt(r) with "
+                                           "rsLoRA). alpha = rank keeps the scale at 1."}),
+            "rslora": ("BOOLEAN", {"default": False, "tooltip": "Rank-stabilised scaling alpha/sqrt(r)."}),
+            "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01,
+                                  "tooltip": "Dropout on the LoRA input during training."}),
+            "targets": (["attention", "attention_mlp", "all_linear"],
+                        {"default": "attention", "tooltip": "Which layers get a LoRA (per model family)."}),
+            "init": (["default", "gaussian"], {"default": "default",
+                                               "tooltip": "default: A random, B zero (the LoRA starts as a no-op)."}),
+        }, "optional": {
+            "target_regex": ("STRING", {"default": "", "tooltip": "Overrides the preset: a regex matched against "
+                                                                   "full module names, e.g. .*img_attn\\.qkv"}),
+            "existing_lora": ("STRING", {"default": "", "tooltip": "A .safetensors LoRA (a path, or a name in the "
+                                                                    "loras folder) to continue training from."}),
+        }}
+
+    def setup(self, rank, alpha, rslora, dropout, targets, init, target_regex="", existing_lora=""):
+        existing = resolve_existing_lora(existing_lora, host.loras_dir()) if existing_lora else None
+        return (LoraSpec(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, targets=targets,
+                         target_regex=target_regex or None, init=init, existing_lora=existing),)

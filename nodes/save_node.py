@@ -1,0 +1,28 @@
+"""Save LoRA node: writes the session's LoRA where ComfyUI's LoraLoader finds it, never overwriting."""
+from __future__ import annotations
+
+from ..training.save_session import save_session_lora
+from . import host
+
+
+class TightropeSaveLora:
+    DESCRIPTION = "Writes the trained LoRA (.safetensors, keys ComfyUI's LoraLoader applies) to the loras folder "\
+                  "(the output folder headless). Never overwrites: a counter is added to the name."
+    CATEGORY = "Tightrope/train"
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("path",)
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "session": ("TIGHTROPE_SESSION", {"tooltip": "The trained session (from a Train node)."}),
+            "filename_prefix": ("STRING", {"default": "tightrope/my_lora",
+                                           "tooltip": "File name inside the loras folder; subfolders allowed, "
+                                                      "'..' and absolute paths are not."}),
+        }}
+
+    def save(self, session, filename_prefix):
+        path = save_session_lora(session, host.loras_dir(), filename_prefix)
+        return {"ui": {"text": [str(path)]}, "result": (str(path),)}

@@ -1,0 +1,72 @@
+"""The training-step node: N steps on a new or continued session (train, preview, train on)."""
+from __future__ import annotations
+
+from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, TrainConfig
+from ..training.timesteps import SAMPLINGS
+from ..training.training_run import run_training_node
+from . import host
+
+_C = TrainConfig()
+
+
+class TightropeTrain:
+    DESCRIPTION = ("Trains the LoRA for N steps under the memory strategy, with a progress bar; interrupting saves "
+                   "the LoRA of the last completed step. Wire its session into another Train node to go on.")
+    CATEGORY = "Tightrope/train"
+    RETURN_TYPES = ("TIGHTROPE_SESSION", "MODEL", "STRING")
+    RETURN_NAMES = ("session", "model", "report")
+    FUNCTION = "train"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "steps": ("INT", {"default": 100, "min": 1, "max": 1_000_000, "tooltip": "Optimizer steps in this run."}),
+            "learning_rate": ("FLOAT", {"default": _C.learning_rate, "min": 1e-7, "max": 1.0, "step": 1e-5,
+                                        "round": False, "tooltip": "Peak learning rate of the LoRA weights."}),
+            "optimizer": (list(OPTIMIZERS), {"default": _C.optimizer,
+                                              "tooltip": "adamw8bit needs bitsandbytes and CUDA."}),
+            "schedule": (list(SCHEDULES), {"default": _C.schedule,
+                                            "tooltip": "cosine decays the rate over this run's steps."}),
+            "warmup_steps": ("INT", {"default": _C.warmup_steps, "min": 0, "max": 100_000,
+                                     "tooltip": "Linear warmup over the session's first steps."}),
+            "batch_size": ("INT", {"default": _C.batch_size, "min": 1, "max": 1024,
+                                   "tooltip": "Images per micro-batch (from one aspect-ratio bucket)."}),
+            "grad_accumulation": ("INT", {"default": _C.grad_accumulation, "min": 1, "max": 1024,
+                                          "tooltip": "Micro-batches per optimizer step."}),
+            "seed": ("INT", {"default": _C.seed, "min": 0, "max": 2**63 - 1,
+                             "tooltip": "Seeds data order, noise and timesteps: same seed, same run."}),
+            "timestep_sampling": (list(SAMPLINGS), {"default": _C.timestep_sampling,
+                                                     "tooltip": "How training timesteps are drawn."}),
+            "timestep_shift": ("FLOAT", {"default": _C.timestep_shift, "min": 0.01, "max": 100.0, "step": 0.1,
+                                         "tooltip": "> 1 trains more on noisy timesteps (3.0 is common for "
+                                                    "Flux at 1024 px)."}),
+            "guidance": ("FLOAT", {"default": _C.guidance, "min": 0.0, "max": 100.0, "step": 0.1,
+                                   "tooltip": "Guidance fed to guidance-distilled models (Flux-dev) in training."}),
+            "save_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
+                                   "tooltip": "Write a LoRA every N steps (0: only if the run stops early)."}),
+            "filename_prefix": ("STRING", {"default": "tightrope/lora",
+                                           "tooltip": "Name of the LoRA files written while training, inside the "
+                                                      "loras folder."}),
+            "device": (["auto", "cuda", "cpu"], {"default": "auto", "tooltip": "auto: CUDA when available."}),
+            "on_nonfinite": (list(ON_NONFINITE), {"default": _C.on_nonfinite,
+                                                   "tooltip": "A NaN loss stops (keeping the last good LoRA) or "
+                                                              "skips the step."}),
+        }, "optional": {
+            "session": ("TIGHTROPE_SESSION", {"tooltip": "Continue this session (its model, data and LoRA); the "
+                                                         "inputs below are then optional."}),
+            "model": ("MODEL", {"tooltip": "The base model to train a LoRA for."}),
+            "dataset": ("TIGHTROPE_DATASET", {"tooltip": "From Load Dataset."}),
+            "lora": ("TIGHTROPE_LORA", {"tooltip": "From LoRA Setup."}),
+            "strategy": ("TIGHTROPE_STRATEGY", {"tooltip": "From Memory Strategy (default: everything on the GPU, "
+                                                           "bf16)."}),
+        }}
+
+    def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
+              strategy=None, **config):
+        result, model_out, report = run_training_node(
+            TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
+            strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
+            save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested)
+        if result.interrupted:
+            host.raise_interrupt()
+        return (result, model_out, report)

@@ -1,0 +1,190 @@
+"""Regenerate workflows/*.json (ComfyUI's UI format, drag-and-drop loadable) from compact graph descriptions.
+
+Widget order comes from each node class's INPUT_TYPES, so a saved workflow cannot drift from the nodes' schema.
+Run after changing a node's inputs: `python scripts/make_workflows.py`; tests/workflows checks the files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tightrope import NODE_CLASS_MAPPINGS
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+
+# ComfyUI core nodes used by the Flux-dev workflows (ComfyUI 0.33): widgets in order, connection inputs, outputs
+CORE = {
+    "UNETLoader": (["unet_name", "weight_dtype"], [], ["MODEL"]),
+    "DualCLIPLoader": (["clip_name1", "clip_name2", "type", "device"], [], ["CLIP"]),
+    "VAELoader": (["vae_name"], [], ["VAE"]),
+    "CLIPTextEncode": (["text"], [("clip", "CLIP")], ["CONDITIONING"]),
+    "FluxGuidance": (["guidance"], [("conditioning", "CONDITIONING")], ["CONDITIONING"]),
+    "EmptySD3LatentImage": (["width", "height", "batch_size"], [], ["LATENT"]),
+    "KSampler": (["seed", "control_after_generate", "steps", "cfg", "sampler_name", "scheduler", "denoise"],
+                 [("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                  ("latent_image", "LATENT")], ["LATENT"]),
+    "VAEDecode": ([], [("samples", "LATENT"), ("vae", "VAE")], ["IMAGE"]),
+    "PreviewImage": ([], [("images", "IMAGE")], []),
+}
+
+
+def _schema(node_type: str):
+    """(widget names incl. control slots, [(connection input, type)], [(output name, type)])."""
+    if node_type in CORE:
+        widgets, conns, outs = CORE[node_type]
+        return widgets, conns, [(t, t) for t in outs]
+    cls = NODE_CLASS_MAPPINGS[node_type]
+    spec = cls.INPUT_TYPES()
+    widgets, conns = [], []
+    for section in ("required", "optional"):
+        for name, (kind, *opts) in spec.get(section, {}).items():
+            opts = opts[0] if opts else {}
+            if isinstance(kind, list) or (kind in WIDGET_TYPES and not opts.get("forceInput")):
+                widgets.append(name)
+                if kind == "INT" and opts.get("control_after_generate", name in ("seed", "noise_seed")):
+                    widgets.append("control_after_generate")
+            else:
+                conns.append((name, kind))
+    names = getattr(cls, "RETURN_NAMES", None) or cls.RETURN_TYPES
+    return widgets, conns, list(zip(names, cls.RETURN_TYPES))
+
+
+def build(nodes: list[dict]) -> dict:
+    """nodes: {"id", "type", "col", "row", "widgets": {name: value}, "links": {input: (from_id, from_slot)}}."""
+    by_id = {n["id"]: n for n in nodes}
+    links, out_nodes = [], []
+    link_id = 0
+    for n in nodes:
+        widgets, conns, _ = _schema(n["type"])
+        n["_inputs"] = []
+        for name, kind in conns:
+            src = n.get("links", {}).get(name)
+            if src is None:
+                n["_inputs"].append({"name": name, "type": kind, "link": None})
+                continue
+            link_id += 1
+            src_type = _schema(by_id[src[0]]["type"])[2][src[1]][1]
+            links.append([link_id, src[0], src[1], n["id"], len(n["_inputs"]), src_type])
+            n["_inputs"].append({"name": name, "type": kind, "link": link_id})
+        for name in widgets:  # a widget fed by a link (converted to an input)
+            if name in n.get("links", {}):
+                src = n["links"][name]
+                link_id += 1
+                src_type = _schema(by_id[src[0]]["type"])[2][src[1]][1]
+                links.append([link_id, src[0], src[1], n["id"], len(n["_inputs"]), src_type])
+                n["_inputs"].append({"name": name, "type": src_type, "link": link_id, "widget": {"name": name}})
+    for n in nodes:
+        widgets, _, outs = _schema(n["type"])
+        values = [n.get("widgets", {}).get(w, "fixed" if w == "control_after_generate" else None) for w in widgets]
+        missing = [w for w, v in zip(widgets, values) if v is None]
+        if missing:
+            raise ValueError(f"node {n['id']} {n['type']}: give widget values for {missing}")
+        out_nodes.append({
+            "id": n["id"], "type": n["type"], "pos": [40 + 360 * n["col"], 40 + 260 * n["row"]],
+            "size": [320, 80 + 26 * len(widgets)], "flags": {}, "order": n["id"], "mode": 0,
+            "inputs": n["_inputs"],
+            "outputs": [{"name": name, "type": kind, "links": [lk[0] for lk in links
+                                                              if lk[1] == n["id"] and lk[2] == slot] or None,
+                         "slot_index": slot} for slot, (name, kind) in enumerate(outs)],
+            "properties": {"Node name for S&R": n["type"], **({} if n["type"] in CORE else {"cnr_id": "tightrope"})},
+            "widgets_values": values,
+            **({"title": n["title"]} if "title" in n else {}),
+        })
+    return {"last_node_id": max(n["id"] for n in nodes), "last_link_id": link_id, "nodes": out_nodes,
+            "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
+            "version": 0.4}
+
+
+LORA = {"rank": 8, "alpha": 8.0, "rslora": False, "dropout": 0.0, "targets": "attention_mlp", "init": "default",
+        "target_regex": "", "existing_lora": ""}
+TRAIN = {"learning_rate": 1e-3, "optimizer": "adamw", "schedule": "constant", "warmup_steps": 10, "batch_size": 4,
+         "grad_accumulation": 1, "seed": 0, "timestep_sampling": "logit_normal", "timestep_shift": 1.0,
+         "guidance": 1.0, "save_every": 50, "filename_prefix": "tightrope/demo_checkpoint", "device": "auto",
+         "on_nonfinite": "stop"}
+STRATEGY = {"mode": "manual", "vram_budget_gb": 0.0, "offload_fraction": 0.5, "offload_policy": "spread",
+            "prefetch_depth": 1, "activation_offload": False, "checkpoint": "every_n", "checkpoint_every": 2,
+            "compile": "off", "activation_memory_budget": 1.0, "compile_mode": "default", "compute_dtype": "fp32",
+            "weight_dtype": "auto", "pin_memory": True}
+
+
+def demo() -> dict:
+    return build([
+        {"id": 1, "type": "TightropeDemoModel", "col": 0, "row": 0, "widgets": {"seed": 0}},
+        {"id": 2, "type": "TightropeDemoEncoders", "col": 0, "row": 1, "widgets": {"seed": 0}},
+        {"id": 3, "type": "TightropeDemoImages", "col": 0, "row": 2,
+         "widgets": {"subfolder": "tightrope_demo_images", "count": 16, "size": 32, "seed": 0}},
+        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1,
+         "widgets": {"folder": "", "resolution": 32, "caption_dropout": 0.0, "use_repeats": True, "strict": False},
+         "links": {"folder": (3, 0), "vae": (2, 0), "clip": (2, 1)}},
+        {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "widgets": LORA},
+        {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0, "widgets": STRATEGY},
+        {"id": 7, "type": "TightropeTrain", "col": 2, "row": 0, "title": "Train (first 100 steps)",
+         "widgets": {**TRAIN, "steps": 100},
+         "links": {"model": (1, 0), "dataset": (4, 0), "lora": (5, 0), "strategy": (6, 0)}},
+        {"id": 8, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (50 more steps)",
+         "widgets": {**TRAIN, "steps": 50, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
+        {"id": 9, "type": "TightropeSaveLora", "col": 4, "row": 0,
+         "widgets": {"filename_prefix": "tightrope/demo_lora"}, "links": {"session": (8, 0)}},
+        {"id": 10, "type": "TightropePlots", "col": 4, "row": 1,
+         "widgets": {"filename_prefix": "tightrope/demo"}, "links": {"session": (8, 0)}},
+    ])
+
+
+def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
+    train = {**TRAIN, "learning_rate": 1e-4, "batch_size": batch_size, "timestep_shift": 3.0, "save_every": 250,
+             "filename_prefix": "tightrope/flux_dev_checkpoint", "warmup_steps": 50}
+    return build([
+        {"id": 1, "type": "UNETLoader", "col": 0, "row": 0,
+         "widgets": {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}},
+        {"id": 2, "type": "DualCLIPLoader", "col": 0, "row": 1,
+         "widgets": {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
+                     "device": "default"}},
+        {"id": 3, "type": "VAELoader", "col": 0, "row": 2, "widgets": {"vae_name": "ae.safetensors"}},
+        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1,
+         "widgets": {"folder": "my_dataset", "resolution": 1024, "caption_dropout": 0.05, "use_repeats": True,
+                     "strict": False}, "links": {"vae": (3, 0), "clip": (2, 0)}},
+        {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "widgets": {**LORA, "rank": 16, "alpha": 16.0,
+                                                                              "targets": "attention"}},
+        {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0, "title": title, "widgets": strategy},
+        {"id": 7, "type": "TightropeTrain", "col": 2, "row": 0, "title": "Train (first 500 steps)",
+         "widgets": {**train, "steps": 500},
+         "links": {"model": (1, 0), "dataset": (4, 0), "lora": (5, 0), "strategy": (6, 0)}},
+        {"id": 8, "type": "CLIPTextEncode", "col": 2, "row": 2, "widgets": {"text": "a photo of sks"},
+         "links": {"clip": (2, 0)}},
+        {"id": 9, "type": "FluxGuidance", "col": 3, "row": 2, "widgets": {"guidance": 3.5},
+         "links": {"conditioning": (8, 0)}},
+        {"id": 10, "type": "EmptySD3LatentImage", "col": 2, "row": 3,
+         "widgets": {"width": 1024, "height": 1024, "batch_size": 1}},
+        {"id": 11, "type": "KSampler", "col": 3, "row": 1, "title": "Preview with the LoRA",
+         "widgets": {"seed": 0, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                     "denoise": 1.0},
+         "links": {"model": (7, 1), "positive": (9, 0), "negative": (9, 0), "latent_image": (10, 0)}},
+        {"id": 12, "type": "VAEDecode", "col": 4, "row": 1, "links": {"samples": (11, 0), "vae": (3, 0)}},
+        {"id": 13, "type": "PreviewImage", "col": 5, "row": 1, "links": {"images": (12, 0)}},
+        {"id": 14, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (500 more steps)",
+         "widgets": {**train, "steps": 500, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
+        {"id": 15, "type": "TightropeSaveLora", "col": 4, "row": 0,
+         "widgets": {"filename_prefix": "tightrope/flux_dev_lora"}, "links": {"session": (14, 0)}},
+        {"id": 16, "type": "TightropePlots", "col": 5, "row": 0, "widgets": {"filename_prefix": "tightrope/flux_dev"},
+         "links": {"session": (14, 0)}},
+    ])
+
+
+WORKFLOWS = {
+    "demo.json": demo,
+    # 24 GB: Flux-dev's 23.8 GB of bf16 weights do not fit beside activations; stream half of them and checkpoint
+    # every second block.
+    "flux_dev_lora_24gb.json": lambda: flux_dev(
+        {**STRATEGY, "offload_fraction": 0.5, "prefetch_depth": 2, "checkpoint": "every_n", "checkpoint_every": 2,
+         "compute_dtype": "bf16", "weight_dtype": "bf16"}, 1, "Memory Strategy (24 GB preset)"),
+    # 8 GB: stream every block, checkpoint all of them and park their inputs in host memory.
+    "flux_dev_lora_8gb.json": lambda: flux_dev(
+        {**STRATEGY, "offload_fraction": 1.0, "prefetch_depth": 1, "activation_offload": True, "checkpoint": "all",
+         "compute_dtype": "bf16", "weight_dtype": "bf16"}, 1, "Memory Strategy (8 GB preset)"),
+}
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parents[1] / "workflows"
+    for name, make in WORKFLOWS.items():
+        (out / name).write_text(json.dumps(make(), indent=1) + "\n")
+        print("wrote", out / name)

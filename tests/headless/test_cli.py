@@ -1,0 +1,91 @@
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from tightrope import cli
+
+
+@pytest.fixture
+def fake_cli(monkeypatch, mappings):
+    """main() with the fake nodes and a recorder instead of tightrope.nodes.host."""
+    host_calls = []
+    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: host_calls.append((output_dir, resume)))
+    return host_calls
+
+
+def _write(tmp_path, workflow, name="w.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(workflow))
+    return str(path)
+
+
+def test_run_succeeds_and_prints_the_output_nodes(tmp_path, ui_workflow, fake_cli, capsys):
+    out_dir = tmp_path / "out"
+    assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--resume"]) == 0
+    assert fake_cli == [(str(out_dir), True)] and out_dir.is_dir()
+    captured = capsys.readouterr()
+    assert "node 3 'Record':\n  text: sum=12" in captured.out and "text: size=4" in captured.out
+    assert "ran 6 node(s)" in captured.out
+    assert "[1/6] node 1 'Constant'" in captured.err  # progress goes to stderr
+
+
+def test_workflow_error_exits_2_with_a_message_and_no_traceback(tmp_path, fake_cli, capsys):
+    path = _write(tmp_path, {"7": {"class_type": "KSampler", "inputs": {}}})
+    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error: node 7 'KSampler' is a ComfyUI core node" in err and "Traceback" not in err
+    assert cli.main(["run", str(tmp_path / "nope.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_node_failure_exits_1(tmp_path, fake_cli, capsys):
+    path = _write(tmp_path, {"1": {"class_type": "Constant", "inputs": {"value": 1}},
+                             "2": {"class_type": "Explode", "inputs": {"value": ["1", 0]}},
+                             "3": {"class_type": "Record", "inputs": {"value": ["2", 0]}}})
+    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
+    assert "error: node 2 'Explode' failed: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130(tmp_path, api_workflow, fake_cli, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("tightrope.headless.executor.run_workflow", interrupted)
+    assert cli.main(["run", _write(tmp_path, api_workflow), "--output-dir", str(tmp_path)]) == 130
+    assert "interrupted (Ctrl-C)" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["run"]) == 2
+    assert "usage: tightrope" in capsys.readouterr().err
+
+
+def test_bench_gets_all_remaining_arguments(monkeypatch):
+    received = []
+    fake_bench = types.ModuleType("tightrope.bench.cli")
+    fake_bench.main = lambda argv: received.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "tightrope.bench.cli", fake_bench)
+    assert cli.main(["bench", "--quick", "--help"]) == 3
+    assert received == [["--quick", "--help"]]
+
+
+def test_run_configures_the_real_host(tmp_path, api_workflow, mappings, monkeypatch):
+    host = pytest.importorskip("tightrope.nodes.host")
+    monkeypatch.setattr(host, "_headless_output", None)  # restored after the test: host state is module-level
+    monkeypatch.setattr(host, "_resume", False)
+    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    assert cli.main(["run", _write(tmp_path, api_workflow), "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
+    assert host.output_dir() == tmp_path / "o" and host.resume_requested()
+
+
+def test_python_dash_m_tightrope_help():
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-m", "tightrope", "--help"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: tightrope" in done.stdout and "run" in done.stdout and "bench" in done.stdout

@@ -1,0 +1,188 @@
+"""The probe and the auto memory planner: measured sizes, budgets respected, monotone in the budget, clear errors."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, inject_adapter_in_model
+from two_stream import make_batch, make_lora_model
+
+from tightrope.memory.blocks import discover_blocks
+from tightrope.memory.memory_model import measure_weight_sizes
+from tightrope.memory.plan_cost import predict
+from tightrope.memory.planner import auto_budget, autotune_batch, candidate_strategies, plan
+from tightrope.memory.probe import measure_h2d_bandwidth, probe_model
+from tightrope.memory.profile import CompileFactors, Profile
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.training.reference_flux import Flux, FluxParams
+
+GiB = 1 << 30
+
+
+def _inputs():
+    inputs, target = make_batch()
+    return inputs, lambda out: F.mse_loss(out, target)
+
+
+@functools.lru_cache(maxsize=None)
+def _two_stream_profile(offload: float = 0.0) -> Profile:
+    torch.manual_seed(0)
+    return probe_model(make_lora_model(), _inputs, "cpu", Strategy(compute_dtype="fp32", offload_fraction=offload),
+                       repeats=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _flux_dev_profile() -> Profile:
+    """FluxParams.dev() block sizes (bf16 weights, rank-16 LoRA, measured on the meta device) with synthetic
+    activations and timings in the proportions of a 1024 px batch of 1 on an H100."""
+    with torch.device("meta"):
+        model = Flux(FluxParams.dev()).to(torch.bfloat16)
+    model.requires_grad_(False)
+    cfg = LoraConfig(r=16, lora_alpha=16, target_modules=r"(double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)"
+                                                         r"|single_blocks\.\d+\.linear(1|2))")
+    model = inject_adapter_in_model(cfg, model)
+    blocks = discover_blocks(model)
+    sizes = measure_weight_sizes(model, [b.module for b in blocks], 2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    tokens, hidden = 4096 + 512, 3072
+    boundary = tokens * hidden * 2
+    n = len(blocks)
+    return Profile(
+        device="cuda", batch=1, block_names=[b.name for b in blocks],
+        block_types=[type(b.module).__name__ for b in blocks], block_frozen=sizes.block_frozen,
+        block_packed=sizes.block_packed, block_trainable=sizes.block_trainable, other_weight_bytes=sizes.other,
+        trainable_bytes=sum(p.numel() * 4 for p in trainable), trainable_numel=sum(p.numel() for p in trainable),
+        act_full=[18 * boundary] * n, act_ckpt=[boundary] * n, act_shared=64 << 20, act_other=256 << 20,
+        # compute ~ 2 FLOP per weight per token at ~400 TFLOP/s; backward (input grads only) about the same
+        fwd_s=[f / 2 * tokens * 2 / 400e12 for f in sizes.block_frozen],
+        bwd_s=[f / 2 * tokens * 2 / 400e12 for f in sizes.block_frozen], other_s=0.02, h2d_bytes_per_s=24e9,
+        compile={t: {"1.0": CompileFactors(0.85, 0.9, 1.0, 20.0), "0.5": CompileFactors(0.9, 1.0, 0.45, 25.0)}
+                 for t in {type(b.module).__name__ for b in blocks}})
+
+
+def test_probe_measures_what_the_runtime_saves():
+    prof = _two_stream_profile()
+    assert prof.n_blocks == 6 and prof.batch == 2
+    assert all(c < f for c, f in zip(prof.act_ckpt, prof.act_full))  # checkpoint-all keeps less, per block
+    assert prof.act_shared > 0 and all(t > 0 for t in prof.fwd_s + prof.bwd_s) and prof.h2d_bytes_per_s > 0
+    model = make_lora_model()
+    for strategy, predicted in [(Strategy(compute_dtype="fp32"), sum(prof.act_full)),
+                                (Strategy(compute_dtype="fp32", checkpoint="all"), sum(prof.act_ckpt))]:
+        saved = {}
+        inputs, target = make_batch()
+        with MemoryRuntime(model, strategy, "cpu"):
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in weights:
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = F.mse_loss(model(**inputs), target)
+            loss.backward()
+        total = predicted + prof.act_shared + prof.act_other
+        assert abs(sum(saved.values()) - total) <= 0.02 * total
+
+
+def test_probe_under_offload_measures_the_same_bytes():
+    a, b = _two_stream_profile(0.0), _two_stream_profile(1.0)
+    assert a.act_full == b.act_full and a.act_ckpt == b.act_ckpt and a.block_frozen == b.block_frozen
+
+
+def test_profile_json_round_trip():
+    for prof in (_two_stream_profile(), _flux_dev_profile()):
+        again = Profile.from_json(prof.to_json())
+        assert again == prof
+    with pytest.raises(ValueError, match="unknown profile field"):
+        Profile.from_dict({**_two_stream_profile().to_dict(), "nonsense": 1})
+
+
+@pytest.mark.parametrize("budget", [420_000, 500_000, 650_000, 800_000, 1_000_000, 4_000_000])
+def test_plan_fits_and_weights_match_the_runtime(budget):
+    prof = _two_stream_profile()
+    p = plan(prof, budget)
+    assert p.predicted_peak_bytes <= budget and p.candidates_considered > 20
+    with MemoryRuntime(make_lora_model(), p.strategy, "cpu") as rt:
+        assert rt.predicted_weight_bytes() == p.prediction.breakdown["weights"] == rt.device_weight_bytes()
+
+
+def test_bigger_budget_is_never_slower():
+    for prof, budgets in [(_two_stream_profile(), range(400_000, 1_200_000, 50_000)),
+                          (_flux_dev_profile(), [g * GiB for g in (6, 8, 10, 12, 16, 20, 24, 32, 48, 80)])]:
+        times = []
+        for b in budgets:
+            try:
+                p = plan(prof, b)
+            except StrategyError:
+                assert not times, "a budget that fits must keep fitting when it grows"
+                continue
+            assert p.predicted_peak_bytes <= b
+            assert p.predicted_step_s >= p.prediction.bound_s - 1e-12
+            times.append(p.predicted_step_s)
+        assert times and all(t2 <= t1 + 1e-12 for t1, t2 in zip(times, times[1:]))
+
+
+def test_flux_dev_plans_read_sensibly():
+    prof = _flux_dev_profile()
+    small, large = plan(prof, 12 * GiB), plan(prof, 80 * GiB)
+    assert small.strategy.offload_fraction > 0 and large.strategy.offload_fraction == 0
+    assert "of your 12.0 GiB" in small.explanation and "s/step" in small.explanation
+    assert "Offloading" in small.explanation and "All 57 blocks stay on the device" in large.explanation
+    assert plan(prof, 12 * GiB, allow_compile=False).strategy.compile == "off"
+    assert plan(prof, 12 * GiB, compile_time_budget_s=1.0).strategy.compile == "off"
+
+
+def test_transfers_bound_the_step_when_everything_streams():
+    prof = _flux_dev_profile()
+    pred = predict(prof, Strategy(offload_fraction=1.0, checkpoint="all"))
+    transfer = sum(prof.block_packed) / prof.h2d_bytes_per_s
+    assert pred.step_s >= pred.bound_s >= transfer  # each pass streams (nearly) all weights
+    assert pred.step_s >= pred.compute_s
+
+
+def test_infeasible_budget_names_the_minimum():
+    prof = _flux_dev_profile()
+    with pytest.raises(StrategyError, match=r"needs at least \d+\.\d GiB with everything offloaded and "
+                                            r"checkpointed.*raise the budget or reduce the batch/resolution"):
+        plan(prof, 1 * GiB)
+    with pytest.raises(StrategyError, match="positive number of bytes"):
+        plan(prof, -5)
+
+
+def test_auto_budget_needs_cuda():
+    with pytest.raises(StrategyError, match="explicit budget in bytes"):
+        auto_budget("cpu")
+    with pytest.raises(StrategyError, match="explicit budget"):
+        plan(_two_stream_profile(), "auto")
+
+
+def test_batch_autotune_returns_the_largest_fitting_batch():
+    prof = _flux_dev_profile()
+    strategy = Strategy(offload_fraction=0.5, checkpoint="all")
+    budget = 20 * GiB
+    best = autotune_batch(prof, budget, strategy=strategy)
+    assert predict(prof.at_batch(best), strategy).peak_bytes <= budget
+    assert predict(prof.at_batch(best + 1), strategy).peak_bytes > budget
+    planned = autotune_batch(prof, budget)
+    plan(prof.at_batch(planned), budget)
+    with pytest.raises(StrategyError):
+        plan(prof.at_batch(planned + 1), budget)
+    assert autotune_batch(lambda b: prof.at_batch(b), budget, strategy=strategy) == best
+    assert autotune_batch(prof, 10_000 * GiB, strategy=strategy, max_batch=64) == 64
+    with pytest.raises(StrategyError, match="not even batch 1"):
+        autotune_batch(prof, 1 * GiB, strategy=strategy)
+
+
+def test_candidates_cover_the_grid():
+    prof = _flux_dev_profile()
+    cands = candidate_strategies(prof, Strategy())
+    kinds = {(s.checkpoint, s.activation_offload, s.compile, s.activation_memory_budget, s.prefetch_depth)
+             for s, _ in cands}
+    assert ("all", True, "off", 1.0, 2) in kinds and ("off", False, "per_block", 0.5, 1) in kinds
+    assert len({tuple(off) for _, off in cands}) >= 15
+
+
+def test_h2d_bandwidth_on_cpu_is_a_memcpy_rate():
+    assert 1e8 < measure_h2d_bandwidth("cpu", 8 << 20) < 1e12

@@ -1,0 +1,284 @@
+"""LoRA files: the ComfyUI key format, never overwriting, continuing from a file (ours / peft / kohya), and
+merging into the reference Flux."""
+import copy
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tightrope.training import lora_file
+from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, lora_parameters, lora_state,
+                                     remove_lora)
+from tightrope.training.lora_file import lora_modules_in_file, merge_lora_into, read_lora_file, save_lora
+from tightrope.training.reference_flux import Flux, FluxParams
+from tightrope.training.tiny_checkpoint import init_tiny_weights_
+
+RUN_METADATA = {"tightrope.base_model": "tiny-flux", "tightrope.family": "flux", "tightrope.steps": "7",
+                "tightrope.strategy": '{"offload_fraction": 0.0}'}
+
+
+_TINY = {}
+
+
+def tiny_flux(seed=0):
+    """A fresh copy of the tiny reference Flux (built once per seed: copying is faster than building)."""
+    if seed not in _TINY:
+        _TINY[seed] = init_tiny_weights_(Flux(FluxParams.tiny()), seed)
+    return copy.deepcopy(_TINY[seed])
+
+
+def flux_inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 16, 4, 6, generator=g), torch.tensor([0.4]), torch.randn(1, 3, 64, generator=g),
+            torch.randn(1, 32, generator=g), torch.tensor([3.5]))
+
+
+def trained(spec, seed=0):
+    """A tiny Flux with `spec` injected and non-zero LoRA weights (a fresh LoRA is a no-op)."""
+    model = tiny_flux()
+    names = inject_lora(model, spec, "flux")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(model).values():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model, names
+
+
+def output(model):
+    with torch.no_grad():
+        return model.forward_latent(*flux_inputs())
+
+
+# ------------------------------------------------------------------------------------------------------- save
+def test_saved_file_has_exactly_the_comfyui_keys(tmp_path):
+    spec = LoraSpec(rank=4, alpha=8.0, targets="attention_mlp")
+    model, names = trained(spec)
+    path = save_lora(tmp_path, "tightrope/run", model, spec, metadata=RUN_METADATA)
+    assert path == tmp_path / "tightrope" / "run_00001_.safetensors"
+    tensors, meta = read_lora_file(path)
+    expected = {f"diffusion_model.{n}.{k}" for n in names for k in ("lora_A.weight", "lora_B.weight", "alpha")}
+    assert set(tensors) == expected
+    layer = model.get_submodule("double_blocks.0.img_mlp.0")
+    assert tensors["diffusion_model.double_blocks.0.img_mlp.0.lora_A.weight"].shape == (4, 128)
+    assert tensors["diffusion_model.double_blocks.0.img_mlp.0.lora_B.weight"].shape == (512, 4)
+    assert torch.equal(tensors["diffusion_model.double_blocks.0.img_mlp.0.lora_B.weight"],
+                       layer.lora_B["default"].weight)
+    alpha = tensors["diffusion_model.double_blocks.0.img_mlp.0.alpha"]
+    assert alpha.ndim == 0 and alpha.dtype == torch.float32 and alpha.item() == 8.0
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert all(isinstance(v, str) for v in meta.values())
+    assert {k: meta[k] for k in RUN_METADATA} == RUN_METADATA
+    assert meta["tightrope.rank"] == "4" and meta["tightrope.alpha"] == "8.0" and meta["tightrope.rslora"] == "false"
+    assert meta["tightrope.targets"] == "attention_mlp" and meta["tightrope.version"]
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "8.0"
+    assert LoraSpec.from_dict(json.loads(meta["tightrope.lora"])) == spec
+
+
+def test_rslora_writes_alpha_times_sqrt_rank(tmp_path):
+    spec = LoraSpec(rank=16, alpha=4.0, rslora=True)
+    model, _ = trained(spec)
+    tensors, meta = read_lora_file(save_lora(tmp_path, "r", model, spec, metadata={}))
+    alphas = {v.item() for k, v in tensors.items() if k.endswith(".alpha")}
+    assert alphas == {16.0}  # 4 * sqrt(16)
+    assert 16.0 / 16 == pytest.approx(spec.scale) == 4.0 / math.sqrt(16)  # ComfyUI's alpha/rank = peft's scale
+    assert meta["ss_network_alpha"] == "16.0" and meta["tightrope.alpha"] == "4.0"
+
+
+def test_bf16_file(tmp_path):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    tensors, meta = read_lora_file(save_lora(tmp_path, "b", model, spec, metadata={}, dtype="bf16"))
+    assert {t.dtype for k, t in tensors.items() if not k.endswith(".alpha")} == {torch.bfloat16}
+    assert {t.dtype for k, t in tensors.items() if k.endswith(".alpha")} == {torch.float32}
+    assert meta["tightrope.lora_dtype"] == "bf16"
+    with pytest.raises(LoraError, match="dtype='fp8' is not supported: choose one of fp32, bf16"):
+        save_lora(tmp_path, "b", model, spec, metadata={}, dtype="fp8")
+
+
+def test_two_saves_make_two_files(tmp_path):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    first = save_lora(tmp_path, "sub/x", model, spec, metadata={})
+    content = first.read_bytes()
+    second = save_lora(tmp_path, "sub/x", model, spec, metadata={})
+    assert (first.name, second.name) == ("x_00001_.safetensors", "x_00002_.safetensors")
+    assert first.read_bytes() == content
+    assert sorted(os.listdir(tmp_path / "sub")) == ["x_00001_.safetensors", "x_00002_.safetensors"]
+
+
+def test_a_name_taken_meanwhile_is_not_overwritten(tmp_path, monkeypatch):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    taken = tmp_path / "x_00001_.safetensors"
+    taken.write_bytes(b"someone else's file")
+    calls = []
+    real = lora_file.next_free_path
+
+    def racing(folder, prefix):  # first answer: a name another writer has just taken
+        calls.append(1)
+        return taken if len(calls) == 1 else real(folder, prefix)
+    monkeypatch.setattr(lora_file, "next_free_path", racing)
+    path = save_lora(tmp_path, "x", model, spec, metadata={})
+    assert path.name == "x_00002_.safetensors" and taken.read_bytes() == b"someone else's file"
+    assert sorted(os.listdir(tmp_path)) == ["x_00001_.safetensors", "x_00002_.safetensors"]  # no temp left
+
+
+@pytest.mark.parametrize("prefix", ["../escape", "a/../../escape", "/abs/lora", "C:\\loras\\x", "..\\x"])
+def test_prefix_outside_the_folder_is_rejected(tmp_path, prefix):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    with pytest.raises(ValueError, match="filename_prefix="):
+        save_lora(tmp_path / "loras", prefix, model, spec, metadata={})
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+def test_save_without_lora_layers_fails(tmp_path):
+    with pytest.raises(LoraError, match="no LoRA layers to save: inject_lora"):
+        save_lora(tmp_path, "x", tiny_flux(), LoraSpec(rank=4), metadata={})
+
+
+# ------------------------------------------------------------------------------------------------------- read
+def test_read_errors_name_the_file(tmp_path):
+    with pytest.raises(LoraError, match=r"'.*prev\.ckpt' is not a \.safetensors file.*never pickled"):
+        read_lora_file(tmp_path / "prev.ckpt")
+    with pytest.raises(FileNotFoundError, match=r"'.*missing\.safetensors' does not exist"):
+        read_lora_file(tmp_path / "missing.safetensors")
+    (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(LoraError, match=r"'.*broken\.safetensors' could not be read as safetensors.*again"):
+        read_lora_file(tmp_path / "broken.safetensors")
+
+
+def test_unsupported_keys_are_named():
+    t = {"diffusion_model.a.lora_A.weight": torch.zeros(2, 3), "diffusion_model.a.lora_B.weight": torch.zeros(4, 2),
+         "diffusion_model.a.dora_scale": torch.zeros(4, 1)}
+    with pytest.raises(LoraError, match="not plain LoRA weights.*diffusion_model.a.dora_scale.*not DoRA"):
+        lora_modules_in_file(t)
+    with pytest.raises(LoraError, match="lora_A but not both lora_A and lora_B for 'a'"):
+        lora_modules_in_file({"diffusion_model.a.lora_A.weight": torch.zeros(2, 3)})
+
+
+# ---------------------------------------------------------------------------------------------------- continue
+def test_continue_from_a_saved_file_gives_the_same_lora_state(tmp_path):
+    spec = LoraSpec(rank=4, alpha=2.0, rslora=True, targets="all_linear")
+    model, _ = trained(spec)
+    path = save_lora(tmp_path, "c", model, spec, metadata={})
+    fresh = tiny_flux()
+    inject_lora(fresh, LoraSpec.from_dict({**spec.to_dict(), "existing_lora": str(path)}), "flux")
+    ours, theirs = lora_state(model), lora_state(fresh)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_continue_with_another_alpha_keeps_the_files_update(tmp_path):
+    spec = LoraSpec(rank=4, alpha=4.0)
+    model, _ = trained(spec)
+    path = save_lora(tmp_path, "c", model, spec, metadata={})
+    fresh = tiny_flux()
+    inject_lora(fresh, LoraSpec(rank=4, alpha=1.0, rslora=True, existing_lora=str(path)), "flux")
+    assert (output(fresh) - output(model)).abs().max() < 1e-5  # B rescaled by (4/4) / (1/2)
+
+
+def as_kohya(tensors):
+    out = {}
+    for k, v in tensors.items():
+        stem = k[len("diffusion_model."):]
+        for ours, theirs in ((".lora_A.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_up.weight"),
+                             (".alpha", ".alpha")):
+            if stem.endswith(ours):
+                out["lora_unet_" + stem[: -len(ours)].replace(".", "_") + theirs] = v
+    return out
+
+
+def test_kohya_and_peft_format_files_load(tmp_path):
+    spec = LoraSpec(rank=4, alpha=4.0, targets="attention_mlp")  # scale 1: peft's alpha-less files mean that
+    model, _ = trained(spec)
+    tensors, _ = read_lora_file(save_lora(tmp_path, "ours", model, spec, metadata={}))
+    kohya = tmp_path / "kohya.safetensors"
+    save_file(as_kohya(tensors), kohya)
+    assert "lora_unet_double_blocks_0_img_mlp_0.lora_down.weight" in as_kohya(tensors)
+    peft_bare = tmp_path / "peft.safetensors"
+    save_file({k[len("diffusion_model."):]: v for k, v in tensors.items() if not k.endswith(".alpha")}, peft_bare)
+    for path in (kohya, peft_bare):
+        fresh = tiny_flux()
+        inject_lora(fresh, LoraSpec(rank=4, alpha=4.0, targets="attention_mlp", existing_lora=str(path)), "flux")
+        ours, theirs = lora_state(model), lora_state(fresh)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), path.name
+        plain = tiny_flux()
+        assert merge_lora_into(plain, path) == 20
+        assert (output(plain) - output(model)).abs().max() < 1e-5, path.name
+
+
+def lumina_shaped_file(path):
+    t = {}
+    for i in range(2):
+        for layer in ("attention.qkv", "attention.out", "feed_forward.w1"):
+            t[f"diffusion_model.layers.{i}.{layer}.lora_A.weight"] = torch.zeros(4, 128)
+            t[f"diffusion_model.layers.{i}.{layer}.lora_B.weight"] = torch.zeros(128, 4)
+            t[f"diffusion_model.layers.{i}.{layer}.alpha"] = torch.tensor(4.0)
+    save_file(t, path)
+    return path
+
+
+def test_a_lora_for_another_architecture_is_refused(tmp_path):
+    path = lumina_shaped_file(tmp_path / "lumina.safetensors")
+    model = tiny_flux()
+    with pytest.raises(LoraError, match=r"6 of 6 LoRA layers in the file match no layer of this model "
+                                        r"\(e\.g\. layers\.0\.attention.*another model architecture"):
+        inject_lora(model, LoraSpec(rank=4, existing_lora=str(path)), "flux")
+    assert not any(".lora_" in k for k in model.state_dict())  # the failed setup was undone
+    with pytest.raises(LoraError, match="none of the 6 LoRA layers.*another model architecture"):
+        merge_lora_into(tiny_flux(), path)
+
+
+def test_rank_and_target_mismatches_say_what_to_set(tmp_path):
+    spec = LoraSpec(rank=4, targets="attention_mlp")
+    model, _ = trained(spec)
+    path = str(save_lora(tmp_path, "m", model, spec, metadata={}))
+    with pytest.raises(LoraError, match="trained with rank 4 but this LoRA setup has rank=8.*set rank=4"):
+        inject_lora(tiny_flux(), LoraSpec(rank=8, targets="attention_mlp", existing_lora=path), "flux")
+    with pytest.raises(LoraError, match="trained with targets='attention_mlp'.*set targets/target_regex"):
+        inject_lora(tiny_flux(), LoraSpec(rank=4, targets="attention", existing_lora=path), "flux")
+    with pytest.raises(LoraError, match="trained with targets='attention_mlp'.*lacks 6"):
+        inject_lora(tiny_flux(), LoraSpec(rank=4, targets="all_linear", existing_lora=path), "flux")
+
+
+def test_another_model_size_is_refused(tmp_path):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    path = str(save_lora(tmp_path, "m", model, spec, metadata={}))
+    wider = init_tiny_weights_(Flux(dataclasses.replace(FluxParams.tiny(), hidden_size=256, num_heads=2)))
+    with pytest.raises(LoraError, match="'double_blocks.0.img_attn.qkv' is 128 -> 384 in the file but 256 -> 768"):
+        inject_lora(wider, LoraSpec(rank=4, existing_lora=path), "flux")
+    with pytest.raises(LoraError, match="128 -> 384 in the LoRA but 256 -> 768 in the model"):
+        merge_lora_into(wider, path)
+
+
+# ------------------------------------------------------------------------------------------------------- merge
+def test_merge_equals_the_injected_lora(tmp_path):
+    spec = LoraSpec(rank=8, alpha=3.0, rslora=True, targets="all_linear")
+    model, names = trained(spec)
+    path = save_lora(tmp_path, "m", model, spec, metadata={})
+    with_lora = output(model)
+    remove_lora(model)
+    base = output(model)
+    assert (with_lora - base).abs().max() > 1e-2  # the LoRA changes the output
+    assert merge_lora_into(model, path) == len(names) == 26
+    assert (output(model) - with_lora).abs().max() < 1e-5
+
+
+def test_merge_strength(tmp_path):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    path = save_lora(tmp_path, "m", model, spec, metadata={})
+    w0 = tiny_flux().double_blocks[0].img_attn.qkv.weight.detach().clone()
+    full, half = tiny_flux(), tiny_flux()
+    merge_lora_into(full, path, 1.0)
+    merge_lora_into(half, path, 0.5)
+    d_full = full.double_blocks[0].img_attn.qkv.weight - w0
+    d_half = half.double_blocks[0].img_attn.qkv.weight - w0
+    assert d_full.abs().max() > 0 and torch.allclose(d_half, 0.5 * d_full, atol=1e-6)
+    with pytest.raises(LoraError, match="has peft LoRA layers"):
+        merge_lora_into(model, path)

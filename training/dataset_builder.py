@@ -1,0 +1,43 @@
+"""Build a TrainingDataset from what a graph supplies: a folder plus encoders, or ComfyUI's LATENT + CONDITIONING."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .dataset import TrainingDataset
+from .encoders import ImageEncoder, TextEncoder
+
+
+def encoders_for(vae: Any, clip: Any) -> tuple[ImageEncoder, TextEncoder]:
+    """Our encoder protocol as is; ComfyUI's VAE / CLIP objects through the ComfyUI adapter."""
+    image = vae if isinstance(vae, ImageEncoder) else None
+    text = clip if isinstance(clip, TextEncoder) else None
+    if image is None or text is None:
+        from .comfy_encoders import ComfyClipEncoder, ComfyVaeEncoder  # ComfyUI imports live there only
+        image = image or ComfyVaeEncoder(vae)
+        text = text or ComfyClipEncoder(clip)
+    return image, text
+
+
+def dataset_from_folder(folder: str | Path, vae: Any, clip: Any, *, resolution: int, caption_dropout: float,
+                        use_repeats: bool, strict: bool, cache_dir: Path | None) -> TrainingDataset:
+    image, text = encoders_for(vae, clip)
+    return TrainingDataset(folder, image, text, max_pixels=resolution * resolution, caption_dropout=caption_dropout,
+                           use_repeats=use_repeats, strict=strict, cache_dir=cache_dir)
+
+
+def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropout: float = 0.0,
+                              empty_conditioning: list | None = None) -> TrainingDataset:
+    """ComfyUI's LATENT ({"samples": (B,C,H,W)}) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
+    one conditioning for all latents, or one per latent."""
+    samples = latent["samples"]
+    conds = [(c, extra.get("pooled_output")) for c, extra in conditioning]
+    if len(conds) not in (1, samples.shape[0]) or any(p is None for _, p in conds):
+        raise ValueError(f"conditioning has {len(conds)} entries for {samples.shape[0]} latents: give one "
+                         "conditioning (with a pooled output, as CLIPTextEncode makes) or one per latent")
+    pick = (lambda i: conds[0]) if len(conds) == 1 else (lambda i: conds[i])
+    empty = empty_conditioning[0] if empty_conditioning else None
+    return TrainingDataset.from_tensors(
+        [samples[i] for i in range(samples.shape[0])], [pick(i)[0] for i in range(samples.shape[0])],
+        [pick(i)[1] for i in range(samples.shape[0])], caption_dropout=caption_dropout,
+        empty_context=empty[0] if empty else None, empty_pooled=empty[1].get("pooled_output") if empty else None)

@@ -1,0 +1,250 @@
+"""LoRA files: saving in the format ComfyUI's LoraLoader applies, reading LoRA files back (ours, peft's, kohya's),
+continuing from one, and merging one into a plain model (a small LoraLoader for headless previews).
+
+Saved keys, per LoRA layer <m> (its module name from the transformer's root, e.g. double_blocks.0.img_attn.qkv):
+    diffusion_model.<m>.lora_A.weight   (rank, in)
+    diffusion_model.<m>.lora_B.weight   (out, rank)
+    diffusion_model.<m>.alpha           0-d fp32; ComfyUI scales B @ A by alpha / rank
+With rsLoRA the file's alpha is alpha * sqrt(rank), so ComfyUI's alpha / rank equals peft's alpha / sqrt(rank): any
+LoRA loader that follows the alpha convention applies the trained update exactly, no rsLoRA support needed.
+
+Weights are saved as fp32 by default: the file then holds exactly what was trained (continuing from it is lossless)
+and ComfyUI casts to the model's dtype when it patches anyway. dtype='bf16' halves the file for sharing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from .atomic_write import atomic_save_file, next_free_path
+from .lora import ADAPTER, LoraSpec, lora_layers, lora_state
+from .lora_targets import LoraError
+
+PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
+LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# key suffix -> part; A is the down projection (rank, in), B the up projection (out, rank)
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weight": "A",
+             ".lora_B.default.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B", ".alpha": "alpha"}
+_STRIPPED_PREFIXES = (PREFIX, "base_model.model.")  # ours; peft's PeftModel
+KOHYA_PREFIX = "lora_unet_"
+
+
+class LoraWeights(NamedTuple):
+    A: Tensor                # (rank, in)
+    B: Tensor                # (out, rank)
+    alpha: float | None      # None: no alpha in the file -> scale 1 (ComfyUI's rule)
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.alpha is None else self.alpha / self.A.shape[0]
+
+
+# ------------------------------------------------------------------------------------------------------- save
+def file_alpha(spec: LoraSpec) -> float:
+    """The alpha to write so that alpha / rank (ComfyUI's scale) equals the trained scale."""
+    return spec.alpha * math.sqrt(spec.rank) if spec.rslora else spec.alpha
+
+
+def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp32") -> dict[str, Tensor]:
+    """A `lora_state` (peft parameter names) -> the tensors of a ComfyUI LoRA file."""
+    if dtype not in LORA_DTYPES:
+        raise LoraError(f"LoRA file dtype={dtype!r} is not supported: choose one of {', '.join(LORA_DTYPES)}")
+    alpha = torch.tensor(file_alpha(spec), dtype=torch.float32)
+    out = {}
+    for key, t in state.items():
+        m = re.fullmatch(rf"(.+)\.lora_([AB])\.{ADAPTER}\.weight", key)
+        if not m:
+            raise LoraError(f"LoRA state key {key!r} is not a peft LoRA weight: pass lora_state(module)")
+        out[f"{PREFIX}{m.group(1)}.lora_{m.group(2)}.weight"] = t.detach().to("cpu", LORA_DTYPES[dtype])
+        out[f"{PREFIX}{m.group(1)}.alpha"] = alpha.clone()
+    return out
+
+
+def save_lora(folder: str | os.PathLike, filename_prefix: str, module: nn.Module, spec: LoraSpec, *,
+              metadata: dict[str, str], dtype: str = "fp32") -> Path:
+    """Write the LoRA injected in `module` (see save_lora_state)."""
+    state = lora_state(module)
+    if not state:
+        raise LoraError(f"{type(module).__name__} has no LoRA layers to save: inject_lora(module, ...) first")
+    return save_lora_state(folder, filename_prefix, state, spec, metadata=metadata, dtype=dtype)
+
+
+def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict[str, Tensor], spec: LoraSpec, *,
+                    metadata: dict[str, str], dtype: str = "fp32") -> Path:
+    """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
+
+    `metadata`: the run's facts as strings (trainer.lora_metadata gives tightrope.base_model, .family, .steps,
+    .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here."""
+    tensors = lora_file_tensors(state, spec, dtype)
+    meta = {**metadata, **lora_metadata(spec, dtype)}
+    for _ in range(100):  # another writer may take the same counter between choosing it and writing
+        try:
+            return atomic_save_file(tensors, next_free_path(folder, filename_prefix), meta, overwrite=False)
+        except FileExistsError:
+            continue
+    raise LoraError(f"could not find a free file name for filename_prefix={filename_prefix!r} in {folder}: "
+                    "choose another filename_prefix")
+
+
+def lora_metadata(spec: LoraSpec, dtype: str = "fp32") -> dict[str, str]:
+    return {"tightrope.version": tightrope_version(), "tightrope.lora": json.dumps(spec.to_dict()),
+            "tightrope.rank": str(spec.rank), "tightrope.alpha": repr(spec.alpha),
+            "tightrope.rslora": str(spec.rslora).lower(), "tightrope.targets": spec.target_regex or spec.targets,
+            "tightrope.lora_dtype": dtype,
+            "ss_network_dim": str(spec.rank), "ss_network_alpha": repr(file_alpha(spec))}
+
+
+def tightrope_version() -> str:
+    try:
+        return importlib_metadata.version("tightrope")
+    except importlib_metadata.PackageNotFoundError:  # a plain checkout in ComfyUI's custom_nodes
+        toml = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', toml.read_text(), re.M) if toml.is_file() else None
+        return m.group(1) if m else "unknown"
+
+
+# ------------------------------------------------------------------------------------------------------- read
+def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors on the CPU, metadata) of a .safetensors LoRA. Never unpickles anything."""
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        raise LoraError(f"LoRA file {str(path)!r} is not a .safetensors file: Tightrope only reads safetensors "
+                        "(never pickled .ckpt/.pt/.bin); convert it or pick the .safetensors version")
+    if not path.is_file():
+        raise FileNotFoundError(f"LoRA file {str(path)!r} does not exist: check the path (a name in the loras "
+                                "folder includes its subfolder, e.g. 'tightrope/my_lora_00001_.safetensors')")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises several types for a damaged header or a truncated file
+        raise LoraError(f"LoRA file {str(path)!r} could not be read as safetensors ({e}): it is damaged or "
+                        "incomplete; save or download it again") from e
+
+
+def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[str, LoraWeights]:
+    """Group a LoRA file's keys by the module they patch. Accepts 'diffusion_model.<m>.lora_A/B.weight' (+ .alpha),
+    peft's bare '<m>.lora_A.weight' and kohya's 'lora_unet_<m with _>.lora_down/up.weight'. Kohya names are mapped
+    back through `module_names` (the model's module names); one that maps to none keeps its kohya name."""
+    kohya = {n.replace(".", "_"): n for n in (module_names or ())}
+    parts: dict[str, dict[str, Tensor]] = {}
+    unknown = []
+    for key, t in tensors.items():
+        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            unknown.append(key)
+            continue
+        name = key[: -len(suffix)]
+        if name.startswith(KOHYA_PREFIX):
+            name = kohya.get(name[len(KOHYA_PREFIX):], name)
+        else:
+            name = next((name[len(p):] for p in _STRIPPED_PREFIXES if name.startswith(p)), name)
+        if _SUFFIXES[suffix] in parts.setdefault(name, {}):
+            raise LoraError(f"the LoRA file has two {_SUFFIXES[suffix]} weights for {name!r} (e.g. {key!r}): it "
+                            "mixes key formats; save it again from one trainer")
+        parts[name][_SUFFIXES[suffix]] = t
+    if unknown:
+        raise LoraError(f"the LoRA file has {len(unknown)} keys that are not plain LoRA weights (e.g. "
+                        f"{', '.join(unknown[:3])}): Tightrope reads LoRA A/B (+alpha) only, not DoRA, LoHa, LoKr "
+                        "or full weight diffs")
+    out = {}
+    for name, p in parts.items():
+        if "A" not in p or "B" not in p:
+            raise LoraError(f"the LoRA file has {'lora_A' if 'A' in p else 'lora_B' if 'B' in p else 'alpha'} "
+                            f"but not both lora_A and lora_B for {name!r}: the file is incomplete; save it again")
+        a, b = p["A"], p["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise LoraError(f"the LoRA weights for {name!r} have shapes A {tuple(a.shape)}, B {tuple(b.shape)}, "
+                            "which are not a Linear LoRA (A (rank, in), B (out, rank)): the file is not a LoRA for "
+                            "Linear layers")
+        out[name] = LoraWeights(a, b, float(p["alpha"].item()) if "alpha" in p else None)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- continue
+@torch.no_grad()
+def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
+    """Load a LoRA file into the LoRA injected in `module` (to continue training from it). Every LoRA layer must
+    get weights and every file entry must fit; B is rescaled if the file's scale differs from this setup's, so the
+    model computes exactly the file's update. Returns the number of loaded layers."""
+    layers = lora_layers(module)
+    if not layers:
+        raise LoraError(f"{type(module).__name__} has no LoRA layers: inject_lora(module, spec, family) first")
+    linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
+              and ".base_layer" not in n and ".lora_" not in n} | set(layers)
+    tensors, meta = read_lora_file(path)
+    entries = lora_modules_in_file(tensors, linear)
+    trained_with = f" (it was trained with targets={meta['tightrope.targets']!r})" if "tightrope.targets" in meta \
+        else ""
+    foreign = [n for n in entries if n not in linear]
+    if foreign:
+        raise LoraError(f"{path}: {len(foreign)} of {len(entries)} LoRA layers in the file match no layer of this "
+                        f"model (e.g. {', '.join(foreign[:3])}): this LoRA was trained for another model "
+                        "architecture; pick a LoRA made for this model")
+    extra = [n for n in entries if n not in layers]
+    missing = [n for n in layers if n not in entries]
+    if extra or missing:
+        diff = ([f"has {len(extra)} layers this setup does not train (e.g. {', '.join(extra[:2])})"] if extra
+                else []) + ([f"lacks {len(missing)} layers it trains (e.g. {', '.join(missing[:2])})"] if missing
+                            else [])
+        raise LoraError(f"{path} does not cover the same layers as this LoRA setup{trained_with}: the file "
+                        f"{' and '.join(diff)}: set targets/target_regex to what the file was trained with")
+    for name in layers:  # model order, so the first error names the first layer
+        w = entries[name]
+        a = layers[name].lora_A[ADAPTER].weight
+        b = layers[name].lora_B[ADAPTER].weight
+        if w.A.shape[0] != a.shape[0]:
+            raise LoraError(f"{path} was trained with rank {w.A.shape[0]} but this LoRA setup has rank="
+                            f"{a.shape[0]} (layer {name!r}): set rank={w.A.shape[0]} to continue from it")
+        if w.A.shape[1] != a.shape[1] or w.B.shape[0] != b.shape[0]:
+            raise LoraError(f"{path}: layer {name!r} is {w.A.shape[1]} -> {w.B.shape[0]} in the file but "
+                            f"{a.shape[1]} -> {b.shape[0]} in this model: this LoRA was trained for another model "
+                            "architecture (or size); pick a LoRA made for this model")
+    for name, w in entries.items():
+        layer = layers[name]
+        ratio = w.scale / layer.scaling[ADAPTER]
+        layer.lora_A[ADAPTER].weight.copy_(w.A)
+        layer.lora_B[ADAPTER].weight.copy_(w.B if abs(ratio - 1) < 1e-6 else w.B.float() * ratio)
+    return len(entries)
+
+
+# ------------------------------------------------------------------------------------------------------- merge
+@torch.no_grad()
+def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float = 1.0) -> int:
+    """A small LoraLoader for a plain model (no peft layers): W += strength * (alpha/rank) * B @ A per layer, in
+    ComfyUI's order of operations (fp32 product, cast to the weight's dtype). Returns the number of patched layers."""
+    if lora_layers(model):
+        raise LoraError(f"{type(model).__name__} has peft LoRA layers: merge a file into a plain model "
+                        "(remove_lora first, or use merge_and_remove_lora)")
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    tensors, _ = read_lora_file(path)
+    entries = lora_modules_in_file(tensors, linear)
+    matched = [n for n in linear if n in entries]  # model order
+    if not matched:
+        raise LoraError(f"none of the {len(entries)} LoRA layers in {path} matches a Linear layer of "
+                        f"{type(model).__name__} (e.g. {', '.join(list(entries)[:3])}): this LoRA was trained for "
+                        "another model architecture; pick a LoRA made for this model")
+    skipped = [n for n in entries if n not in linear]
+    if skipped:  # ComfyUI also applies the rest and logs these
+        warnings.warn(f"{path}: {len(skipped)} LoRA layers match no layer of the model and were skipped "
+                      f"(e.g. {', '.join(skipped[:3])})", stacklevel=2)
+    for name in matched:
+        w, weight = entries[name], linear[name].weight
+        if (w.B.shape[0], w.A.shape[1]) != tuple(weight.shape):
+            raise LoraError(f"{path}: layer {name!r} is {w.A.shape[1]} -> {w.B.shape[0]} in the LoRA but "
+                            f"{weight.shape[1]} -> {weight.shape[0]} in the model: this LoRA was trained for "
+                            "another model size; pick a LoRA made for this model")
+    for name in matched:
+        w, weight = entries[name], linear[name].weight
+        diff = w.B.to(weight.device, torch.float32) @ w.A.to(weight.device, torch.float32)
+        weight += ((strength * w.scale) * diff).to(weight.dtype)
+    return len(matched)

@@ -1,0 +1,68 @@
+"""What the trainer needs from a model, whatever loaded it: the module to put LoRA in, and a prediction.
+
+Two implementations: the embedded reference Flux (`ReferenceFluxModel`, here) and ComfyUI's MODEL (the ComfyUI
+adapter, the only module that imports ComfyUI). `adapter_for` picks one for whatever arrives on a MODEL input.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .reference_flux import Flux
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    family: str      # LoRA target presets and block discovery key on this ("flux", "sd3", ...)
+    base_name: str   # recorded in the LoRA file's metadata
+
+    def training_module(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The diffusion transformer to train; it is given back unchanged when the context exits."""
+
+    def predict(self, module: nn.Module, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                pooled: torch.Tensor, guidance: float) -> torch.Tensor:
+        """The model's flow-matching velocity prediction for noisy latents x_t at times t in (0, 1)."""
+
+
+class ReferenceFluxModel:
+    """The embedded default's MODEL: our plain-PyTorch Flux (see reference_flux.py)."""
+    family = "flux"
+
+    def __init__(self, flux: Flux, base_name: str = "tightrope-reference-flux"):
+        self.flux = flux
+        self.base_name = base_name
+
+    @contextlib.contextmanager
+    def training_module(self) -> Iterator[nn.Module]:
+        if any(p.is_inference() for p in self.flux.parameters()):
+            # built under ComfyUI's inference_mode: autograd cannot save inference tensors, so train on a copy
+            flux = Flux(self.flux.params).requires_grad_(False)
+            flux.load_state_dict({k: v.clone() for k, v in self.flux.state_dict().items()})
+            yield flux
+        else:
+            yield self.flux
+
+    def predict(self, module, x_t, t, context, pooled, guidance):
+        g = torch.full((x_t.shape[0],), float(guidance), device=x_t.device) if module.params.guidance_embed else None
+        return module.forward_latent(x_t, t.to(x_t.device), context, pooled, g)
+
+    def with_lora(self, path: str, strength: float = 1.0) -> "ReferenceFluxModel":
+        """A copy with a saved LoRA merged in (this object is left as it is)."""
+        from .lora_file import merge_lora_into
+        flux = copy.deepcopy(self.flux)
+        merge_lora_into(flux, path, strength)
+        return ReferenceFluxModel(flux, self.base_name)
+
+
+def adapter_for(model: Any) -> ModelAdapter:
+    if isinstance(model, ModelAdapter):
+        return model
+    if hasattr(model, "model") and hasattr(model, "clone") and hasattr(model, "model_options"):
+        from .comfy_model import ComfyModelAdapter  # ComfyUI imports live there only
+        return ComfyModelAdapter(model)
+    raise TypeError(f"the MODEL input is a {type(model).__name__}, which Tightrope cannot train: connect a "
+                    "diffusion model loader (ComfyUI's Load Diffusion Model, or Tightrope's demo model)")

@@ -1,0 +1,97 @@
+"""Optimisation settings of a training run: one frozen, validated dataclass (errors name the input and the fix)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .timesteps import SAMPLINGS
+
+OPTIMIZERS = ("adamw", "adamw8bit")
+SCHEDULES = ("constant", "cosine")
+ON_NONFINITE = ("stop", "skip")
+
+
+class ConfigError(ValueError):
+    """A training setting is invalid; the message names the input and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    learning_rate: float = 1e-4
+    """Peak learning rate of the LoRA weights."""
+    optimizer: str = "adamw"
+    """'adamw', or 'adamw8bit' (bitsandbytes, CUDA) for a quarter of the optimizer memory."""
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    """Linear warmup from 0 over the first steps of the session."""
+    schedule: str = "constant"
+    """'constant', or 'cosine' decay to min_lr_ratio over the steps of each run."""
+    min_lr_ratio: float = 0.0
+    batch_size: int = 1
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step (effective batch = batch_size * grad_accumulation)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (0 = off)."""
+    seed: int = 0
+    """Seeds data order, noise, timesteps and dropout: the same seed gives the same run."""
+    timestep_sampling: str = "logit_normal"
+    timestep_shift: float = 1.0
+    """> 1 moves training towards noisier timesteps (Flux-dev is often trained with 3.0 at 1024 px)."""
+    guidance: float = 1.0
+    """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
+    on_nonfinite: str = "stop"
+    """A NaN/inf loss 'stop's the run (the last good LoRA is kept) or 'skip's that step."""
+
+    def __post_init__(self) -> None:
+        _positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _range("weight_decay", self.weight_decay, 0.0, 1.0)
+        _int("warmup_steps", self.warmup_steps, 0)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _int("batch_size", self.batch_size, 1)
+        _int("grad_accumulation", self.grad_accumulation, 1)
+        _range("max_grad_norm", self.max_grad_norm, 0.0, 1e6)
+        _int("seed", self.seed, 0)
+        _choice("timestep_sampling", self.timestep_sampling, SAMPLINGS)
+        _positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
+        _range("guidance", self.guidance, 0.0, 100.0)
+        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(data) - known:
+            raise ConfigError(f"unknown training setting(s) {sorted(set(data) - known)}: known are {sorted(known)}")
+        return cls(**data)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r} is not a finite number: give a number")
+    return float(value)
+
+
+def _positive(name: str, value: Any, hint: str) -> None:
+    if _number(name, value) <= 0:
+        raise ConfigError(f"{name}={value!r} must be greater than 0 ({hint})")
+
+
+def _range(name: str, value: Any, lo: float, hi: float) -> None:
+    if not lo <= _number(name, value) <= hi:
+        raise ConfigError(f"{name}={value!r} is out of range: use a value from {lo} to {hi}")
+
+
+def _int(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name}={value!r} is invalid: use a whole number >= {lo}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not supported: choose one of {', '.join(choices)}")

@@ -1,0 +1,64 @@
+"""One training node's run, from its inputs to its outputs: the single call the Train node makes."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from ..memory.strategy import Strategy
+from .model_with_lora import model_with_lora
+from .session import TrainingSession
+from .strategy_choice import AutoStrategy
+from .train_config import ConfigError, TrainConfig
+from .trainer import SaveTarget, resolve_device, train
+
+
+def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
+                      dataset: Any, lora: Any, strategy: Any, device: str, save_dir: Path, filename_prefix: str,
+                      save_every: int, progress: Callable | None,
+                      should_stop: Callable[[], bool] | None) -> tuple[TrainingSession, Any, str]:
+    dev = resolve_device(device)
+    if session is None:
+        missing = [name for name, v in (("model", model), ("dataset", dataset), ("lora", lora)) if v is None]
+        if missing:
+            raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora "
+                              "(to start) or a session from another Train node (to continue)")
+        session = TrainingSession(model=model, dataset=dataset, lora=lora, strategy=Strategy(), config=config)
+    else:
+        for name, given in (("model", model), ("lora", lora)):
+            if given is not None and given is not getattr(session, name):
+                raise ConfigError(f"the Train node got both a session and a different {name}: a continued session "
+                                  f"keeps its {name}; disconnect the {name} input or start a new session")
+        session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False)
+    explanation = ""
+    if strategy is not None:
+        chosen, explanation = resolve_strategy(strategy, session, dev)
+        session = session.advanced(strategy=chosen)
+    result = train(session, steps, device=dev, save=SaveTarget(save_dir, filename_prefix, save_every),
+                   progress=progress, should_stop=should_stop)
+    return result, model_with_lora(result), report(result, steps, explanation)
+
+
+def resolve_strategy(choice: Any, session: TrainingSession, device) -> tuple[Strategy, str]:
+    if isinstance(choice, Strategy):
+        return choice, ""
+    if isinstance(choice, AutoStrategy):
+        from .auto_plan import plan_for_session
+        return plan_for_session(session, choice, device)
+    raise ConfigError(f"the strategy input is a {type(choice).__name__}: connect a Memory Strategy node")
+
+
+def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
+    run_losses = session.losses[-steps:]
+    head = sum(run_losses[:10]) / max(len(run_losses[:10]), 1)
+    tail = sum(run_losses[-10:]) / max(len(run_losses[-10:]), 1)
+    stats = session.stats[-1] if session.stats else {}
+    lines = [f"step {session.step}" + (" (interrupted)" if session.interrupted else ""),
+             f"loss: first-10 mean {head:.4f}, last-10 mean {tail:.4f}"]
+    if stats:
+        lines.append(f"last step: {stats['step_time_s']:.3f} s, peak allocated "
+                     f"{stats['peak_allocated_bytes'] / 2**30:.2f} GiB, streamed {stats['h2d_bytes'] / 2**20:.1f} MiB")
+    if session.last_saved:
+        lines.append(f"saved: {session.last_saved}")
+    if explanation:
+        lines.append(explanation)
+    return "\n".join(lines)
