@@ -12,7 +12,7 @@ blocks one after another; the copy engine streams an offloaded block's weights i
 host-to-device only) once a slot is free. As in layer_offload, a copy is issued when the compute stream reaches the
 block `prefetch_depth` offloaded blocks earlier, and starts after the compute queued before it. Whatever the
 schedule, a pass cannot beat its busiest resource, so the lower bound we report is
-    step >= max(sum C_fwd, sum X_fwd) + max(sum C_bwd, sum X_bwd) + other
+    step >= max(sum C_fwd, sum X_fwd) + max(sum C_bwd, sum X_bwd) + other + optimizer
 with C_bwd including the recompute forward of checkpointed blocks and X the offloaded bytes / H2D bandwidth.
 With depth-1 prefetch and every block offloaded the pipeline is close to sum_i max(C_i, X_i) per pass.
 On CPU the runtime's copies are synchronous memcpys, so there the transfers add to compute instead of hiding.
@@ -54,7 +54,8 @@ def _interp(budget: float, points: dict[float, float]) -> float:
     return points[xs[-1]]
 
 
-def _compile_factors(profile: Profile, kind: str, budget: float, ckpt_ratio: float) -> tuple[float, float, float, float]:
+def _compile_factors(profile: Profile, kind: str, budget: float,
+                     ckpt_ratio: float) -> tuple[float, float, float, float]:
     """(fwd, bwd, activation, compile seconds) factors for one block type; 1.0s when the profile has none."""
     measured = (profile.compile or {}).get(kind)
     if not measured:
@@ -128,7 +129,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     overlap = profile.device == "cuda"
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, strategy.prefetch_depth, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, strategy.prefetch_depth, overlap)
-    other = profile.other_s * s
+    other = profile.other_s * s + profile.optimizer_s
     compute = sum(c_fwd) + sum(c_bwd) + other
     if overlap:
         t_fwd = max(t_fwd, d2h)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,102 +25,14 @@ from torch import nn
 
 from .block_compile import compile_block
 from .layer_offload import in_backward
+from .probe_tools import Captured, Clock, SavedBytes, measure_h2d_bandwidth, output_tensors
 from .profile import CompileFactors, Profile
 from .runtime import MemoryRuntime
 from .strategy import Strategy
 
+__all__ = ["probe_model", "measure_h2d_bandwidth"]
+
 InputsMaker = Callable[[], tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]
-
-
-def measure_h2d_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
-    """Bytes per second host -> device: pinned-memory copies on CUDA; on CPU the memcpy bandwidth, which is what
-    the runtime's CPU simulation of a transfer costs."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        nbytes = nbytes or 256 << 20
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dev.copy_(host, non_blocking=True)  # warm-up: first-touch and driver setup are not bandwidth
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        return nbytes * repeats / (start.elapsed_time(end) / 1000.0)
-    nbytes = nbytes or 64 << 20
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / max(statistics.median(times), 1e-9)
-
-
-class _Clock:
-    """Timestamps in stream order on CUDA (events), wall clock elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def seconds(self, a, b) -> float:
-        if not self.cuda:
-            return b - a
-        b.synchronize()
-        return a.elapsed_time(b) / 1000.0
-
-
-class _SavedBytes:
-    """A pass-through saved-tensors hook that records each saved storage once, with the blocks that saved it."""
-
-    def __init__(self, skip: set[int]):
-        self.skip = skip
-        self.owner: int | None = None
-        self.by_ptr: dict[int, tuple[int, set]] = {}
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            s = t.untyped_storage()
-            ptr, n = s.data_ptr(), s.nbytes()
-        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses: nothing to count
-            return t
-        if n and ptr not in self.skip:
-            self.by_ptr.setdefault(ptr, (n, set()))[1].add(self.owner)
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    def total(self) -> int:
-        return sum(n for n, _ in self.by_ptr.values())
-
-
-@dataclass
-class _Captured:
-    data: torch.Tensor      # host copy of one block input
-    requires_grad: bool
-    ptr: int                # storage of the original, to recognise inputs shared between blocks
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
 
 
 def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -139,7 +50,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
     base = strategy_base or Strategy()
     strategy = base.replace(checkpoint="all", activation_offload=False, compile="off")
     originals = {id(m): m.__dict__.get("forward") for m in model.modules()}
-    clock = _Clock(device)
+    clock = Clock(device)
     with MemoryRuntime(model, strategy, device) as rt:
         blocks = [b.module for b in rt.blocks]
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -176,6 +87,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
                                              fwd_s, bwd_s, act_full)
         sizes = rt.sizes
         trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer_s = _time_optimizer(trainable, clock)
     for p in model.parameters():
         p.grad = None  # the probe's gradients are not the user's
     return Profile(
@@ -186,16 +98,16 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=act_ckpt,
         act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
         other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
-        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes),
+        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes), optimizer_s=optimizer_s,
         act_full_alloc=act_alloc if device.type == "cuda" else None, compile=compile_factors,
         measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict())
 
 
 def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
     """Pass 1: two checkpoint-all steps; the first counts boundary bytes and captures inputs, the second is timed."""
-    counter = _SavedBytes(weights)
+    counter = SavedBytes(weights)
     captured: list[tuple[tuple, dict] | None] = [None] * len(blocks)
-    store: dict[tuple, _Captured] = {}
+    store: dict[tuple, Captured] = {}
     marks: dict[int, list] = {}
     state = {"capture": True}
 
@@ -205,7 +117,7 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
         ptr = v.untyped_storage().data_ptr()
         key = (ptr, v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
         if key not in store:  # inputs every block receives are copied once
-            store[key] = _Captured(v.detach().to("cpu", copy=True), v.requires_grad, ptr)
+            store[key] = Captured(v.detach().to("cpu", copy=True), v.requires_grad, ptr)
         return store[key]
 
     def pre(i):
@@ -257,8 +169,25 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
     return counter, captured, result
 
 
+def _time_optimizer(params: list[torch.Tensor], clock: Clock, repeats: int = 3) -> float:
+    """Median AdamW step over copies of the trainable parameters (the user's own are never stepped)."""
+    if not params:
+        return 0.0
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for c in copies:
+        c.grad = torch.randn_like(c)
+    opt = torch.optim.AdamW(copies, lr=1e-5)
+    opt.step()  # the first step allocates the moments
+    times = []
+    for _ in range(repeats):
+        a = clock.mark()
+        opt.step()
+        times.append(clock.seconds(a, clock.mark()))
+    return statistics.median(times)
+
+
 def _restore(c, device, skip: set[int], shared: set[int]):
-    if not isinstance(c, _Captured):
+    if not isinstance(c, Captured):
         return c
     t = c.data.to(device, copy=True)  # fresh every call: blocks may add into their inputs in place
     if c.requires_grad:
@@ -280,7 +209,7 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
         skip = set(weights)
         args = tuple(_restore(a, device, skip, shared) for a in captured[0])
         kwargs = {k: _restore(v, device, skip, shared) for k, v in captured[1].items()}
-        counter = _SavedBytes(skip)
+        counter = SavedBytes(skip)
         measuring = r == 0 and count
         if clock.cuda:
             torch.cuda.synchronize()
@@ -289,12 +218,12 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
         with (counter.hooks() if measuring else contextlib.nullcontext()), rt.autocast():
             out = forward(*args, **kwargs)
         b = clock.mark()
-        outs = [o for o in _tensors(out) if o.requires_grad]
+        outs = [o for o in output_tensors(out) if o.requires_grad]
         if measuring:
             saved = counter.total()
             if clock.cuda:
                 grown = torch.cuda.memory_allocated() - before
-                alloc = max(0, grown - sum(o.untyped_storage().nbytes() for o in _tensors(out)))
+                alloc = max(0, grown - sum(o.untyped_storage().nbytes() for o in output_tensors(out)))
         grads = [torch.randn_like(o) for o in outs]
         c = clock.mark()
         if outs:

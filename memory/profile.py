@@ -44,6 +44,7 @@ class Profile:
     bwd_s: list[float]                   # backward compute seconds per block (without recompute)
     other_s: float                       # forward + backward seconds outside the blocks
     h2d_bytes_per_s: float               # host-to-device copy bandwidth (pinned on CUDA; memcpy on CPU)
+    optimizer_s: float = 0.0             # one AdamW step over the trainable parameters (does not scale with batch)
     act_full_alloc: list[int] | None = None   # CUDA: allocator growth over each block's forward, minus its output
     compile: dict[str, dict[str, CompileFactors]] | None = None  # block type -> str(budget) -> factors
     measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
@@ -102,7 +103,8 @@ class Profile:
                              "re-run the probe to make a new one")
         data = dict(data)
         if data.get("compile"):
-            data["compile"] = {t: {b: CompileFactors(**f) for b, f in per.items()} for t, per in data["compile"].items()}
+            data["compile"] = {t: {b: CompileFactors(**f) for b, f in per.items()}
+                               for t, per in data["compile"].items()}
         return cls(**data)
 
     def to_json(self) -> str:

@@ -65,7 +65,9 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     run = _Run(step=session.step)
     # ComfyUI runs nodes under inference_mode; training needs autograd (restored when this block exits)
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
-        inject_lora(module, session.lora, adapter.family)
+        with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
+            torch.manual_seed(_derive_seed(cfg.seed, "lora-init"))
+            inject_lora(module, session.lora, adapter.family)
         try:
             if session.lora_state is not None:
                 load_lora_state(module, session.lora_state)

@@ -1,0 +1,100 @@
+"""The nodes through their own entry points, as ComfyUI and the headless runner call them."""
+import pytest
+import torch
+
+from tightrope.memory.strategy import StrategyError
+from tightrope.nodes import host
+from tightrope.nodes.dataset_nodes import TightropeDatasetFromLatents, TightropeLoadDataset
+from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages, TightropeDemoModel
+from tightrope.nodes.lora_node import TightropeLoraSetup
+from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+from tightrope.nodes.train_node import TightropeTrain
+from tightrope.training.train_config import ConfigError
+
+
+@pytest.fixture
+def out(tmp_path):
+    host.set_headless_output_dir(tmp_path)
+    yield tmp_path
+    host._headless_output = None
+
+
+def _dataset_inputs(out):
+    (folder,) = TightropeDemoImages().make("imgs", 4, 32, 0)
+    vae, clip = TightropeDemoEncoders().load(0)
+    return dict(folder=folder, vae=vae, clip=clip, resolution=32, caption_dropout=0.0, use_repeats=True,
+                strict=False)
+
+
+def test_second_dataset_load_reuses_the_cache(out):
+    inputs = _dataset_inputs(out)
+    (first,) = TightropeLoadDataset().load(**inputs)
+    (second,) = TightropeLoadDataset().load(**inputs)
+    assert first.encoded_images == 4 and second.encoded_images == 0 and second.image_cache_hits == 4
+    torch.testing.assert_close(first.latent(0), second.latent(0))
+
+
+def test_dataset_errors_name_the_folder(out):
+    inputs = _dataset_inputs(out)
+    with pytest.raises(ValueError, match="does not exist"):
+        TightropeLoadDataset().load(**{**inputs, "folder": str(out / "nope")})
+    (out / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        TightropeLoadDataset().load(**{**inputs, "folder": str(out / "empty")})
+
+
+def test_dataset_from_comfy_latents_and_conditioning():
+    latent = {"samples": torch.randn(3, 16, 8, 8)}
+    conditioning = [[torch.randn(1, 5, 64), {"pooled_output": torch.randn(1, 32)}]]
+    (dataset,) = TightropeDatasetFromLatents().load(latent, conditioning, 0.0)
+    assert len(dataset) == 3 and dataset.latent(2).shape == (16, 8, 8)
+
+
+def test_lora_setup_errors_name_the_input():
+    with pytest.raises(ValueError, match="rank"):
+        TightropeLoraSetup().setup(0, 1.0, False, 0.0, "attention", "default")
+    with pytest.raises(ValueError, match="alpha"):
+        TightropeLoraSetup().setup(4, 0.0, False, 0.0, "attention", "default")
+    with pytest.raises(ValueError, match="safetensors"):
+        TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default", existing_lora="/tmp/x.ckpt")
+
+
+def _strategy_inputs(**kw):
+    spec = TightropeMemoryStrategy.INPUT_TYPES()["required"]
+    values = {k: (v[1]["default"]) for k, v in spec.items()}
+    values.update(kw)
+    return values
+
+
+def test_strategy_node_validates():
+    (s,) = TightropeMemoryStrategy().make(**_strategy_inputs(offload_fraction=0.5, checkpoint="all"))
+    assert s.offload_fraction == 0.5 and s.checkpoint == "all"
+    with pytest.raises(StrategyError, match="offload_fraction=1.5"):
+        TightropeMemoryStrategy().make(**_strategy_inputs(offload_fraction=1.5))
+
+
+def _train_widgets(**kw):
+    spec = TightropeTrain.INPUT_TYPES()["required"]
+    values = {k: v[1]["default"] for k, v in spec.items()}
+    values.update(dict(steps=2, batch_size=2, device="cpu"), **kw)
+    return values
+
+
+def test_train_node_needs_model_dataset_lora(out):
+    with pytest.raises(ConfigError, match="no model, dataset, lora input"):
+        TightropeTrain().train(**_train_widgets())
+
+
+def test_train_node_chains_without_changing_its_inputs(out):
+    (model,) = TightropeDemoModel().load(0)
+    (dataset,) = TightropeLoadDataset().load(**_dataset_inputs(out))
+    (lora,) = TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default")
+    (strategy,) = TightropeMemoryStrategy().make(**_strategy_inputs(compute_dtype="fp32"))
+    with torch.inference_mode():  # as ComfyUI calls nodes
+        session, model_out, report = TightropeTrain().train(**_train_widgets(), model=model, dataset=dataset,
+                                                            lora=lora, strategy=strategy)
+        more, _, _ = TightropeTrain().train(**_train_widgets(steps=1), session=session)
+    assert session.step == 2 and more.step == 3 and more.losses[:2] == session.losses
+    assert model_out is not model and "step 2" in report
+    with pytest.raises(ConfigError, match="different model"):
+        TightropeTrain().train(**_train_widgets(), session=session, model=TightropeDemoModel().load(1)[0])

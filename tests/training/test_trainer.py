@@ -1,0 +1,88 @@
+"""The step loop: continuation equals an uninterrupted run, stops keep their work, inputs are never changed."""
+import pytest
+import torch
+from demo_setup import demo_session
+
+from tightrope.memory.strategy import Strategy
+from tightrope.training.lora_file import read_lora_file
+from tightrope.training.train_config import ConfigError
+from tightrope.training.trainer import SaveTarget, train
+
+CPU = torch.device("cpu")
+
+
+def test_same_seed_same_run_and_continuation_is_exact(tmp_path):
+    session = demo_session(tmp_path)
+    whole = train(session, 6, device=CPU)
+    again = train(session, 6, device=CPU)
+    assert whole.losses == again.losses
+    halves = train(train(session, 3, device=CPU), 3, device=CPU)
+    assert halves.losses == whole.losses  # bit-identical: data, noise, dropout and optimizer state carry over
+    for k, v in whole.lora_state.items():
+        assert torch.equal(v, halves.lora_state[k]), k
+
+
+def test_runtime_strategy_trains_like_plain(tmp_path):
+    plain = train(demo_session(tmp_path), 3, device=CPU)
+    managed = train(demo_session(tmp_path, strategy=Strategy(compute_dtype="fp32", offload_fraction=1.0,
+                                                             checkpoint="all", activation_offload=True)),
+                    3, device=CPU)
+    torch.testing.assert_close(torch.tensor(managed.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
+
+
+def test_the_input_session_and_model_are_left_as_they_were(tmp_path):
+    session = demo_session(tmp_path)
+    before = {k: v.clone() for k, v in session.model.flux.state_dict().items()}
+    result = train(session, 2, device=CPU)
+    assert session.step == 0 and session.lora_state is None and session.losses == ()
+    assert result.step == 2 and result is not session
+    after = session.model.flux.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert not any("lora" in n for n, _ in session.model.flux.named_modules())
+    assert not any(p.requires_grad for p in session.model.flux.parameters())
+
+
+def test_stop_request_keeps_the_last_completed_step(tmp_path):
+    calls = []
+
+    def stop_after_two():
+        calls.append(1)
+        return len(calls) > 2
+
+    result = train(demo_session(tmp_path), 10, device=CPU, save=SaveTarget(tmp_path / "out", "run"),
+                   should_stop=stop_after_two)
+    assert result.interrupted and result.step == 2 and len(result.saved) == 1
+    tensors, meta = read_lora_file(result.saved[0])
+    assert meta["tightrope.steps"] == "2"
+    state = {k.replace("diffusion_model.", ""): v for k, v in tensors.items()}
+    assert any(torch.equal(state[k.replace(".default", "")], v) for k, v in result.lora_state.items()
+               if k.replace(".default", "") in state)
+
+
+def test_exception_mid_run_saves_the_last_completed_step(tmp_path):
+    def explode(done, total, loss):
+        if done == 3:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(demo_session(tmp_path), 10, device=CPU, save=SaveTarget(tmp_path / "out", "run"), progress=explode)
+    saved = sorted((tmp_path / "out").glob("run_*.safetensors"))
+    assert len(saved) == 1 and read_lora_file(saved[0])[1]["tightrope.steps"] == "3"
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5])
+def test_bad_steps(tmp_path, steps):
+    with pytest.raises(ConfigError, match=f"steps={steps!r} is invalid"):
+        train(demo_session(tmp_path), steps, device=CPU)
+
+
+def test_batch_larger_than_dataset(tmp_path):
+    with pytest.raises(Exception, match="batch_size"):
+        train(demo_session(tmp_path, batch_size=64), 1, device=CPU)
+
+
+def test_strategy_that_does_not_match_the_model(tmp_path):
+    with pytest.raises(Exception, match="offload_blocks has indices \\[40\\]"):
+        train(demo_session(tmp_path, strategy=Strategy(offload_blocks=(40,))), 1, device=CPU)
+    with pytest.raises(Exception, match="Strategy.block_lists names 'blocks'"):
+        train(demo_session(tmp_path, strategy=Strategy(block_lists=("blocks",))), 1, device=CPU)
