@@ -1,6 +1,7 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
-    tightrope run WORKFLOW.json [--output-dir DIR] [--resume]
+    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp]
+    torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
 Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C.
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
-    return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume)
+    return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,21 +45,26 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where nodes write LoRAs, samples and logs (default: ./output)")
     run.add_argument("--resume", action="store_true",
                      help="continue an interrupted run from its last saved state in the output dir")
+    run.add_argument("--fsdp", action="store_true",
+                     help="under torchrun: shard the frozen base weights of each transformer block over the "
+                          "processes (FSDP2), for models too big for one GPU (docs/distributed.md)")
     commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
     return parser
 
 
-def run_command(workflow_path: str, *, output_dir: str, resume: bool) -> int:
+def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
+    from .training.distributed import DistributedError, launched
     try:
-        return _run(workflow_path, os.path.abspath(output_dir), resume)
-    except WorkflowError as exc:
+        with launched(fsdp=fsdp):  # under torchrun: the process group, torn down at the end
+            return _run(workflow_path, os.path.abspath(output_dir), resume)
+    except (WorkflowError, DistributedError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR
     except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C); if the workflow saves checkpoints, run again with --resume to continue",
-              file=sys.stderr)
+        print("\ninterrupted (Ctrl-C); Train nodes saved their last completed step: run again with --resume to "
+              "continue from it", file=sys.stderr)
         return EXIT_INTERRUPTED
     except NodeExecutionError as exc:
         traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
@@ -75,6 +81,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool) -> int:
     from .headless.graph import WorkflowError
     from .headless.run_summary import summary_lines
     from .headless.workflow_format import UI_FORMAT, load_workflow, read_workflow_json, workflow_format
+    from .training.distributed import current
 
     data = read_workflow_json(workflow_path)
     node_mappings = load_node_mappings()
@@ -87,10 +94,13 @@ def _run(workflow_path: str, output_dir: str, resume: bool) -> int:
     graph = load_workflow(data, node_mappings)
     extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
     started = time.monotonic()
-    results = run_workflow(graph, node_mappings, on_node=_print_progress, extra_pnginfo=extra_pnginfo)
-    for line in summary_lines(results, graph, node_mappings, output_dir):
-        print(line)
-    print(f"ran {len(results)} node(s) in {time.monotonic() - started:.1f} s; output dir: {output_dir}")
+    main_rank = current().is_main  # under torchrun only rank 0 reports
+    results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
+                           extra_pnginfo=extra_pnginfo)
+    if main_rank:
+        for line in summary_lines(results, graph, node_mappings, output_dir):
+            print(line)
+        print(f"ran {len(results)} node(s) in {time.monotonic() - started:.1f} s; output dir: {output_dir}")
     return EXIT_OK
 
 
@@ -104,7 +114,10 @@ def load_node_mappings() -> dict:
 def configure_host(output_dir: str, resume: bool) -> None:
     """Tell the nodes they run headless: where to write, and whether to resume."""
     from .nodes import host
-    host.set_headless_output_dir(output_dir)
+    from .training.distributed import current
+    scratch = current().scratch_dir  # torchrun ranks other than 0 write only into a private folder
+    host.set_headless_output_dir(output_dir if scratch is None else scratch)
+    host.set_headless_run_dir(output_dir)
     host.set_resume(resume)  # always set: a second in-process main() must not inherit the first one's --resume
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..training.demo import demo_encoders, demo_model
+from ..training.demo_conditioning import demo_conditioning
 from ..training.demo_data import make_demo_dataset
 from . import host
 
@@ -59,3 +60,25 @@ class TightropeDemoImages:
         from ..training.atomic_write import safe_output_path
         folder = safe_output_path(host.output_dir(), subfolder)
         return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed)),)
+
+
+class TightropeDemoConditioning:
+    DESCRIPTION = ("Stand-in text conditioning sized for the connected model (Flux, SD3.5, Lumina 2, Wan, Qwen-Image, "
+                   "or the demo model): each word maps to a fixed random vector. Trains and samples without the "
+                   "model's text encoders; not a real text encoder.")
+    CATEGORY = "Tightrope/demo"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The model the conditioning is for (sets its widths)."}),
+            "text": ("STRING", {"default": "a red circle", "multiline": True,
+                                "tooltip": "The prompt: the same words, the same conditioning."}),
+            "tokens": ("INT", {"default": 16, "min": 1, "max": 512, "tooltip": "Context length in tokens."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Seed of the word vectors."}),
+        }}
+
+    def encode(self, model, text, tokens, seed):
+        return (demo_conditioning(model, text, tokens, seed),)

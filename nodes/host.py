@@ -10,13 +10,34 @@ from pathlib import Path
 from typing import Callable
 
 _headless_output: Path | None = None
+_headless_run_dir: Path | None = None
 _resume = False
 
 
 def set_headless_output_dir(path: str | Path) -> None:
-    global _headless_output
+    global _headless_output, _headless_run_dir
     _headless_output = Path(path)
+    _headless_run_dir = None  # the run dir is the output dir unless set_headless_run_dir says otherwise
     _headless_output.mkdir(parents=True, exist_ok=True)
+
+
+def set_headless_run_dir(path: str | Path | None) -> None:
+    """Headless, after set_headless_output_dir: the run's --output-dir, the same on every rank. Under torchrun the
+    other ranks' output_dir() is a private scratch folder; the LoRAs and the cache, read by all, are in run_dir()."""
+    global _headless_run_dir
+    _headless_run_dir = Path(path) if path is not None else None
+
+
+def run_dir() -> Path:
+    """The run's output folder as every rank sees it (read resume state from here); output_dir() but under torchrun
+    on ranks other than 0."""
+    return _headless_run_dir if _headless_run_dir is not None and not in_comfyui() else output_dir()
+
+
+def is_main() -> bool:
+    """False on the other ranks of a torchrun run: they train in step but show no progress."""
+    from ..training.distributed import current
+    return current().is_main
 
 
 def set_resume(flag: bool) -> None:
@@ -44,7 +65,7 @@ def loras_dir() -> Path:
     if in_comfyui():
         import folder_paths
         return Path(folder_paths.get_folder_paths("loras")[0])
-    return output_dir()
+    return run_dir()  # every rank reads LoRAs from here; under torchrun only rank 0 writes (Save node, trainer)
 
 
 def preview_dir() -> tuple[Path, str]:
@@ -60,7 +81,7 @@ def cache_dir() -> Path:
     if in_comfyui():
         import folder_paths
         return Path(folder_paths.get_user_directory()) / "tightrope_cache"
-    return output_dir() / ".tightrope_cache"
+    return run_dir() / ".tightrope_cache"  # shared by all ranks: writes are atomic and content-addressed
 
 
 def progress_reporter(total: int) -> Callable[[int, int, float], None]:
@@ -68,6 +89,8 @@ def progress_reporter(total: int) -> Callable[[int, int, float], None]:
         import comfy.utils
         bar = comfy.utils.ProgressBar(total)
         return lambda done, _total, _loss: bar.update_absolute(done, total)
+    if not is_main():
+        return lambda done, _total, _loss: None
     from tqdm import tqdm
     bar = tqdm(total=total, desc="training", unit="step", dynamic_ncols=True)
 

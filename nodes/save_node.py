@@ -1,6 +1,7 @@
 """Save LoRA node: writes the session's LoRA where ComfyUI's LoraLoader finds it, never overwriting."""
 from __future__ import annotations
 
+from ..training.distributed import on_main_rank
 from ..training.save_session import save_session_lora
 from . import host
 
@@ -24,5 +25,6 @@ class TightropeSaveLora:
         }}
 
     def save(self, session, filename_prefix):
-        path = save_session_lora(session, host.loras_dir(), filename_prefix)
+        # under torchrun rank 0 writes and every rank gets its path
+        path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix))
         return {"ui": {"text": [str(path)]}, "result": (str(path),)}

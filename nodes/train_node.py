@@ -11,7 +11,8 @@ _C = TrainConfig()
 
 class TightropeTrain:
     DESCRIPTION = ("Trains the LoRA for N steps under the memory strategy, with a progress bar; interrupting saves "
-                   "the LoRA of the last completed step. Wire its session into another Train node to go on.")
+                   "the LoRA and training state of the last completed step (`tightrope run --resume` continues from "
+                   "it). Wire its session into another Train node to go on.")
     CATEGORY = "Tightrope/train"
     RETURN_TYPES = ("TIGHTROPE_SESSION", "MODEL", "STRING")
     RETURN_NAMES = ("session", "model", "report")
@@ -66,7 +67,8 @@ class TightropeTrain:
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
-            save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested)
+            save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
+            resume=host.resume_requested())
         if result.interrupted:
             host.raise_interrupt()
         return (result, model_out, report)

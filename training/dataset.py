@@ -318,9 +318,12 @@ class TrainingDataset:
         draws = iter(torch.rand(len(self), generator=g, dtype=torch.float64).tolist())
         return [[(item, next(draws) < self.caption_dropout) for item in batch] for batch in batches]
 
-    def batches(self, batch_size: int, seed: int, start_step: int = 0) -> Iterator[dict]:
+    def batches(self, batch_size: int, seed: int, start_step: int = 0,
+                shard: tuple[int, int] | None = None) -> Iterator[dict]:
         """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}; one bucket
-        per batch. start_step resumes: step S is the same batch a run from step 0 would see at S."""
+        per batch. start_step resumes: step S is the same batch a run from step 0 would see at S.
+        shard=(rank, world): each global batch is cut as training/distributed.py says and only this rank's part
+        is loaded, with "shard": (lo, hi, global batch size) added; the plan is the unsharded one."""
         if self.caption_dropout > 0 and self._empty_text is None:
             raise DatasetError("caption dropout needs the empty caption's encoding: build the dataset with "
                                "empty_context/empty_pooled, or set caption_dropout=0")
@@ -330,8 +333,15 @@ class TrainingDataset:
         epoch, offset = divmod(start_step, steps)
         while True:
             for batch in self.epoch_plan(batch_size, seed, epoch)[offset:]:
-                yield self._collate(batch)
+                yield self._collate(batch) if shard is None else self._collate_part(batch, *shard)
             epoch, offset = epoch + 1, 0
+
+    def _collate_part(self, batch: list[tuple[int, bool]], rank: int, world: int) -> dict:
+        from .distributed import shard_bounds
+        lo, hi = shard_bounds(len(batch), rank, world)
+        part = self._collate(batch[lo:hi] or batch[:1])  # an empty part: a stand-in sample, weighted 0 in training
+        part["shard"] = (lo, hi, len(batch))
+        return part
 
     def _collate(self, batch: list[tuple[int, bool]]) -> dict:
         latents, contexts, pooled, captions = [], [], [], []

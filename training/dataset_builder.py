@@ -31,13 +31,21 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
     """ComfyUI's LATENT ({"samples": (B,C,H,W)}) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
     one conditioning for all latents, or one per latent."""
     samples = latent["samples"]
-    conds = [(c, extra.get("pooled_output")) for c, extra in conditioning]
-    if len(conds) not in (1, samples.shape[0]) or any(p is None for _, p in conds):
+    if samples.ndim == 5 and samples.shape[2] == 1:  # a video VAE's single-frame latents (Wan): image latents
+        samples = samples[:, :, 0]
+    conds = [(c, _pooled(c, extra)) for c, extra in conditioning]
+    if len(conds) not in (1, samples.shape[0]):
         raise ValueError(f"conditioning has {len(conds)} entries for {samples.shape[0]} latents: give one "
-                         "conditioning (with a pooled output, as CLIPTextEncode makes) or one per latent")
+                         "conditioning (as CLIPTextEncode makes) or one per latent")
     pick = (lambda i: conds[0]) if len(conds) == 1 else (lambda i: conds[i])
     empty = empty_conditioning[0] if empty_conditioning else None
     return TrainingDataset.from_tensors(
         [samples[i] for i in range(samples.shape[0])], [pick(i)[0] for i in range(samples.shape[0])],
         [pick(i)[1] for i in range(samples.shape[0])], caption_dropout=caption_dropout,
-        empty_context=empty[0] if empty else None, empty_pooled=empty[1].get("pooled_output") if empty else None)
+        empty_context=empty[0] if empty else None, empty_pooled=_pooled(*empty) if empty else None)
+
+
+def _pooled(context, extra: dict):
+    """The pooled text embedding; width 0 for models without one (Wan, Qwen-Image, Lumina 2: ComfyUI gives None)."""
+    pooled = extra.get("pooled_output")
+    return pooled if pooled is not None else context.new_zeros(context.shape[0], 0)

@@ -17,6 +17,9 @@ from .reference_flux import Flux
 
 @runtime_checkable
 class ModelAdapter(Protocol):
+    """Optional, outside the protocol: `process_latents(latents) -> latents` maps the dataset's (VAE) latents into
+    the model's latent space before noising (ComfyUI models: the latent format's shift and scale); without it the
+    latents are used as they are."""
     family: str      # LoRA target presets and block discovery key on this ("flux", "sd3", ...)
     base_name: str   # recorded in the LoRA file's metadata
 

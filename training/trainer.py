@@ -7,8 +7,10 @@ dropout) is a pure function of (seed, step), so a continued or resumed run draws
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -16,11 +18,13 @@ from typing import Callable
 import torch
 
 from ..memory.runtime import MemoryRuntime
+from . import distributed
 from .flow_loss import flow_matching_loss, noised
 from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora_file import save_lora
 from .model_adapter import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
+from .resume_state import fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError
@@ -30,6 +34,11 @@ Progress = Callable[[int, int, float], None]  # (steps done in this run, steps o
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the last good LoRA was kept."""
+
+
+class TrainingOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of device memory in a step: memory was freed, the last completed step saved, and the message suggests a
+    strategy that needs less (still a torch.OutOfMemoryError, so ComfyUI's own OOM handling applies)."""
 
 
 @dataclass
@@ -45,49 +54,71 @@ class _Run:
     losses: list[float] = field(default_factory=list)
     stats: list[dict] = field(default_factory=list)
     saved: list[tuple[str, int]] = field(default_factory=list)  # (path, step it holds)
+    start: int = 0   # the node run's first step (a resumed run keeps the interrupted one's): schedule, progress
+    end: int = 0     # the step this run ends at
+    fingerprints: dict | None = None  # model + dataset, for the training state file
+    saved_step: int = -1  # the step of the last LoRA + state saved
 
 
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return distributed.local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device={name!r} but CUDA is not available: choose 'auto' or 'cpu'")
-    return torch.device(name)
+    return distributed.local_device(torch.device(name))
 
 
 def train(session: TrainingSession, steps: int, *, device: torch.device, save: SaveTarget | None = None,
-          progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> TrainingSession:
+          progress: Progress | None = None, should_stop: Callable[[], bool] | None = None,
+          run_start: int | None = None) -> TrainingSession:
+    """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
+    schedule and progress count from there); default session.step."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     cfg = session.config
     session.dataset.steps_per_epoch(cfg.batch_size)  # fails early, naming batch_size, if it exceeds the dataset
+    distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
     adapter = adapter_for(session.model)
-    run = _Run(step=session.step)
+    run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps)
     # ComfyUI runs nodes under inference_mode; training needs autograd (restored when this block exits)
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
+        if save is not None:
+            run.fingerprints = fingerprints(module, adapter.family, session.dataset)
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
             torch.manual_seed(_derive_seed(cfg.seed, "lora-init"))
             inject_lora(module, session.lora, adapter.family)
         try:
             if session.lora_state is not None:
                 load_lora_state(module, session.lora_state)
-            with MemoryRuntime(module, session.strategy, device) as runtime:
+            with distributed.sharded_base(module, session.strategy, device) as model, \
+                    MemoryRuntime(model, session.strategy, device) as runtime:  # model: module, or its FSDP copy
                 params = lora_parameters(module)
+                distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
                 optimizer = make_optimizer(list(params.values()), cfg, device)
                 if session.optimizer_state is not None:
                     optimizer.load_state_dict(clone_state(session.optimizer_state))
                 try:
-                    _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress,
+                    _loop(session, steps, run, adapter, model, runtime, optimizer, params, save, progress,
                           should_stop)
+                except torch.OutOfMemoryError as e:
+                    oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
                 except BaseException:
-                    if save is not None and run.step > session.step:
-                        _save(session, run, module, save)  # the last completed step: nothing computed is lost
+                    _save_after_failure(session, run, module, save, optimizer)  # nothing computed is lost
                     raise
+                else:
+                    oom = None
+                if oom is not None:  # out of the except block: the failed step's tensors are unreferenced now
+                    optimizer.zero_grad(set_to_none=True)
+                    gc.collect()
+                    if runtime.device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    _save_after_failure(session, run, module, save, optimizer)
+                    raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
                 optimizer_state = clone_state(optimizer.state_dict())
             stopped_early = run.step < session.step + steps
             if save is not None and (stopped_early or save.every) and run.step > session.step \
                     and (not run.saved or run.saved[-1][1] != run.step):
-                _save(session, run, module, save)
+                _save(session, run, module, save, optimizer)
             state = lora_state(module)
         finally:
             remove_lora(module)
@@ -100,60 +131,105 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
 def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
     cfg = session.config
     first = session.step
-    batches = session.dataset.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation)
+    batches = session.dataset.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
+                                      shard=distributed.current().shard)
     while run.step < first + steps:
         if should_stop is not None and should_stop():
             return
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(cfg, run.step, first, steps)
+            group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
         with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
             loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k)
                        for k in range(cfg.grad_accumulation))
+        loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
         stats = runtime.end_step()
         if not math.isfinite(loss):
-            optimizer.zero_grad(set_to_none=True)
             if cfg.on_nonfinite == "stop":
+                optimizer.zero_grad(set_to_none=True)
+                kept = f"the LoRA of step {run.step} was kept" if run.step else "nothing had been trained yet"
                 raise NonFiniteLossError(
-                    f"the loss became {loss} at step {run.step + 1}: training stopped and the LoRA of step "
-                    f"{run.step} was kept. Lower learning_rate, use compute_dtype bf16 rather than fp16, or set "
-                    "on_nonfinite='skip'")
-            run.losses.append(loss)
-            continue
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
-        optimizer.step()
+                    f"the loss became {loss} at step {run.step + 1}: training stopped and {kept}. Lower "
+                    "learning_rate, use compute_dtype bf16 rather than fp16, or set on_nonfinite='skip'")
+            # 'skip': the step counts but changes nothing, so later steps see the data an uninterrupted run would
+            warnings.warn(f"the loss became {loss} at step {run.step + 1}: step skipped (on_nonfinite='skip'), the "
+                          "LoRA is unchanged", stacklevel=2)
+        else:
+            if cfg.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         run.step += 1
         run.losses.append(loss)
         run.stats.append(stats.to_dict())
         if progress is not None:
-            progress(run.step - first, steps, loss)
+            progress(run.step - run.start, run.end - run.start, loss)
         if save is not None and save.every and run.step % save.every == 0:
-            _save(session, run, module, save)
+            _save(session, run, module, save, optimizer)
 
 
 def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int) -> float:
     seed = _derive_seed(cfg.seed, step, micro)
-    torch.manual_seed(seed)  # LoRA dropout; the global RNG is restored by fork_rng around the step
+    par = distributed.current()
+    # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
+    torch.manual_seed(_derive_seed(seed, "rank", par.rank) if par.distributed else seed)
     gen = torch.Generator().manual_seed(seed)
     # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    noise = torch.randn(latents.shape, generator=gen)
-    t = sample_timesteps(latents.shape[0], gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
+    if hasattr(adapter, "process_latents"):  # ComfyUI models: VAE latents -> the model's latent space
+        latents = adapter.process_latents(latents)
+    n = distributed.global_batch_size(batch)  # noise and timesteps of the global batch; this rank keeps its rows
+    noise = torch.randn((n, *latents.shape[1:]), generator=gen)
+    t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
+    (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     dev = runtime.device
     x_t = noised(latents, noise, t).to(dev)
     with runtime.autocast():
         pred = adapter.predict(module, x_t, t.to(dev), context.to(dev), pooled.to(dev), cfg.guidance)
         loss = flow_matching_loss(pred, latents.to(dev), noise.to(dev))
-    (loss / cfg.grad_accumulation).backward()
-    return loss.item() / cfg.grad_accumulation
+    ((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
+    return loss.item() * weight / cfg.grad_accumulation
 
 
-def _save(session: TrainingSession, run: _Run, module, save: SaveTarget) -> None:
+def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
+    """The LoRA file of this step (a new name), then the training state file (replaced), both atomically."""
+    if not distributed.current().is_main:
+        return  # under torchrun only rank 0 writes
     path = save_lora(save.folder, save.filename_prefix, module, session.lora,
                      metadata=lora_metadata(session, run.step))
     run.saved.append((str(path), run.step))
+    save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
+               run_end=run.end, lora_state=lora_state(module), optimizer_state=clone_state(optimizer.state_dict()),
+               losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
+               saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+    run.saved_step = run.step
+
+
+def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
+    """Save the last completed step, if not saved yet; a failing save warns and never hides the original error."""
+    if save is None or run.step <= session.step or run.saved_step == run.step:
+        return
+    try:
+        _save(session, run, module, save, optimizer)
+    except Exception as e:
+        warnings.warn(f"could not save the LoRA of step {run.step} after the failure: {type(e).__name__}: {e}",
+                      stacklevel=2)
+
+
+def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save: SaveTarget | None) -> str:
+    s, cfg = session.strategy, session.config
+    lighter = (["offload_fraction=1.0"] if s.offload_fraction < 1.0 or s.offload_blocks is not None else []) \
+        + (["checkpoint='all'"] if s.checkpoint != "all" else []) \
+        + (["activation_offload=True"] if not s.activation_offload else [])
+    fix = (f"in the Memory Strategy node set {', '.join(lighter)} (or mode='auto' with your GPU's vram_budget_gb "
+           "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
+    fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
+    kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
+            f"{state_path(save.folder, save.filename_prefix)})"
+            if save is not None and run.step > session.step and run.saved_step == run.step
+            else "no step was completed in this run, so nothing new was saved")
+    return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "
+            f"memory: {fix}; then run again (headless: `tightrope run --resume` continues from the saved step)")
 
 
 def lora_metadata(session: TrainingSession, step: int) -> dict[str, str]:

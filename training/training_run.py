@@ -5,7 +5,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..memory.strategy import Strategy
+from .atomic_write import safe_output_path
 from .model_with_lora import model_with_lora
+from .resume_state import resume_session, state_path
 from .session import TrainingSession
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
@@ -14,9 +16,14 @@ from .trainer import SaveTarget, resolve_device, train
 
 def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
                       dataset: Any, lora: Any, strategy: Any, device: str, save_dir: Path, filename_prefix: str,
-                      save_every: int, progress: Callable | None,
-                      should_stop: Callable[[], bool] | None) -> tuple[TrainingSession, Any, str]:
+                      save_every: int, progress: Callable | None, should_stop: Callable[[], bool] | None,
+                      resume: bool = False) -> tuple[TrainingSession, Any, str]:
+    """resume: continue from the training state file of `filename_prefix` if there is one (`tightrope run
+    --resume`), training only the steps this node has left."""
     dev = resolve_device(device)
+    safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     if session is None:
         missing = [name for name, v in (("model", model), ("dataset", dataset), ("lora", lora)) if v is None]
         if missing:
@@ -29,12 +36,18 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                 raise ConfigError(f"the Train node got both a session and a different {name}: a continued session "
                                   f"keeps its {name}; disconnect the {name} input or start a new session")
         session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False)
+    run_start, state_file = None, state_path(save_dir, filename_prefix)
+    if resume and state_file.is_file():
+        session, run_start = resume_session(state_file, session, strategy_given=strategy is not None)
+        steps = run_start + steps - session.step  # what this node has left
+        if steps < 1:  # this node had finished: its outputs again, no training
+            return session, model_with_lora(session), report(session, max(session.step - run_start, 1))
     explanation = ""
     if strategy is not None:
         chosen, explanation = resolve_strategy(strategy, session, dev)
         session = session.advanced(strategy=chosen)
     result = train(session, steps, device=dev, save=SaveTarget(save_dir, filename_prefix, save_every),
-                   progress=progress, should_stop=should_stop)
+                   progress=progress, should_stop=should_stop, run_start=run_start)
     return result, model_with_lora(result), report(result, steps, explanation)
 
 

@@ -98,3 +98,18 @@ def test_train_node_chains_without_changing_its_inputs(out):
     assert model_out is not model and "step 2" in report
     with pytest.raises(ConfigError, match="different model"):
         TightropeTrain().train(**_train_widgets(), session=session, model=TightropeDemoModel().load(1)[0])
+
+
+def test_auto_strategy_plans_within_the_budget_and_trains(out):
+    (model,) = TightropeDemoModel().load(0)
+    (dataset,) = TightropeLoadDataset().load(**_dataset_inputs(out))
+    (lora,) = TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default")
+    (auto,) = TightropeMemoryStrategy().make(**_strategy_inputs(mode="auto", vram_budget_gb=0.02,
+                                                                compute_dtype="fp32"))
+    session, _, report = TightropeTrain().train(**_train_widgets(steps=1), model=model, dataset=dataset, lora=lora,
+                                                strategy=auto)
+    assert session.step == 1 and session.strategy != auto
+    assert "GB" in report or "MiB" in report or "GiB" in report  # the planner's explanation is in the report
+    with pytest.raises(StrategyError, match="explicit budget|at least"):
+        TightropeTrain().train(**_train_widgets(steps=1), model=model, dataset=dataset, lora=lora,
+                               strategy=TightropeMemoryStrategy().make(**_strategy_inputs(mode="auto"))[0])

@@ -1,0 +1,151 @@
+"""training/distributed.py without starting processes: sharding arithmetic, the dataset's sharded batches, the
+launch environment, option checks, resume rules, and the host's behaviour on ranks other than 0."""
+import dataclasses
+
+import pytest
+import torch
+
+from tightrope import cli
+from tightrope.memory.strategy import Strategy
+from tightrope.nodes import host
+from tightrope.training import distributed
+from tightrope.training.dataset import TrainingDataset
+from tightrope.training.distributed import (DistributedError, Parallel, check_batch_size, check_fsdp_strategy,
+                                            check_resume, shard_bounds, this_rank_part, torchrun_env)
+from tightrope.training.train_config import ConfigError
+
+TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+@pytest.fixture
+def rank1_of_2(monkeypatch):
+    """Pretend this process is rank 1 of 2 (no process group: only what needs no collective)."""
+    monkeypatch.setattr(distributed, "_current", Parallel(rank=1, world_size=2, local_rank=1))
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for key in TORCHRUN_VARS:
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 8, 9])
+def test_shard_bounds_cut_a_batch_into_contiguous_near_equal_parts(n, world):
+    parts = [shard_bounds(n, rank, world) for rank in range(world)]
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    sizes = [hi - lo for lo, hi in parts]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_batch_size_must_divide_over_the_world(rank1_of_2):
+    check_batch_size(4)
+    with pytest.raises(ConfigError, match=r"batch_size=3 is not divisible by the world size 2"):
+        check_batch_size(3)
+    check_batch_size(3, Parallel())  # one process: anything goes
+
+
+def _dataset(n=9):
+    g = torch.Generator().manual_seed(0)
+    return TrainingDataset.from_tensors([torch.randn(4, 2, 2, generator=g) for _ in range(n)],
+                                        [torch.randn(3, 8, generator=g) for _ in range(n)],
+                                        [torch.randn(5, generator=g) for _ in range(n)])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_batches_are_the_parts_of_the_unsharded_ones(world):
+    """9 items, batch 4: global batches of 4, 4 and 1 per epoch; the ranks' parts put back together are the global
+    batch, also when resuming mid-epoch; a rank with no part gets a stand-in sample."""
+    data = _dataset()
+    for start in (0, 2, 4):
+        whole = data.batches(4, seed=7, start_step=start)
+        parts = [data.batches(4, seed=7, start_step=start, shard=(rank, world)) for rank in range(world)]
+        for _ in range(6):
+            batch = next(whole)
+            got = [next(p) for p in parts]
+            n = batch["latents"].shape[0]
+            assert all(part["shard"][2] == n for part in got)
+            kept = [part for part in got if part["shard"][1] > part["shard"][0]]
+            for key in ("latents", "context", "pooled"):
+                assert torch.equal(torch.cat([part[key] for part in kept]), batch[key])
+            for part in got:
+                if part["shard"][0] == part["shard"][1]:
+                    assert part["latents"].shape[0] == 1
+
+
+def test_this_rank_part_slices_global_draws_and_weights_by_share():
+    noise, t = torch.arange(5.0)[:, None].expand(5, 3), torch.arange(5.0)
+    (n0, t0), w0 = this_rank_part({"shard": (0, 3, 5)}, noise, t)
+    (n1, t1), w1 = this_rank_part({"shard": (3, 5, 5)}, noise, t)
+    assert t0.tolist() == [0, 1, 2] and t1.tolist() == [3, 4] and n1.shape == (2, 3) and w0 + w1 == 1
+    (_, t_empty), w_empty = this_rank_part({"shard": (1, 1, 1)}, noise[:1], t[:1])
+    assert t_empty.tolist() == [0] and w_empty == 0
+    (n_all, _), w_all = this_rank_part({"latents": noise}, noise, t)
+    assert n_all is noise and w_all == 1.0
+
+
+def test_torchrun_environment():
+    assert torchrun_env({}) is None
+    assert torchrun_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == (3, 4, 1)
+    with pytest.raises(DistributedError, match="RANK=4 with WORLD_SIZE=4"):
+        torchrun_env({"WORLD_SIZE": "4", "RANK": "4"})
+    with pytest.raises(DistributedError, match="incomplete torchrun environment"):
+        torchrun_env({"WORLD_SIZE": "2"})
+
+
+def test_without_torchrun_the_run_is_one_process_and_fsdp_is_refused(no_torchrun):
+    with distributed.launched() as par:
+        assert par == Parallel() and distributed.current() is par and not par.distributed and par.shard is None
+    assert distributed.current() == Parallel()
+    with pytest.raises(DistributedError, match="--fsdp shards the base model over the processes torchrun starts"):
+        with distributed.launched(fsdp=True):
+            pass
+
+
+def test_cli_fsdp_without_torchrun_exits_2(tmp_path, no_torchrun, capsys):
+    workflow = tmp_path / "w.json"
+    workflow.write_text("{}")
+    assert cli.main(["run", str(workflow), "--output-dir", str(tmp_path / "o"), "--fsdp"]) == 2
+    assert "error: --fsdp shards the base model" in capsys.readouterr().err
+
+
+def test_fsdp_refuses_layer_offload_and_accepts_the_rest():
+    for strategy in (Strategy(offload_fraction=0.5), Strategy(offload_blocks=(1,))):
+        with pytest.raises(DistributedError, match="--fsdp does not work with layer offload"):
+            check_fsdp_strategy(strategy)
+    check_fsdp_strategy(Strategy(checkpoint="all", activation_offload=True, compile="per_block",
+                                 weight_dtype="bf16"))
+
+
+def test_resume_keeps_the_global_batch_whatever_the_world_size(rank1_of_2):
+    check_resume({"world_size": 4, "global_batch_size": 8}, 8)
+    assert distributed.resume_fields(8) == {"world_size": 2, "global_batch_size": 8}
+    with pytest.raises(ConfigError, match="global batch_size of 8 .* this one 4"):
+        check_resume({"world_size": 4, "global_batch_size": 8}, 4)
+
+
+def test_buckets_group_same_device_and_dtype_up_to_a_size():
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(100)]
+    assert list(distributed._buckets(tensors, limit=80)) == [[0, 1], [2], [3]]
+
+
+def test_single_process_collectives_are_no_ops():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    assert distributed.all_reduce_gradients([p], 1.5) == 1.5 and p.grad.tolist() == [2.0, 2.0, 2.0]
+    distributed.broadcast_parameters([p])
+    assert distributed.on_main_rank(lambda: "written") == "written"
+
+
+def test_other_ranks_show_no_progress_and_share_the_run_folder(tmp_path, monkeypatch, rank1_of_2):
+    for name in ("_headless_output", "_headless_run_dir"):
+        monkeypatch.setattr(host, name, None)  # module-level state: restored after the test
+    scratch = tmp_path / "scratch"
+    monkeypatch.setattr(distributed, "_current", dataclasses.replace(distributed.current(), scratch_dir=scratch))
+    cli.configure_host(str(tmp_path / "run"), resume=False)
+    assert host.output_dir() == scratch and host.preview_dir()[0] == scratch  # private writes
+    assert host.loras_dir() == host.run_dir() == tmp_path / "run"                # shared reads
+    assert host.cache_dir() == tmp_path / "run" / ".tightrope_cache"
+    report = host.progress_reporter(10)
+    assert report(1, 10, 0.5) is None and not host.is_main()

@@ -1,0 +1,106 @@
+"""The ComfyUI model adapter inside ComfyUI's python (a subprocess, no server): predict() is ComfyUI's own
+apply_model in velocity form, training leaves the user's MODEL as it was, fp8 base weights train with an fp32 LoRA,
+a MODEL that already has a LoRA trains on ComfyUI's patched weights, and eps-prediction models are refused."""
+import json
+import math
+import os
+import subprocess
+import textwrap
+
+from comfy_env import COMFYUI_DIR, REPO, comfy_python, needs_comfyui
+
+pytestmark = needs_comfyui
+
+RUNNER = textwrap.dedent("""
+    import json, sys
+    comfy_dir, packages, ckpt, loras = sys.argv[1:5]
+    sys.path[:0] = [comfy_dir, packages]
+    import torch
+    from comfy.cli_args import args
+    args.cpu = True
+    import comfy.model_management as mm, comfy.model_sampling, comfy.sd
+    from pathlib import Path
+    from tightrope.training.comfy_model import ComfyModelAdapter, _check_flow
+    from tightrope.training.dataset_builder import dataset_from_conditioning
+    from tightrope.training.demo_conditioning import demo_conditioning
+    from tightrope.training.lora import LoraSpec
+    from tightrope.training.train_config import ConfigError, TrainConfig
+    from tightrope.training.training_run import run_training_node
+    out = {}
+
+    def train(patcher, steps, prefix):
+        cond = demo_conditioning(patcher, "a red circle", 8, 0)
+        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
+        return run_training_node(TrainConfig(learning_rate=1e-2), steps, session=None, model=patcher, dataset=data,
+                                 lora=LoraSpec(rank=4), strategy=None, device="cpu", save_dir=Path(loras),
+                                 filename_prefix=prefix, save_every=0, progress=None, should_stop=None)
+
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # as ComfyUI runs nodes
+        p = comfy.sd.load_diffusion_model(ckpt)
+        adapter = ComfyModelAdapter(p)
+        before = {k: v.clone() for k, v in p.model.diffusion_model.state_dict().items()}
+        session, model_out, _ = train(p, 2, "it/fp32")
+        after = p.model.diffusion_model.state_dict()
+        out["base_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        out["input_patches"], out["output_patches"] = len(p.patches), len(model_out.patches)
+        out["in_training_after"] = mm.in_training
+        out["losses"] = list(session.losses)
+
+        cond = demo_conditioning(p, "a red circle", 8, 0)
+        x, t = torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.7])
+        ctx, pooled = cond[0][0].repeat(2, 1, 1), cond[0][1]["pooled_output"].repeat(2, 1)
+        with torch.inference_mode(False), adapter.training_module() as module:
+            out["in_training_inside"] = mm.in_training
+            v = adapter.predict(module, x, t, ctx, pooled, 3.5)
+        x0 = p.model.apply_model(x, t, c_crossattn=ctx, y=pooled, guidance=torch.full((2,), 3.5))
+        out["velocity_vs_apply_model"] = (x - v * t.view(-1, 1, 1, 1) - x0).abs().max().item()
+
+        p8 = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float8_e4m3fn})
+        w8 = p8.model.diffusion_model.double_blocks[0].img_attn.qkv.weight.clone()
+        session8, _, _ = train(p8, 2, "it/fp8")
+        out["fp8_losses"] = list(session8.losses)
+        out["fp8_lora_dtypes"] = sorted({str(v.dtype) for v in session8.lora_state.values()})
+        w8_after = p8.model.diffusion_model.double_blocks[0].img_attn.qkv.weight
+        out["fp8_base"] = [str(w8_after.dtype), torch.equal(w8.float(), w8_after.float())]
+
+        patched = model_out  # a MODEL with a LoRA on it: its training copy must hold ComfyUI's patched weights
+        with torch.inference_mode(False), ComfyModelAdapter(patched).training_module() as module:
+            ours = {k: v.clone() for k, v in module.state_dict().items()}
+        mm.load_models_gpu([patched])
+        theirs = patched.model.diffusion_model.state_dict()
+        out["patched_copy_equal"] = all(torch.equal(ours[k], theirs[k]) for k in ours)
+        out["patched_copy_changed"] = sum(not torch.equal(ours[k], before[k]) for k in ours)
+        mm.unload_all_models()
+
+        class EpsSampling(comfy.model_sampling.ModelSamplingDiscrete, comfy.model_sampling.EPS):
+            pass
+        try:
+            _check_flow("SD1.5", EpsSampling())
+            out["eps"] = "accepted"
+        except ConfigError as e:
+            out["eps"] = str(e)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_adapter_in_comfyui(tmp_path):
+    from tightrope.training.tiny_checkpoint import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
+    (tmp_path / "packages").mkdir()
+    (tmp_path / "packages" / "tightrope").symlink_to(REPO, target_is_directory=True)
+    (tmp_path / "runner.py").write_text(RUNNER)
+    proc = subprocess.run([comfy_python(), str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR),
+                           str(tmp_path / "packages"), ckpt, str(tmp_path / "loras")],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    r = json.loads(lines[-1][len("RESULT "):])
+    print(f"\n{json.dumps(r, indent=1)}")
+    assert r["base_unchanged"] and r["input_patches"] == 0 and r["output_patches"] > 0
+    assert r["in_training_inside"] is True and r["in_training_after"] is False
+    assert r["velocity_vs_apply_model"] <= 1e-5
+    assert all(map(math.isfinite, r["losses"] + r["fp8_losses"]))
+    assert r["fp8_lora_dtypes"] == ["torch.float32"] and r["fp8_base"] == ["torch.float8_e4m3fn", True]
+    assert r["patched_copy_equal"] and r["patched_copy_changed"] == r["output_patches"]
+    assert "eps-prediction model, which Tightrope does not support" in r["eps"]

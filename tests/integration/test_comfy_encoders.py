@@ -1,0 +1,88 @@
+"""ComfyVaeEncoder / ComfyClipEncoder against stand-ins with ComfyUI's VAE and CLIP methods (no ComfyUI needed), and
+the Demo Conditioning node's widths."""
+import pytest
+import torch
+from torch import nn
+
+from tightrope.training.comfy_encoders import ComfyClipEncoder, ComfyVaeEncoder
+from tightrope.training.dataset import DatasetError
+from tightrope.training.demo import demo_model
+from tightrope.training.demo_conditioning import demo_conditioning
+from tightrope.training.encoders import ImageEncoder, TextEncoder
+
+
+class FakeVae:
+    """ComfyUI's VAE surface: encode(BHWC in [0, 1]); a video VAE (latent_dim 3) returns (B, C, T, h, w)."""
+    def __init__(self, seed=0, video=False):
+        torch.manual_seed(seed)
+        self.first_stage_model = nn.Conv2d(3, 16, 8, stride=8)
+        self.latent_dim, self.calls = (3 if video else 2), []
+
+    def spacial_compression_encode(self):
+        return 8
+
+    def encode(self, pixels):
+        assert pixels.ndim == 4 and pixels.shape[-1] == 3 and 0 <= pixels.min() and pixels.max() <= 1
+        self.calls.append(pixels.shape[0])
+        with torch.no_grad():
+            z = self.first_stage_model(pixels.movedim(-1, 1))
+        return z[:, :, None] if self.latent_dim == 3 else z
+
+
+class FakeClip:
+    def __init__(self, width=32, pooled=8, pad_to=None):
+        torch.manual_seed(0)
+        self.cond_stage_model, self.layer_idx = nn.Linear(width, width), None
+        self.width, self.pooled, self.pad_to = width, pooled, pad_to
+
+    def tokenize(self, text):
+        words = text.split() or [""]
+        return {"t5": words + [""] * max(0, (self.pad_to or 0) - len(words))}
+
+    def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
+        n = len(tokens["t5"])
+        return {"cond": torch.ones(1, n, self.width), "pooled_output": torch.ones(1, self.pooled) if self.pooled
+                else None}
+
+
+def test_vae_encoder():
+    vae = FakeVae()
+    enc = ComfyVaeEncoder(vae)
+    assert isinstance(enc, ImageEncoder) and enc.downscale == 8
+    z = enc.encode(torch.rand(2, 3, 64, 32) * 2 - 1)
+    assert z.shape == (2, 16, 8, 4) and vae.calls == [2]
+    assert enc.cache_id == ComfyVaeEncoder(FakeVae()).cache_id != ComfyVaeEncoder(FakeVae(seed=1)).cache_id
+
+
+def test_video_vae_encodes_each_image_as_one_frame():
+    vae = FakeVae(video=True)
+    z = ComfyVaeEncoder(vae).encode(torch.zeros(3, 3, 16, 16))
+    assert z.shape == (3, 16, 2, 2) and vae.calls == [1, 1, 1]
+
+
+def test_clip_encoder():
+    enc = ComfyClipEncoder(FakeClip(pad_to=6))
+    assert isinstance(enc, TextEncoder)
+    context, pooled = enc.encode(["a red circle", "two words"])
+    assert context.shape == (2, 6, 32) and pooled.shape == (2, 8)
+    assert enc.cache_id == ComfyClipEncoder(FakeClip()).cache_id != ComfyClipEncoder(FakeClip(width=16)).cache_id
+
+
+def test_clip_without_pooled_output_and_unpadded_lengths():
+    enc = ComfyClipEncoder(FakeClip(pooled=0))
+    context, pooled = enc.encode(["a red circle"])
+    assert context.shape == (1, 3, 32) and pooled.shape == (1, 0)
+    with pytest.raises(DatasetError, match="same length"):
+        enc.encode(["two words"])
+
+
+def test_not_comfyui_objects():
+    with pytest.raises(TypeError, match="not a ComfyUI VAE"):
+        ComfyVaeEncoder(object())
+    with pytest.raises(TypeError, match="not a ComfyUI CLIP"):
+        ComfyClipEncoder(object())
+
+
+def test_demo_conditioning_sized_for_the_model():
+    (context, extra), = demo_conditioning(demo_model(0), "a red circle", 8, 0)
+    assert context.shape == (1, 8, 64) and extra["pooled_output"].shape == (1, 32)

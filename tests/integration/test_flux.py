@@ -1,0 +1,121 @@
+"""Training a tiny Flux through a real ComfyUI server's HTTP API: progress on the websocket, the LoRA file, the core
+LoraLoaderModelOnly applying it (no key left over) with the same samples as the Train node's MODEL output, and
+/interrupt during a long run."""
+import math
+import time
+import uuid
+
+import pytest
+import torch
+from api_graph import Graph, saved_latent
+from comfy_server import WebSocket
+
+from tightrope.training.lora_file import read_lora_file
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def flux_run(comfy_server, checkpoint):
+    """One training prompt (images -> ComfyUI's VAE -> Load Dataset -> Train -> Save LoRA, plus samples from the
+    base model and from the Train node's MODEL output), run with a websocket listening."""
+    name, weight_dtype = checkpoint("flux")
+    g = Graph()
+    unet = g.add("UNETLoader", unet_name=name, weight_dtype=weight_dtype)
+    images = g.add("TightropeDemoImages", subfolder="it_flux_images", count=4, size=64, seed=0)
+    vae = g.add("VAELoader", vae_name="taef1")
+    encoders = g.add("TightropeDemoEncoders", seed=0)
+    dataset = g.add("TightropeLoadDataset", folder=[images, 0], vae=[vae, 0], clip=[encoders, 1], resolution=64)
+    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0)
+    train = g.add("TightropeTrain", steps=STEPS, learning_rate=0.01, device="cpu", filename_prefix="tightrope/it_flux",
+                  model=[unet, 0], dataset=[dataset, 0], lora=[lora, 0])
+    save = g.add("TightropeSaveLora", session=[train, 0], filename_prefix="tightrope/it_flux_final")
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
+    trained = g.sample([train, 1], cond, latent, "it/flux_trained_model")
+    base = g.sample([unet, 0], cond, latent, "it/flux_base")
+    client = uuid.uuid4().hex
+    ws = WebSocket(comfy_server, client)
+    try:
+        prompt_id = comfy_server.queue(g.nodes, client)
+        entry = comfy_server.wait(prompt_id)
+        time.sleep(0.5)  # the last websocket messages
+    finally:
+        ws.close()
+    return {"entry": entry, "prompt_id": prompt_id, "ws": ws, "train": train, "save": save, "unet": (name, weight_dtype),
+            "trained": saved_latent(comfy_server, entry, trained), "base": saved_latent(comfy_server, entry, base)}
+
+
+def test_progress_on_the_websocket(flux_run):
+    progress = [m for m in flux_run["ws"].of_type("progress", flux_run["prompt_id"]) if m["node"] == flux_run["train"]]
+    assert [m["value"] for m in progress][-1] == STEPS and all(m["max"] == STEPS for m in progress), progress
+    assert flux_run["ws"].of_type("execution_success", flux_run["prompt_id"])
+
+
+def test_lora_file_written(comfy_server, flux_run):
+    path = flux_run["entry"]["outputs"][flux_run["save"]]["text"][0]
+    assert path.startswith(str(comfy_server.base / "models" / "loras" / "tightrope"))
+    tensors, meta = read_lora_file(path)
+    assert meta["tightrope.family"] == "flux" and meta["tightrope.steps"] == str(STEPS)
+    assert meta["tightrope.base_model"] == flux_run["unet"][0]
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k), "training left lora_B at zero"
+
+
+def test_core_lora_loader_matches_train_output(comfy_server, flux_run):
+    path = flux_run["entry"]["outputs"][flux_run["save"]]["text"][0]
+    lora_name = str(path).split("/models/loras/", 1)[1]
+    g = Graph()
+    unet = g.add("UNETLoader", unet_name=flux_run["unet"][0], weight_dtype=flux_run["unet"][1])
+    loader = g.add("LoraLoaderModelOnly", model=[unet, 0], lora_name=lora_name, strength_model=1.0)
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
+    out = g.sample([loader, 0], cond, latent, "it/flux_core_lora")
+    core = saved_latent(comfy_server, comfy_server.run(g.nodes), out)
+    log = comfy_server.log()
+    assert "lora key not loaded" not in log and "NOT LOADED" not in log, log[-3000:]
+    effect = (core - flux_run["base"]).abs().max().item()
+    diff = (core - flux_run["trained"]).abs().max().item()
+    print(f"\nLoRA changes the sample by {effect:.3e}; core loader vs Train node MODEL: {diff:.3e}")
+    assert effect > 1e-4
+    assert torch.equal(core, flux_run["trained"])
+
+
+def test_interrupt_keeps_server_and_last_lora(comfy_server, checkpoint):
+    name, weight_dtype = checkpoint("flux")
+    g = Graph()
+    unet = g.add("UNETLoader", unet_name=name, weight_dtype=weight_dtype)
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a long run", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=2)
+    dataset = g.add("TightropeDatasetFromLatents", latent=[latent, 0], conditioning=[cond, 0])
+    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0)
+    train = g.add("TightropeTrain", steps=400, learning_rate=0.01, device="cpu", save_every=2,
+                  filename_prefix="tightrope/it_interrupt", model=[unet, 0], dataset=[dataset, 0], lora=[lora, 0])
+    g.add("TightropeSaveLora", session=[train, 0], filename_prefix="tightrope/it_interrupt_final")  # an output
+    client = uuid.uuid4().hex
+    ws = WebSocket(comfy_server, client)
+    try:
+        prompt_id = comfy_server.queue(g.nodes, client)
+        deadline = time.time() + 300
+        while not [m for m in ws.of_type("progress", prompt_id) if m["value"] >= 3]:
+            assert time.time() < deadline, "no training progress within 300 s"
+            time.sleep(0.1)
+        comfy_server.post("/interrupt", {})  # (progress messages come every 0.5% of the steps: 400 -> every 2)
+        entry = comfy_server.wait(prompt_id, expect="error")
+    finally:
+        ws.close()
+    assert any(kind == "execution_interrupted" for kind, _ in entry["status"]["messages"]), entry["status"]
+    assert comfy_server.alive()
+
+    saved = sorted((comfy_server.base / "models" / "loras" / "tightrope").glob("it_interrupt_0*.safetensors"))
+    assert saved, "no LoRA was saved before the interrupt"
+    tensors, meta = read_lora_file(saved[-1])  # intact: safetensors reads it whole
+    assert int(meta["tightrope.steps"]) >= 3 and all(math.isfinite(t.abs().max().item()) for t in tensors.values())
+
+    g = Graph()  # the next prompt runs, and the last LoRA loads through the core loader
+    unet = g.add("UNETLoader", unet_name=name, weight_dtype=weight_dtype)
+    loader = g.add("LoraLoaderModelOnly", model=[unet, 0], lora_name=f"tightrope/{saved[-1].name}",
+                   strength_model=1.0)
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a long run", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
+    out = g.sample([loader, 0], cond, latent, "it/flux_after_interrupt", steps=1)
+    assert torch.isfinite(saved_latent(comfy_server, comfy_server.run(g.nodes), out)).all()

@@ -1,0 +1,62 @@
+"""No leaks: ten training runs in one process keep RSS (and CUDA memory) flat and leave the base model as given."""
+import gc
+import os
+
+import pytest
+import torch
+from reliability_kit import assert_untouched, lora, snapshot, strategy, train_node, world
+
+from tightrope.nodes.demo_nodes import TightropeDemoModel
+
+RUNS, WARMUP, SLACK_MB = 10, 2, 30
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _ten_runs(out, device, measure):
+    model, dataset, spec, strat = world(out)
+    before = snapshot(model.flux)
+    readings = []
+    for i in range(RUNS):
+        with torch.inference_mode():  # as ComfyUI calls nodes
+            result = train_node(model, dataset, spec, strat, steps=2, save_every=2, device=device,
+                                filename_prefix=f"rt/run{i}")
+        assert result[0].step == 2
+        del result
+        gc.collect()
+        readings.append(measure())
+    assert_untouched(model.flux, before)
+    return readings
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="RSS is read from /proc (Linux)")
+def test_ten_runs_keep_rss_flat_and_the_model_untouched(out):
+    rss = _ten_runs(out, "cpu", _rss_mb)
+    growth = max(rss[WARMUP:]) - rss[WARMUP - 1]
+    assert growth < SLACK_MB, f"RSS grew {growth:.1f} MB over runs {WARMUP + 1}-{RUNS}: {[round(r) for r in rss]}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA memory can only be measured on a CUDA device")
+def test_ten_runs_keep_cuda_memory_flat(out):
+    baseline = torch.cuda.memory_allocated()
+    allocated = _ten_runs(out, "cuda", torch.cuda.memory_allocated)
+    assert max(allocated) - baseline < 1 << 20, [a - baseline for a in allocated]  # nothing left on the device
+
+
+def test_a_failed_run_leaves_the_model_untouched_too(out):
+    model = TightropeDemoModel().load(0)[0]
+    _, dataset, spec, strat = world(out)
+    before = snapshot(model.flux)
+    for bad in (dict(lora_spec=lora(rank=512, alpha=512.0)), dict(strat=strategy(offload_fraction=1.0,
+                                                                                  checkpoint="all"), steps=0)):
+        with pytest.raises(ValueError):
+            train_node(**({"model": model, "dataset": dataset, "lora_spec": spec, "strat": strat} | bad))
+    real = model.predict
+    model.predict = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("mid-step failure"))
+    with pytest.raises(RuntimeError, match="mid-step failure"):
+        train_node(model, dataset, spec, strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True))
+    model.predict = real
+    assert_untouched(model.flux, before)

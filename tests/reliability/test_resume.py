@@ -1,0 +1,159 @@
+"""Full-state resume: a run interrupted at step k and resumed gives the uninterrupted run's losses and LoRA, bit for
+bit (CPU fp32, fixed seed), from the trainer, through the Train node, and through `tightrope run --resume`."""
+import dataclasses
+import json
+
+import pytest
+import torch
+from demo_setup import demo_session
+from reliability_kit import lora, train_node, world
+from safetensors.torch import load_file
+
+from tightrope import cli
+from tightrope.nodes import host
+from tightrope.training.dataset import TrainingDataset
+from tightrope.training.lora import LoraError, LoraSpec
+from tightrope.training.reference_flux import Flux, FluxParams
+from tightrope.training.resume_state import _model_mismatch, load_state, model_fingerprint, resume_session, state_path
+from tightrope.training.trainer import SaveTarget, train
+
+CPU = torch.device("cpu")
+
+
+def _ctrl_c_at(step):
+    def progress(done, total, loss):
+        if done == step:
+            raise KeyboardInterrupt
+    return progress
+
+
+def test_train_3_interrupt_resume_3_equals_train_6(tmp_path):
+    session = demo_session(tmp_path, schedule="cosine", warmup_steps=2)  # the schedule must span the whole run
+    session = session.advanced(lora=LoraSpec(rank=4, targets="attention_mlp", dropout=0.1))  # dropout: RNG per step
+    whole = train(session, 6, device=CPU)
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 6, device=CPU, save=save, progress=_ctrl_c_at(3))
+    path = state_path(save.folder, save.filename_prefix)
+    state, _ = load_state(path)
+    assert (state.step, state.run_start, state.run_end) == (3, 0, 6)
+    resumed, run_start = resume_session(path, session, strategy_given=False)
+    assert resumed.step == 3 and resumed.losses == whole.losses[:3]
+    done = train(resumed, 3, device=CPU, run_start=run_start)
+    assert done.losses == whole.losses  # exactly: data order, noise, dropout, schedule and Adam state carry over
+    assert done.lora_state.keys() == whole.lora_state.keys()
+    assert all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())
+    for k, v in whole.optimizer_state["state"].items():
+        assert all(torch.equal(done.optimizer_state["state"][k][n], t) for n, t in v.items())
+
+
+def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
+    model, dataset, spec, strat = world(out)
+    kw = dict(steps=6, save_every=2, schedule="cosine")
+    with torch.inference_mode():  # as ComfyUI and the headless runner call nodes
+        whole, _, _ = train_node(model, dataset, spec, strat, filename_prefix="rt/whole", **kw)
+        calls = []
+        monkeypatch.setattr(host, "interrupt_requested", lambda: len(calls) >= 3)
+        monkeypatch.setattr(host, "progress_reporter", lambda total: lambda d, t, loss: calls.append((d, t)))
+        with pytest.raises(KeyboardInterrupt):  # the node ends the prompt as interrupted, after saving
+            train_node(model, dataset, spec, strat, **kw)
+        assert calls == [(1, 6), (2, 6), (3, 6)]
+        assert load_state(state_path(out, "rt/lora"))[0].step == 3
+        monkeypatch.setattr(host, "interrupt_requested", lambda: False)
+        calls.clear()
+        host.set_resume(True)
+        resumed, _, report = train_node(model, dataset, spec, strat, **kw)
+        assert calls == [(4, 6), (5, 6), (6, 6)]  # only what the node had left, on the node's own progress bar
+        assert resumed.step == 6 and resumed.losses == whole.losses and "step 6" in report
+        assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
+        calls.clear()
+        again, _, _ = train_node(model, dataset, spec, strat, **kw)  # finished: same outputs, no training
+        assert calls == [] and again.step == 6 and again.losses == whole.losses
+
+
+def test_resume_refuses_other_lora_settings(out, monkeypatch):
+    model, dataset, spec, strat = world(out)
+    monkeypatch.setattr(host, "interrupt_requested", lambda: True)
+    with pytest.raises(KeyboardInterrupt):
+        train_node(model, dataset, spec, strat, steps=3)
+    monkeypatch.setattr(host, "interrupt_requested", lambda: False)
+    train_node(model, dataset, spec, strat, steps=1, save_every=1)  # without --resume: a new run
+    host.set_resume(True)
+    with pytest.raises(LoraError, match=r"lora\.state\.safetensors' was trained with LoRA rank=4 \(now 8\)"):
+        train_node(model, dataset, lora(rank=8, alpha=4.0), strat, steps=3)
+
+
+def _api_workflow(steps, prefix="rt/lora"):
+    from reliability_kit import dataset_inputs, widgets
+    from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+    d = dataset_inputs(folder="x")
+    strat = {k: v[1]["default"] for k, v in TightropeMemoryStrategy.INPUT_TYPES()["required"].items()}
+    return {
+        "1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}},
+        "2": {"class_type": "TightropeDemoEncoders", "inputs": {"seed": 0}},
+        "3": {"class_type": "TightropeDemoImages", "inputs": {"subfolder": "imgs", "count": 4, "size": 32, "seed": 0}},
+        "4": {"class_type": "TightropeLoadDataset", "inputs": {**{k: v for k, v in d.items() if k not in
+                                                                  ("vae", "clip", "folder")},
+                                                               "folder": ["3", 0], "vae": ["2", 0], "clip": ["2", 1]}},
+        "5": {"class_type": "TightropeLoraSetup", "inputs": {"rank": 4, "alpha": 4.0, "rslora": False, "dropout": 0.0,
+                                                             "targets": "attention", "init": "default"}},
+        "6": {"class_type": "TightropeMemoryStrategy", "inputs": strat | {"compute_dtype": "fp32"}},
+        "7": {"class_type": "TightropeTrain", "inputs": widgets(steps=steps, save_every=2, filename_prefix=prefix)
+              | {"model": ["1", 0], "dataset": ["4", 0], "lora": ["5", 0], "strategy": ["6", 0]}},
+        "8": {"class_type": "TightropeSaveLora", "inputs": {"session": ["7", 0], "filename_prefix": "rt/final"}},
+    }
+
+
+def test_cli_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_workflow(steps=4)))
+    try:
+        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "whole")]) == 0
+        real = host.progress_reporter
+        monkeypatch.setattr(host, "progress_reporter", lambda total: _ctrl_c_at(3))
+        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut")]) == 130  # Ctrl-C at step 3
+        assert "--resume" in capsys.readouterr().err
+        monkeypatch.setattr(host, "progress_reporter", real)
+        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    finally:
+        host._headless_output = None
+        host.set_resume(False)
+    whole = load_file(tmp_path / "whole" / "rt" / "final_00001_.safetensors")
+    resumed = load_file(tmp_path / "cut" / "rt" / "final_00001_.safetensors")
+    assert whole.keys() == resumed.keys() and all(torch.equal(resumed[k], v) for k, v in whole.items())
+
+
+def test_model_fingerprint_tells_other_models_from_the_same_one_in_another_dtype(tmp_path):
+    flux = demo_session(tmp_path).model.flux
+    saved = model_fingerprint(flux, "flux")
+    assert _model_mismatch(saved, model_fingerprint(flux.to(torch.bfloat16), "flux")) is None
+    shallower = Flux(dataclasses.replace(FluxParams.tiny(), depth=1))
+    assert "other layers" in _model_mismatch(saved, model_fingerprint(shallower, "flux"))
+    assert "sd3 model" in _model_mismatch(saved, {**saved, "family": "sd3"})
+
+
+def test_resume_with_changed_settings_or_data_warns_and_goes_on(tmp_path):
+    session = demo_session(tmp_path)
+    save = SaveTarget(tmp_path / "out", "run", every=1)
+    train(session, 2, device=CPU, save=save)
+    path = state_path(save.folder, "run")
+    changed = session.advanced(config=dataclasses.replace(session.config, learning_rate=2e-3))
+    with pytest.warns(UserWarning, match=r"changed training settings \(learning_rate: 0.001 -> 0.002\)"):
+        resumed, start = resume_session(path, changed, strategy_given=False)
+    assert resumed.step == 2 and start == 0
+    context, pooled = session.dataset.text(0)
+    other_data = TrainingDataset.from_tensors([session.dataset.latent(0)], [context], [pooled])
+    with pytest.warns(UserWarning, match="different dataset"):
+        resume_session(path, session.advanced(dataset=other_data), strategy_given=False)
+
+
+def test_resume_with_another_global_batch_is_refused(tmp_path):
+    """The world size may change between runs; the global batch may not (a step would mean other samples)."""
+    from tightrope.training.train_config import ConfigError
+    session = demo_session(tmp_path)
+    train(session, 1, device=CPU, save=SaveTarget(tmp_path / "out", "run", every=1))
+    path = state_path(tmp_path / "out", "run")
+    assert load_state(path)[0].info["layout"] == {"world_size": 1, "global_batch_size": 2}
+    with pytest.raises(ConfigError, match="global batch_size of 2 .* set batch_size=2"):
+        resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)),
+                       strategy_given=False)

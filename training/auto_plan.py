@@ -1,0 +1,58 @@
+"""The Memory Strategy node's `auto` mode: probe the session's model on one of its real batches, then plan.
+
+The planner (memory/planner.py) picks the fastest strategy predicted to fit the VRAM budget; this module only
+supplies what it measures: the model with its LoRA, and a batch shaped like training's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..memory.planner import plan
+from ..memory.probe import probe_model
+from ..memory.strategy import Strategy
+from .flow_loss import flow_matching_loss, noised
+from .lora import inject_lora, remove_lora
+from .model_adapter import adapter_for
+from .session import TrainingSession
+from .strategy_choice import AutoStrategy
+
+
+class _Predictor(nn.Module):
+    """The adapter's prediction as a module, so the probe can call it with keyword inputs."""
+
+    def __init__(self, adapter, module: nn.Module, guidance: float):
+        super().__init__()
+        self.adapter, self.module, self.guidance = adapter, module, guidance
+
+    def forward(self, x_t, t, context, pooled):
+        return self.adapter.predict(self.module, x_t, t, context, pooled, self.guidance)
+
+
+def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[Strategy, str]:
+    cfg = session.config
+    adapter = adapter_for(session.model)
+    batch = next(session.dataset.batches(cfg.batch_size, cfg.seed))
+    latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    noise = torch.randn(latents.shape, generator=gen)
+    t = torch.full((latents.shape[0],), 0.5)
+    # probe with everything streamed on CUDA, so that a model larger than the GPU can be measured at all
+    base = Strategy(compute_dtype=session.strategy.compute_dtype, weight_dtype=session.strategy.weight_dtype,
+                    offload_fraction=1.0 if device.type == "cuda" else 0.0)
+
+    def make_inputs():
+        inputs = dict(x_t=noised(latents, noise, t).to(device), t=t.to(device), context=context.to(device),
+                      pooled=pooled.to(device))
+        return inputs, lambda out: flow_matching_loss(out, latents.to(device), noise.to(device))
+
+    with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
+        inject_lora(module, session.lora, adapter.family)
+        try:
+            profile = probe_model(_Predictor(adapter, module, cfg.guidance), make_inputs, device, base,
+                                  batch=cfg.batch_size, repeats=1)
+        finally:
+            remove_lora(module)
+    budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
+    chosen = plan(profile, budget, device=device)
+    return chosen.strategy, chosen.explanation

@@ -1,0 +1,121 @@
+"""ComfyUI's VAE and CLIP objects as the dataset's ImageEncoder / TextEncoder (see encoders.py).
+
+Both are used exactly as ComfyUI's own VAEEncode and CLIPTextEncode nodes use them, so training sees the latents and
+conditioning that sampling with the same objects would see. Nothing here imports ComfyUI (the objects are used
+through their methods), so these classes work, and are tested, without it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from torch import Tensor, nn
+
+from .dataset import DatasetError
+
+_SAMPLED = 4096  # values per sampled tensor in a cache id
+
+
+def weights_fingerprint(module: nn.Module | None, *extra) -> str:
+    """A short hash of a module's tensor names, shapes and dtypes, a sample of its values (the first and last three
+    tensors, by name) and `extra`: two encoders that could encode differently never share it."""
+    h = hashlib.sha256(json.dumps([str(e) for e in extra]).encode())
+    sd = module.state_dict() if module is not None else {}
+    keys = sorted(sd)
+    h.update(json.dumps([(k, list(sd[k].shape), str(sd[k].dtype)) for k in keys]).encode())
+    for k in dict.fromkeys(keys[:3] + keys[-3:]):
+        t = sd[k]
+        if t.device.type != "meta" and t.numel():
+            h.update(t.detach().flatten()[:_SAMPLED].to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class ComfyVaeEncoder:
+    """ImageEncoder over a ComfyUI VAE: pixels in [-1, 1] (B, 3, H, W) -> vae.encode(BHWC in [0, 1]).
+
+    A video VAE (Wan's) reads an IMAGE batch as the frames of one video, so images are encoded one at a time and the
+    single frame's time axis is dropped: (B, C, h, w), as for image VAEs (the model adapter adds it back)."""
+
+    def __init__(self, vae):
+        if not hasattr(vae, "encode") or not hasattr(vae, "first_stage_model"):
+            raise TypeError(f"the VAE input is a {type(vae).__name__}, not a ComfyUI VAE: connect Load VAE (or a "
+                            "checkpoint loader's VAE output)")
+        self.vae = vae
+        compress = getattr(vae, "spacial_compression_encode", None)
+        self.downscale = int(compress()) if compress else int(getattr(vae, "downscale_ratio", 8))
+        self.video = getattr(vae, "latent_dim", 2) == 3
+        self._cache_id = None
+
+    @property
+    def cache_id(self) -> str:
+        if self._cache_id is None:
+            vae = self.vae
+            self._cache_id = f"comfy-vae-{type(vae.first_stage_model).__name__}-" + weights_fingerprint(
+                vae.first_stage_model, getattr(vae, "latent_channels", None), self.downscale,
+                getattr(vae, "vae_dtype", None))
+        return self._cache_id
+
+    def encode(self, images: Tensor) -> Tensor:
+        if images.ndim != 4 or images.shape[1] != 3:
+            raise ValueError(f"ComfyVaeEncoder.encode wants (B, 3, H, W) in [-1, 1], got {tuple(images.shape)}")
+        pixels = ((images.float() + 1) / 2).clamp(0, 1).movedim(1, -1)
+        parts = [pixels[i:i + 1] for i in range(pixels.shape[0])] if self.video else [pixels]
+        out = []
+        for part in parts:
+            latent = self.vae.encode(part)
+            if latent.ndim == 5 and latent.shape[2] == 1:
+                latent = latent[:, :, 0]
+            if latent.ndim != 4:
+                raise ValueError(f"the VAE returned latents of shape {tuple(latent.shape)} for one image; Tightrope "
+                                 "trains on image latents (B, C, h, w): use an image or Wan-style video VAE")
+            out.append(latent)
+        return torch.cat(out)
+
+
+class ComfyClipEncoder:
+    """TextEncoder over a ComfyUI CLIP: clip.tokenize + encode_from_tokens(return_pooled=True), caption by caption
+    (what CLIPTextEncode does). Models without a pooled embedding (Wan, Qwen-Image, Lumina 2) get width 0.
+
+    The dataset batches captions, so every caption must encode to the same length: Flux, SD3 and Wan tokenizers pad
+    to 256, 77 and 512 tokens; Lumina 2's and Qwen-Image's do not pad, so their captions must have the same token
+    count (or use Dataset from Latents + Conditioning with one conditioning per image and batch size 1)."""
+
+    def __init__(self, clip):
+        if not hasattr(clip, "tokenize") or not hasattr(clip, "encode_from_tokens"):
+            raise TypeError(f"the CLIP input is a {type(clip).__name__}, not a ComfyUI CLIP: connect Load CLIP (or a "
+                            "checkpoint loader's CLIP output)")
+        self.clip = clip
+        self._cache_id = None
+        self._length: tuple[int, str] | None = None  # (context length, caption) of the first caption encoded
+
+    @property
+    def cache_id(self) -> str:
+        if self._cache_id is None:
+            clip = self.clip
+            model = getattr(clip, "cond_stage_model", None)
+            patcher = getattr(clip, "patcher", None)
+            patched = str(patcher.patches_uuid) if patcher is not None and getattr(patcher, "patches", None) else ""
+            self._cache_id = f"comfy-clip-{type(model).__name__}-" + weights_fingerprint(
+                model, getattr(clip, "layer_idx", None), json.dumps(getattr(clip, "tokenizer_options", {}),
+                                                                    sort_keys=True, default=str), patched)
+        return self._cache_id
+
+    def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
+        if isinstance(captions, str):
+            raise TypeError("ComfyClipEncoder.encode wants a list of captions, not a single string")
+        contexts, pooled = [], []
+        for caption in captions:
+            out = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True, return_dict=True)
+            context, vec = out["cond"], out.get("pooled_output")
+            if self._length is None:
+                self._length = (context.shape[1], caption)
+            elif context.shape[1] != self._length[0]:
+                raise DatasetError(
+                    f"caption {caption[:60]!r} encodes to {context.shape[1]} tokens but {self._length[1][:60]!r} to "
+                    f"{self._length[0]}: captions are batched, so they must encode to the same length. This text "
+                    "encoder does not pad captions to a fixed length; make the captions the same token count, or "
+                    "shorten the long ones below the tokenizer's padding length")
+            contexts.append(context.float())
+            pooled.append(vec.float() if vec is not None else context.new_zeros(context.shape[0], 0))
+        return torch.cat(contexts), torch.cat(pooled)

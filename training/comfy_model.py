@@ -1,0 +1,222 @@
+"""ComfyUI's MODEL (a ModelPatcher) as a ModelAdapter: the only training module that imports ComfyUI's model code.
+
+training_module(): ComfyUI's model management lets go of every model (so this one holds its base weights, unpatched,
+on its offload device, and the GPU is free for the memory runtime), then the trainer gets a copy of the diffusion
+model: new module objects whose parameters are new tensors sharing the base weights' storage. ComfyUI loads weights
+as inference tensors, which autograd cannot save for backward; an alias made outside inference mode is an ordinary
+tensor and costs no memory. Weights the MODEL patches (a LoRA applied before training) are computed into the copy with
+ComfyUI's own patch math. `comfy.model_management.in_training` is True only inside the context (it selects ComfyUI's
+autograd-safe code paths). LoRA goes into the copy, so the user's MODEL is never changed.
+
+predict(): ComfyUI's own `_apply_model` (latent scaling, timestep scaling, dtype casts, the family's forward) on a
+shallow copy of the model object whose diffusion_model is the training copy and whose model sampling returns the raw
+output, i.e. the flow-matching velocity (noise - x0); conditioning is built by the model's `extra_conds` as ComfyUI's
+samplers build it (guidance for Flux-dev, num_tokens for Lumina 2, ...). Only flow models (CONST sampling) train.
+
+Base weights may be fp8 (UNETLoader weight_dtype fp8_*): ComfyUI picks manual-cast ops for them, which upcast each
+layer's weight to the activation dtype in its forward; the LoRA stays fp32 (see lora.inject_lora).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+import comfy.model_management as mm
+import comfy.model_sampling
+import comfy.sd
+import comfy.utils
+
+from ..memory.blocks import discover_blocks
+from .lora_targets import LoraError
+from .train_config import ConfigError
+
+PREFIX = "diffusion_model."
+# family -> (where the text context enters, where the pooled text embedding enters); "" = the model has none
+_CONDITIONING_INPUTS = {"flux": ("txt_in", "vector_in"), "sd3": ("context_embedder", "y_embedder"),
+                        "lumina2": ("cap_embedder", "clip_text_pooled_proj"), "wan": ("text_embedding", ""),
+                        "qwen_image": ("txt_in", "")}
+
+
+def _family_of(diffusion_model: nn.Module) -> str | None:
+    from comfy.ldm.flux.model import Flux
+    from comfy.ldm.lumina.model import NextDiT
+    from comfy.ldm.modules.diffusionmodules.mmdit import MMDiT
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+    from comfy.ldm.wan.model import WanModel
+    for cls, family in ((Flux, "flux"), (MMDiT, "sd3"), (NextDiT, "lumina2"), (WanModel, "wan"),
+                        (QwenImageTransformer2DModel, "qwen_image")):
+        if isinstance(diffusion_model, cls):
+            return family
+    return None
+
+
+def _check_flow(name: str, sampling) -> None:
+    """Only rectified-flow models (ComfyUI's CONST: x_t = (1-s) x0 + s noise, output = noise - x0) train here."""
+    cls, const = type(sampling), comfy.model_sampling.CONST
+    if cls.calculate_denoised is const.calculate_denoised and cls.calculate_input is const.calculate_input:
+        return
+    kind = next(c.__name__ for c in cls.__mro__ if "calculate_denoised" in c.__dict__)
+    kind = {"EPS": "an eps-prediction", "V_PREDICTION": "a v-prediction"}.get(kind, f"a {kind} (not flow-matching)")
+    raise ConfigError(f"{name} is {kind} model, which Tightrope does not support: it trains flow-matching models "
+                      "(Flux, SD3.5, Lumina 2, Wan, Qwen-Image); load one of those")
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """An ordinary tensor sharing `t`'s storage (also when `t` is an inference tensor); a copy for tensor subclasses
+    (quantized weights), whose storage cannot be aliased."""
+    data = t.data
+    if type(data) is torch.Tensor and data.device.type != "meta":
+        out = torch.empty(0, dtype=data.dtype, device=data.device)
+        out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
+    else:
+        out = data.clone()
+    return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
+
+
+def _guard_in_place_residuals(module: nn.Module) -> None:
+    """ComfyUI's blocks add residuals in place (Flux: `img += ...` after `img_norm1(img)`), which autograd forbids
+    when an earlier op saved that tensor for backward: the norm layers' inputs. While grads are on, each norm inside a
+    block normalises (and so saves) a copy of its input; the in-place add then changes a tensor nothing saved."""
+    def guarded(forward):
+        def norm_forward(x, *args, **kwargs):
+            if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+                x = x.clone()
+            return forward(x, *args, **kwargs)
+        return norm_forward
+
+    for block in discover_blocks(module):
+        for m in block.module.modules():
+            if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm"):
+                m.forward = guarded(m.forward)
+
+
+def _first_linear_in_features(module: nn.Module, path: str) -> int:
+    if not path:
+        return 0
+    try:
+        sub = module.get_submodule(path)
+    except AttributeError:
+        return 0
+    return next((m.in_features for m in sub.modules() if isinstance(m, nn.Linear)), 0)
+
+
+class ComfyModelAdapter:
+    """A ComfyUI MODEL (ModelPatcher) for the trainer; see the module docstring."""
+
+    def __init__(self, model_patcher):
+        self.patcher = model_patcher
+        base = model_patcher.model
+        dm = model_patcher.get_model_object("diffusion_model")
+        name = f"ComfyUI model {type(base).__name__} ({type(dm).__module__}.{type(dm).__name__})"
+        _check_flow(name, model_patcher.get_model_object("model_sampling"))
+        family = _family_of(dm)
+        if family is None:
+            raise ConfigError(f"{name} is not a model family Tightrope trains (Flux, SD3.5, Lumina 2, Wan, "
+                              "Qwen-Image): load one of those with Load Diffusion Model")
+        self.family = family
+        init = getattr(model_patcher, "cached_patcher_init", None)  # (loader, (path, options)) from ComfyUI loaders
+        path = init[1][0] if init and len(init) > 1 and init[1] and isinstance(init[1][0], str) else None
+        self.base_name = os.path.basename(path) if path else f"comfyui-{type(base.model_config).__name__}"
+        context, pooled = _CONDITIONING_INPUTS[family]
+        self._dims = (_first_linear_in_features(dm, context), _first_linear_in_features(dm, pooled))
+
+    # -- conditioning ---------------------------------------------------------------------------------------------
+    def conditioning_dims(self) -> tuple[int, int]:
+        """(width of the text context, width of the pooled text embedding; 0 if the model takes none)."""
+        return self._dims
+
+    # -- training -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def training_module(self) -> Iterator[nn.Module]:
+        patcher = self.patcher
+        if patcher.is_dynamic():  # dynamic VRAM: weights are not plain tensors; ComfyUI's own trainer does the same
+            patcher = patcher.clone(force_deepcopy=True)
+        mm.unload_all_models()  # base weights back, unpatched, on the offload device; the GPU is ours
+        if patcher.backup or patcher.model.model_lowvram:
+            raise RuntimeError("ComfyUI still holds this model patched after unloading it; run the workflow again "
+                               "(or restart ComfyUI) and report this as a Tightrope bug")
+        with torch.inference_mode(False):
+            module = self._trainable_copy(patcher)
+        previous = mm.in_training
+        mm.in_training = True
+        try:
+            yield module
+        finally:
+            mm.in_training = previous
+
+    @staticmethod
+    def _trainable_copy(patcher) -> nn.Module:
+        source = patcher.get_model_object("diffusion_model")
+        memo = {id(patcher.model): patcher.model}
+        for t in itertools.chain(source.parameters(), source.buffers()):
+            memo.setdefault(id(t), _alias(t))
+        module = copy.deepcopy(source, memo)
+        module.requires_grad_(False)
+        _guard_in_place_residuals(module)
+        for key in patcher.patches:  # a LoRA already on the MODEL: train on the weights ComfyUI would sample with
+            if key.startswith(PREFIX):
+                weight = patcher.patch_weight_to_device(key, device_to=None, return_weight=True)
+                comfy.utils.set_attr_param(module, key[len(PREFIX):], weight)
+        return module
+
+    def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents (the dataset's, or a LATENT's) -> the model's latent space, as ComfyUI's samplers do:
+        video-shaped latents get their time axis, then the latent format's scale and shift."""
+        fmt = self.patcher.get_model_object("latent_format")
+        if getattr(fmt, "latent_dimensions", 2) == 3 and latents.ndim == 4:
+            latents = latents.unsqueeze(2)
+        return fmt.process_in(latents)
+
+    def predict(self, module, x_t, t, context, pooled, guidance):
+        base = self.patcher.model
+        b = x_t.shape[0]
+        pooled_width = self._dims[1]
+        if pooled_width and pooled.shape[-1] != pooled_width:
+            raise ConfigError(f"this {self.family} model takes a pooled text embedding of width {pooled_width}, but "
+                              f"the dataset has width {pooled.shape[-1]}: encode the captions with this model's "
+                              "text encoders")
+        params = {"cross_attn": context, "device": x_t.device, "noise": x_t, "width": x_t.shape[-1] * 8,
+                  "height": x_t.shape[-2] * 8, "prompt_type": "positive", "guidance": float(guidance)}
+        if pooled.shape[-1] > 0:
+            params["pooled_output"] = pooled
+        conds = {k: v.process_cond(batch_size=b, area=None).concat([]) for k, v in base.extra_conds(**params).items()}
+        conds = {k: v.to(x_t.device) if torch.is_tensor(v) else v for k, v in conds.items()}
+        options = {**self.patcher.model_options.get("transformer_options", {}), "cond_or_uncond": [0],
+                   "sigmas": t}
+        return self._shell(module)._apply_model(x_t, t, transformer_options=options, **conds)
+
+    def _shell(self, module: nn.Module):
+        """A shallow copy of ComfyUI's model object running `module`; its model sampling returns the raw output."""
+        cached = getattr(self, "_cached_shell", None)
+        if cached is not None and cached[0] is module:
+            return cached[1]
+        base = self.patcher.model
+        sampling = copy.copy(self.patcher.get_model_object("model_sampling"))
+        sampling.__dict__["calculate_denoised"] = lambda sigma, model_output, model_input: model_output
+        shell = copy.copy(base)
+        shell.__dict__["_modules"] = {**base._modules, "diffusion_model": module, "model_sampling": sampling}
+        shell.__dict__["current_patcher"] = None  # not a ComfyUI-managed model: no dynamic-VRAM prefetch
+        self._cached_shell = (module, shell)
+        return shell
+
+    # -- output ---------------------------------------------------------------------------------------------------
+    def with_lora_state(self, spec, state: dict[str, torch.Tensor], strength: float = 1.0):
+        """A clone of the MODEL with the LoRA patched in by ComfyUI's own LoRA loading (LoraLoaderModelOnly's
+        code path), so it samples exactly as the saved file through the core loader does."""
+        from .lora_file import lora_file_tensors
+        if strength == 0:
+            return self.patcher
+        tensors = lora_file_tensors(state, spec)
+        patched, _ = comfy.sd.load_lora_for_models(self.patcher, None, tensors, strength, 0.0)
+        expected = {k[: -len(".lora_A.weight")] + ".weight" for k in tensors if k.endswith(".lora_A.weight")}
+        missing = sorted(expected - set(patched.patches))
+        if missing:
+            raise LoraError(f"ComfyUI did not apply {len(missing)} of {len(expected)} LoRA layers (e.g. "
+                            f"{', '.join(missing[:3])}): the LoRA does not fit this model; report this as a bug")
+        return patched

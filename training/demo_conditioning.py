@@ -1,0 +1,24 @@
+"""Stand-in text conditioning for any model Tightrope trains: ComfyUI CONDITIONING from the demo caption embedder
+(demo_encoders.DemoCaptionEmbedder), sized for the connected model. Not a text encoder: it lets a workflow train and
+sample a model without downloading its text encoders (smoke tests, the integration tests)."""
+from __future__ import annotations
+
+from typing import Any
+
+from .demo_encoders import DemoCaptionEmbedder
+from .model_adapter import ReferenceFluxModel, adapter_for
+
+
+def conditioning_dims(model: Any) -> tuple[int, int]:
+    """(text context width, pooled embedding width; 0 when the model takes none) of a MODEL."""
+    adapter = adapter_for(model)
+    if isinstance(adapter, ReferenceFluxModel):
+        return adapter.flux.params.context_in_dim, adapter.flux.params.vec_in_dim
+    return adapter.conditioning_dims()
+
+
+def demo_conditioning(model: Any, text: str, tokens: int, seed: int) -> list:
+    """[[context (1, tokens, D), {"pooled_output": (1, P), or None for models without one}]]."""
+    context_dim, pooled_dim = conditioning_dims(model)
+    context, pooled = DemoCaptionEmbedder(context_dim, pooled_dim, max_tokens=tokens, seed=seed).encode([text])
+    return [[context, {"pooled_output": pooled if pooled_dim else None}]]

@@ -1,0 +1,362 @@
+"""Data-parallel training under torchrun: one process per GPU, the same workflow on every rank.
+
+`torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json` starts N copies of the CLI; `launched()` (entered by
+the CLI) reads torchrun's WORLD_SIZE / RANK / LOCAL_RANK, joins the process group (NCCL for CUDA tensors, gloo for
+CPU ones) and tears it down at the end. Every rank runs every node, so the collectives line up; only rank 0 shows
+progress and writes outputs (the other ranks' output folder is a private scratch folder, removed at exit).
+
+The global batch is the workflow's `batch_size`, whatever the world size: every rank walks the same plan of global
+batches (TrainingDataset.batches(..., shard=(rank, world))), loads only its contiguous part, and draws the noise and
+timesteps of the *whole* global batch from the (seed, step) generator before keeping its part. So N processes see
+exactly the samples, noise and timesteps one process would, and resuming with another world size changes nothing
+as long as batch_size is the same. Each rank's loss is weighted by its share of the global batch, so summing the
+LoRA gradients over ranks gives the gradient of the global-batch mean loss (parts may be unequal: a bucket's last
+batch can be smaller than batch_size).
+
+Gradients: one bucketed all-reduce of the LoRA gradients after the backward of the last micro-batch, not DDP. DDP
+needs every forward to go through its wrapper's __call__ (the adapters call `forward_latent` / ComfyUI's
+apply_model), hooks autograd per parameter (which has to agree with the memory runtime's patched block forwards,
+checkpoint recomputation and per-block compile), and needs `no_sync()` for gradient accumulation. A LoRA's
+gradients are a few MB to a few hundred MB, so overlapping their reduction with the backward saves little; one
+flat all-reduce per step is simple and independent of how the forward was run.
+
+Optional FSDP2 (`--fsdp`): the frozen weights of each transformer block are sharded over the ranks
+(`fully_shard`) and all-gathered block by block in forward and backward. The LoRA stays replicated (it is
+`ignored_params`) and is reduced as above. See docs/distributed.md for when to shard and when to offload.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from .train_config import ConfigError
+
+T = TypeVar("T")
+BUCKET_BYTES = 64 << 20  # all-reduce / broadcast buffers are at most this big (one extra copy of them is needed)
+
+
+class DistributedError(ConfigError):
+    """The launch or the combination of options does not work across processes; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place in the run. The default is a plain single-process run (ComfyUI, `tightrope run`)."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+    scratch_dir: Path | None = None   # non-main ranks' output folder (private, removed at exit)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def shard(self) -> tuple[int, int] | None:
+        """(rank, world size) for TrainingDataset.batches, or None in a single process."""
+        return (self.rank, self.world_size) if self.distributed else None
+
+
+_SINGLE = Parallel()
+_current: Parallel | None = None
+
+
+def current() -> Parallel:
+    """The run's Parallel: set by `launched()`; else derived from an already initialised process group; else a
+    single process."""
+    if _current is not None:
+        return _current
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return Parallel(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                        local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    return _SINGLE
+
+
+def torchrun_env(environ: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None when not started by torchrun."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env and "RANK" not in env:
+        return None
+    try:
+        world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+        local = int(env.get("LOCAL_RANK", rank))
+    except (KeyError, ValueError):
+        raise DistributedError(f"incomplete torchrun environment (WORLD_SIZE={env.get('WORLD_SIZE')!r}, "
+                               f"RANK={env.get('RANK')!r}, LOCAL_RANK={env.get('LOCAL_RANK')!r}): start the run "
+                               "with torchrun, or unset these variables for a single process") from None
+    if world < 1 or not 0 <= rank < world:
+        raise DistributedError(f"torchrun environment has RANK={rank} with WORLD_SIZE={world}: RANK must be "
+                               "from 0 to WORLD_SIZE - 1")
+    return rank, world, local
+
+
+def backend() -> str:
+    """NCCL for CUDA tensors and gloo for CPU ones (so a `device=cpu` Train node works on a GPU machine too)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+@contextlib.contextmanager
+def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
+    """The run's process group, from torchrun's environment: set up on entry, torn down on exit (also on errors).
+    Without torchrun this is a single process (and --fsdp is refused: there is nothing to shard over)."""
+    global _current
+    env = torchrun_env()
+    if env is None:
+        if fsdp:
+            raise DistributedError("--fsdp shards the base model over the processes torchrun starts: launch with "
+                                   "`torchrun --nproc_per_node=N -m tightrope run ... --fsdp` (or drop --fsdp)")
+        _current = Parallel()
+        try:
+            yield _current
+        finally:
+            _current = None
+        return
+    rank, world, local = env
+    if not torch.distributed.is_available():
+        raise DistributedError("this PyTorch build has no torch.distributed: install a build with it to use torchrun")
+    if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise DistributedError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} GPU(s): "
+                                   "use --nproc_per_node at most the number of GPUs")
+        torch.cuda.set_device(local)
+    created = not torch.distributed.is_initialized()
+    if created:
+        torch.distributed.init_process_group(backend=backend())
+    scratch = None if rank == 0 else Path(tempfile.mkdtemp(prefix=f"tightrope-rank{rank}-"))
+    _current = Parallel(rank=rank, world_size=world, local_rank=local, fsdp=fsdp, scratch_dir=scratch)
+    try:
+        yield _current
+    finally:
+        _current = None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if created and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def local_device(device: torch.device) -> torch.device:
+    """Under torchrun, a bare 'cuda' becomes this rank's GPU, cuda:LOCAL_RANK."""
+    par = current()
+    if device.type == "cuda" and device.index is None and par.distributed:
+        return torch.device("cuda", par.local_rank)
+    return device
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def check_batch_size(batch_size: int, par: Parallel | None = None) -> None:
+    par = par or current()
+    if par.distributed and batch_size % par.world_size:
+        world = par.world_size
+        below, above = batch_size // world * world, (batch_size // world + 1) * world
+        raise ConfigError(f"batch_size={batch_size} is not divisible by the world size {world}: batch_size is the "
+                          f"global batch, split evenly over the {world} processes; use a multiple of {world} (e.g. "
+                          f"{f'{below} or ' if below else ''}{above}) or start another number of processes")
+
+
+def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s contiguous part [lo, hi) of n items (sizes differ by at most one, like torch.tensor_split)."""
+    base, extra = divmod(n, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def global_batch_size(batch: Mapping) -> int:
+    """How many samples the global batch of this (possibly sharded) batch has."""
+    return batch["shard"][2] if "shard" in batch else batch["latents"].shape[0]
+
+
+def this_rank_part(batch: Mapping, *global_tensors: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+    """This rank's rows of tensors drawn for the whole global batch (noise, timesteps), and the rank's weight:
+    its share of the global batch. An empty part (a batch smaller than the world) trains on the first sample
+    with weight 0, so every rank still runs the forward and backward its collectives expect."""
+    if "shard" not in batch:
+        return list(global_tensors), 1.0
+    lo, hi, n = batch["shard"]
+    rows = slice(lo, hi) if hi > lo else slice(0, 1)
+    return [t[rows] for t in global_tensors], (hi - lo) / n
+
+
+def on_main_rank(fn: Callable[[], T]) -> T:
+    """fn() on rank 0 only (a file write), its result sent to every rank, so all ranks go on with the same value;
+    if it fails there, every rank raises. A single process just calls fn."""
+    par = current()
+    if not par.distributed:
+        return fn()
+    box: list = [None]
+    if par.is_main:
+        try:
+            box[0] = ("ok", fn())
+        except BaseException as exc:
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
+            torch.distributed.broadcast_object_list(box, src=0)
+            raise
+    torch.distributed.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed ({value}), so rank {par.rank} stops too")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------ gradients
+def _buckets(tensors: Sequence[torch.Tensor], limit: int = BUCKET_BYTES) -> Iterator[list[int]]:
+    """Indices of tensors grouped in order, each group on one device and dtype, at most `limit` bytes (or one)."""
+    group: list[int] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if group and (size + nbytes > limit or (t.device, t.dtype) != (tensors[group[0]].device,
+                                                                       tensors[group[0]].dtype)):
+            yield group
+            group, size = [], 0
+        group.append(i)
+        size += nbytes
+    if group:
+        yield group
+
+
+@torch.no_grad()
+def _flat_collective(tensors: Sequence[torch.Tensor], op) -> None:
+    for group in _buckets(tensors):
+        parts = [tensors[i] for i in group]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        op(flat)
+        offset = 0
+        for t in parts:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def all_reduce_gradients(params: Iterable[nn.Parameter], loss: float) -> float:
+    """Sum the parameters' gradients over the ranks, in place, and return the summed loss. Each rank weighted its
+    loss by its share of the global batch, so the sums are the gradient and loss of the global-batch mean. A
+    single process returns at once. The loss travels in the first bucket (no extra collective)."""
+    par = current()
+    if not par.distributed:
+        return loss
+    params = list(params)
+    if not params:
+        return loss
+    for p in params:
+        if p.grad is None:  # every rank must send the same layout
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    carrier = torch.tensor([loss], dtype=grads[0].dtype, device=grads[0].device)
+    _flat_collective([carrier] + grads, lambda flat: torch.distributed.all_reduce(flat))
+    return float(carrier.item())
+
+
+def broadcast_parameters(params: Iterable[torch.Tensor], src: int = 0) -> None:
+    """Make every rank's tensors equal to rank `src`'s (the LoRA at the start of a run)."""
+    if current().distributed:
+        _flat_collective([p.data for p in params], lambda flat: torch.distributed.broadcast(flat, src))
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+def resume_fields(batch_size: int) -> dict[str, int]:
+    """What a resume-state file should record about the layout of the run."""
+    return {"world_size": current().world_size, "global_batch_size": batch_size}
+
+
+def check_resume(saved: Mapping, batch_size: int) -> None:
+    """A run can resume with another world size (the data, noise and timesteps are functions of the global step and
+    the global batch), but not with another global batch: its step would mean other samples."""
+    saved_batch = saved.get("global_batch_size")
+    if saved_batch is not None and int(saved_batch) != batch_size:
+        raise ConfigError(f"cannot resume: the saved run used a global batch_size of {saved_batch} (world size "
+                          f"{saved.get('world_size', '?')}), this one {batch_size} (world size "
+                          f"{current().world_size}); the world size may change, the global batch may not: set "
+                          f"batch_size={saved_batch} (it is split over the processes), or start a new run")
+    check_batch_size(batch_size)
+
+
+# ------------------------------------------------------------------------------------------------------ FSDP2
+def check_fsdp_strategy(strategy) -> None:
+    """Refuse the memory-strategy features that do not compose with sharding the base weights: layer offload (both
+    own the block weights' placement). Checkpointing, activation offload, per-block compile and the weight/compute
+    dtypes do compose (tests/distributed)."""
+    if strategy.offload_fraction > 0 or strategy.offload_blocks:
+        raise DistributedError(
+            f"--fsdp does not work with layer offload (offload_fraction={strategy.offload_fraction}, offload_blocks="
+            f"{list(strategy.offload_blocks) if strategy.offload_blocks else None}): both manage where the blocks' "
+            "weights live. FSDP keeps 1/world of each block per GPU and all-gathers it block by block; set "
+            "offload_fraction=0 in the Memory Strategy node (or run without --fsdp and offload instead)")
+
+
+@contextlib.contextmanager
+def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[nn.Module]:
+    """Under --fsdp: a structural copy of `module` whose transformer blocks' frozen weights are FSDP2-sharded over
+    the ranks; the LoRA parameters (and everything outside the blocks) are the original objects, shared with
+    `module`. `module` itself is never touched by FSDP, so it leaves exactly as it came. Otherwise `module`."""
+    par = current()
+    if not par.fsdp:
+        yield module
+        return
+    check_fsdp_strategy(strategy)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    from ..memory.blocks import discover_blocks
+    from ..memory.runtime import TORCH_DTYPES
+
+    params = list(module.parameters())
+    clone = copy.deepcopy(module, memo={id(p): p for p in params})  # shares every parameter, copies the rest
+    trainable = {id(p) for p in params if p.requires_grad}
+    wdtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+    mesh = init_device_mesh(device.type, (par.world_size,))
+    # on the CPU FSDP2 keeps its shards through the offload policy (pinning needs an accelerator)
+    policy = CPUOffloadPolicy(pin_memory=False) if device.type == "cpu" else OffloadPolicy()
+    fresh: dict[int, nn.Parameter] = {}
+    blocks = [block.module for block in discover_blocks(clone, strategy.block_lists)]
+    for block in blocks:
+        for sub in block.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is None or p.requires_grad:
+                    continue
+                if id(p) not in fresh:  # FSDP moves and re-registers parameters: give it the clone's own
+                    dtype = wdtype if (wdtype is not None and p.is_floating_point()) else p.dtype
+                    fresh[id(p)] = nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
+                sub._parameters[name] = fresh[id(p)]
+        fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy,
+                    ignored_params={p for p in block.parameters() if id(p) in trainable})
+        fresh.clear()  # the full copies of this block are freed once FSDP holds its shard
+    _link_blocks(clone, blocks, mesh, policy)
+    try:
+        yield clone
+    finally:
+        del clone, fresh
+
+
+def _link_blocks(root: nn.Module, blocks: list[nn.Module], mesh, policy) -> None:
+    """One FSDP root over the blocks, holding no parameters itself, so the blocks share one state (streams,
+    backward finalisation) and each block's all-gather can be issued while the previous block computes.
+
+    The adapters call the model through methods FSDP's hooks do not see (`forward_latent`, ComfyUI's apply_model),
+    so the root's forward never runs and FSDP would make every block a root of its own (no prefetching between
+    them). The root's lazy initialisation is therefore run here, through FSDP2's private `_lazy_init` (torch
+    2.5-2.13); if that ever goes away the blocks stay separate roots: correct, without the overlap."""
+    from torch.distributed.fsdp import fully_shard
+    owned = {id(p) for block in blocks for p in block.parameters()}
+    fully_shard(root, mesh=mesh, offload_policy=policy,
+                ignored_params={p for p in root.parameters() if id(p) not in owned})
+    try:
+        root._get_fsdp_state()._lazy_init()
+    except (AttributeError, RuntimeError):
+        return
+    for before, after in zip(blocks, blocks[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])

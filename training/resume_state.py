@@ -1,0 +1,219 @@
+"""The training state file: everything a run needs to go on exactly where it stopped, never pickled.
+
+`<loras>/<filename_prefix>.state.safetensors` (the latest, replaced atomically whenever the trainer saves a LoRA)
+holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`; everything else is JSON in the
+metadata key `tightrope.resume_state`: step, the node run's start and end step, LoRA spec, TrainConfig, Strategy,
+the optimizer's param_groups and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and
+fingerprints of the model (family, parameter names + shapes, a sample of base weights) and of the dataset.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..memory.strategy import Strategy
+from . import distributed
+from .atomic_write import atomic_save_file, safe_output_path
+from .lora_targets import LoraError
+
+STATE_SUFFIX = ".state.safetensors"
+FORMAT = "tightrope-training-state-v1"
+_META = "tightrope.resume_state"
+_SAMPLE = 64            # base-weight values sampled per tensor for the model fingerprint
+_SAME_WEIGHTS = 0.98    # cosine similarity of the samples above which weights count as the same (fp8 vs bf16 is)
+LORA_SHAPING = ("rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
+
+
+class ResumeError(ValueError):
+    """A training state file cannot be resumed here; the message names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    step: int
+    run_start: int   # the step the interrupted node run began at (its schedule and remaining steps count from it)
+    run_end: int
+    lora_state: dict[str, torch.Tensor]
+    optimizer_state: dict
+    info: dict       # the JSON part
+
+
+def state_path(folder: str | os.PathLike, filename_prefix: str) -> Path:
+    base = safe_output_path(folder, filename_prefix)
+    return base.with_name(base.name + STATE_SUFFIX)
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+def model_fingerprint(module: torch.nn.Module, family: str) -> dict:
+    """Family, a hash of parameter names + shapes, and a few base-weight values (compared by cosine similarity,
+    so the same model loaded in another dtype still matches)."""
+    params = list(module.named_parameters())
+    h = hashlib.sha256()
+    for name, p in params:
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    weights = [p for _, p in params if p.ndim >= 2 and not p.is_meta]
+    picks = weights[:2] + weights[len(weights) // 2:len(weights) // 2 + 1] + weights[-1:] if weights else []
+    try:
+        sample = [v for p in picks for v in p.detach().reshape(-1)[:_SAMPLE].float().cpu().tolist()]
+    except (RuntimeError, TypeError, NotImplementedError):  # a weight type that cannot be read that way: names only
+        sample = []
+    return {"family": family, "structure": h.hexdigest(), "tensors": len(params), "sample": sample}
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """Size, buckets, captions and the first and last latent: changes when the training data changes."""
+    try:
+        n = dataset.num_images
+        h = hashlib.sha256(repr((len(dataset), n, sorted(dataset.bucket_counts.items()))).encode())
+        for i in range(n):
+            h.update(dataset.caption(i).encode() + b"\0")
+        for i in sorted({0, n - 1}):
+            h.update(dataset.latent(i).detach().float().cpu().numpy().tobytes())
+        return h.hexdigest()
+    except (AttributeError, TypeError):  # a dataset type without these views: not checked
+        return "unknown"
+
+
+def _model_mismatch(saved: dict, now: dict) -> str | None:
+    if saved["family"] != now["family"]:
+        return f"it was trained on a {saved['family']} model, this is a {now['family']} model"
+    if saved["structure"] != now["structure"]:
+        return (f"its model has other layers ({saved['tensors']} parameter tensors, this one {now['tensors']}, or "
+                "other names/shapes)")
+    a, b = torch.tensor(saved["sample"], dtype=torch.float64), torch.tensor(now["sample"], dtype=torch.float64)
+    if a.numel() and a.shape == b.shape and a.norm() * b.norm() > 0 \
+            and float(a @ b / (a.norm() * b.norm())) < _SAME_WEIGHTS:
+        return "same architecture, different base weights"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"rng.torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    version, state, gauss = random.getstate()
+    info: dict[str, Any] = {"python": [version, list(state), gauss]}
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        info["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    return tensors, info
+
+
+def restore_rng(state: TrainingState, tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng.torch_cpu"])
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if cuda and torch.cuda.is_available():
+        for k in cuda[:torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(tensors[k], int(k.rsplit(".", 1)[1]))
+    version, keys, gauss = state.info["rng"]["python"]
+    random.setstate((version, tuple(keys), gauss))
+    if "numpy" in state.info["rng"] and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, cached = state.info["rng"]["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------------------ save / load
+def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
+               lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
+               fingerprints: dict) -> Path:
+    """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
+    tensors = {f"lora.{k}": v for k, v in lora_state.items()}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in optimizer_state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{key}"] = value.detach().cpu()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    rng_tensors, rng_info = rng_state()
+    tensors.update(rng_tensors)
+    info = {"step": step, "run_start": run_start, "run_end": run_end, "lora": session.lora.to_dict(),
+            "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
+            "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
+            "losses": list(losses), "stats": list(stats), "saved": list(saved), "rng": rng_info, **fingerprints,
+            "layout": distributed.resume_fields(session.config.batch_size)}
+    return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
+
+
+def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.Tensor]]:
+    """(the state, its RNG tensors). Errors name the file and say what to do."""
+    path = Path(path)
+    fix = "delete it (the LoRA files beside it are intact) to start this run anew"
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for a damaged or truncated file
+        raise ResumeError(f"training state file '{path}' could not be read ({e}): it is damaged; {fix}") from None
+    if meta.get("format") != FORMAT or _META not in meta:
+        raise ResumeError(f"'{path}' is not a Tightrope training state file ({FORMAT}): {fix}")
+    info = json.loads(meta[_META])
+    state: dict[int, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if key.startswith("optimizer."):
+            index, name = key[len("optimizer."):].split(".", 1)
+            state.setdefault(int(index), {})[name] = t
+    for index, entries in info["optimizer"]["scalars"].items():
+        state.setdefault(int(index), {}).update(entries)
+    groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+              for g in info["optimizer"]["param_groups"]]
+    lora = {k[len("lora."):]: t for k, t in tensors.items() if k.startswith("lora.")}
+    result = TrainingState(step=info["step"], run_start=info["run_start"], run_end=info["run_end"], lora_state=lora,
+                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info)
+    return result, {k: t for k, t in tensors.items() if k.startswith("rng.")}
+
+
+# ------------------------------------------------------------------------------------------------ resume
+def resume_session(path: Path, session: Any, *, strategy_given: bool) -> tuple[Any, int]:
+    """`session` (built from the node's inputs) advanced to the state in `path`, checked against its model and
+    LoRA settings; returns (session, the step the interrupted node run began at). Restores the RNG states."""
+    from .model_adapter import adapter_for
+    state, rng = load_state(path)
+    info = state.info
+    adapter = adapter_for(session.model)
+    with torch.inference_mode(False), adapter.training_module() as module:
+        problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
+    if problem:
+        raise ResumeError(f"training state file '{path}' belongs to another model ({problem}): connect the model it "
+                          "was trained on, or use another filename_prefix (or delete the file) to train this model "
+                          "from the start")
+    distributed.check_resume(info.get("layout", {}), session.config.batch_size)  # world size may change
+    spec = session.lora.to_dict()
+    changed = [f"{k}={info['lora'][k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if info["lora"][k] != spec[k]]
+    if changed:
+        raise LoraError(f"training state file '{path}' was trained with LoRA {', '.join(changed)}: set the LoRA Setup "
+                        "back to those values to resume, or use another filename_prefix to start a new LoRA")
+    if info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset)):
+        warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
+                      "will not match an uninterrupted run", stacklevel=2)
+    now = session.config.to_dict()
+    diff = [f"{k}: {v!r} -> {now[k]!r}" for k, v in info["config"].items() if now.get(k) != v]
+    if diff:
+        warnings.warn(f"resuming '{path}' with changed training settings ({'; '.join(diff)}): the run goes on, but "
+                      "will not match an uninterrupted run", stacklevel=2)
+    restore_rng(state, rng)
+    resumed = session.advanced(
+        step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
+        losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
+        strategy=session.strategy if strategy_given else Strategy.from_dict(info["strategy"]))
+    return resumed, state.run_start
+
+
+def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
+    return {"model": model_fingerprint(module, family), "dataset": dataset_fingerprint(dataset)}
+
+
+__all__ = ["STATE_SUFFIX", "ResumeError", "TrainingState", "state_path", "save_state", "load_state",
+           "resume_session", "fingerprints", "model_fingerprint", "dataset_fingerprint"]
