@@ -42,8 +42,9 @@ def flux_run(comfy_server, checkpoint):
         time.sleep(0.5)  # the last websocket messages
     finally:
         ws.close()
-    return {"entry": entry, "prompt_id": prompt_id, "ws": ws, "train": train, "save": save, "unet": (name, weight_dtype),
-            "trained": saved_latent(comfy_server, entry, trained), "base": saved_latent(comfy_server, entry, base)}
+    return {"entry": entry, "prompt_id": prompt_id, "ws": ws, "train": train, "save": save,
+            "unet": (name, weight_dtype), "trained": saved_latent(comfy_server, entry, trained),
+            "base": saved_latent(comfy_server, entry, base)}
 
 
 def test_progress_on_the_websocket(flux_run):

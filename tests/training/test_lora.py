@@ -1,11 +1,11 @@
 """LoRA settings, target presets per family, and peft injection / removal / state."""
-import copy
 import json
 import math
 import re
 
 import pytest
 import torch
+from tiny_flux import flux_inputs, tiny_flux
 from torch import nn
 
 from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, load_lora_state, lora_layers,
@@ -13,23 +13,8 @@ from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, load_lora
                                      resolve_existing_lora, targeted_layers)
 from tightrope.training.lora_targets import TARGET_PRESETS
 from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.tiny_checkpoint import init_tiny_weights_
 
 
-_TINY = {}
-
-
-def tiny_flux(seed=0):
-    """A fresh copy of the tiny reference Flux (built once per seed: copying is faster than building)."""
-    if seed not in _TINY:
-        _TINY[seed] = init_tiny_weights_(Flux(FluxParams.tiny()), seed)
-    return copy.deepcopy(_TINY[seed])
-
-
-def flux_inputs(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, 16, 4, 6, generator=g), torch.tensor([0.4]), torch.randn(1, 3, 64, generator=g),
-            torch.randn(1, 32, generator=g), torch.tensor([3.5]))
 
 
 def randomize_lora_(model, seed=0):

@@ -1,6 +1,5 @@
 """LoRA files: the ComfyUI key format, never overwriting, continuing from a file (ours / peft / kohya), and
 merging into the reference Flux."""
-import copy
 import dataclasses
 import json
 import math
@@ -8,6 +7,7 @@ import os
 
 import pytest
 import torch
+from tiny_flux import flux_inputs, tiny_flux
 from safetensors.torch import save_file
 
 from tightrope.training import lora_file
@@ -21,20 +21,6 @@ RUN_METADATA = {"tightrope.base_model": "tiny-flux", "tightrope.family": "flux",
                 "tightrope.strategy": '{"offload_fraction": 0.0}'}
 
 
-_TINY = {}
-
-
-def tiny_flux(seed=0):
-    """A fresh copy of the tiny reference Flux (built once per seed: copying is faster than building)."""
-    if seed not in _TINY:
-        _TINY[seed] = init_tiny_weights_(Flux(FluxParams.tiny()), seed)
-    return copy.deepcopy(_TINY[seed])
-
-
-def flux_inputs(seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, 16, 4, 6, generator=g), torch.tensor([0.4]), torch.randn(1, 3, 64, generator=g),
-            torch.randn(1, 32, generator=g), torch.tensor([3.5]))
 
 
 def trained(spec, seed=0):
