@@ -49,6 +49,32 @@ def _schema(node_type: str):
     return widgets, conns, list(zip(names, cls.RETURN_TYPES))
 
 
+TITLE_H, SLOT_H, WIDGET_H, MULTILINE_H, COL_W, NODE_W, GAP = 30, 22, 26, 100, 360, 320, 40
+
+
+def _size(n: dict) -> list[int]:
+    """A body size (title bar excluded, as LiteGraph's `size`) that holds the node's slots and widgets."""
+    widgets, conns, outs = _schema(n["type"])
+    if n["type"] in CORE:
+        multiline = int(n["type"] == "CLIPTextEncode")
+    else:
+        spec = NODE_CLASS_MAPPINGS[n["type"]].INPUT_TYPES()
+        multiline = sum(1 for section in spec.values() for _, (*_, opts) in section.items()
+                        if isinstance(opts, dict) and opts.get("multiline"))
+    return [NODE_W, 10 + SLOT_H * max(len(conns), len(outs)) + WIDGET_H * len(widgets) + MULTILINE_H * multiline]
+
+
+def _layout(nodes: list[dict]) -> None:
+    """Columns left to right; in each column the nodes stack by row, each below the previous one's full height
+    (a fixed row pitch let tall nodes such as Train hide the nodes under them in the real frontend)."""
+    for col in sorted({n["col"] for n in nodes}):
+        y = 40
+        for n in sorted((n for n in nodes if n["col"] == col), key=lambda n: n["row"]):
+            n["_size"] = _size(n)
+            n["_pos"] = [40 + COL_W * col, y + TITLE_H]
+            y += TITLE_H + n["_size"][1] + GAP
+
+
 def build(nodes: list[dict]) -> dict:
     """nodes: {"id", "type", "col", "row", "widgets": {name: value}, "links": {input: (from_id, from_slot)}}."""
     by_id = {n["id"]: n for n in nodes}
@@ -73,6 +99,7 @@ def build(nodes: list[dict]) -> dict:
                 src_type = _schema(by_id[src[0]]["type"])[2][src[1]][1]
                 links.append([link_id, src[0], src[1], n["id"], len(n["_inputs"]), src_type])
                 n["_inputs"].append({"name": name, "type": src_type, "link": link_id, "widget": {"name": name}})
+    _layout(nodes)
     for n in nodes:
         widgets, _, outs = _schema(n["type"])
         values = [n.get("widgets", {}).get(w, "fixed" if w == "control_after_generate" else None) for w in widgets]
@@ -80,8 +107,8 @@ def build(nodes: list[dict]) -> dict:
         if missing:
             raise ValueError(f"node {n['id']} {n['type']}: give widget values for {missing}")
         out_nodes.append({
-            "id": n["id"], "type": n["type"], "pos": [40 + 360 * n["col"], 40 + 260 * n["row"]],
-            "size": [320, 80 + 26 * len(widgets)], "flags": {}, "order": n["id"], "mode": 0,
+            "id": n["id"], "type": n["type"], "pos": n["_pos"], "size": n["_size"], "flags": {}, "order": n["id"],
+            "mode": 0,
             "inputs": n["_inputs"],
             "outputs": [{"name": name, "type": kind, "links": [lk[0] for lk in links
                                                               if lk[1] == n["id"] and lk[2] == slot] or None,
