@@ -21,15 +21,9 @@ def flux_run(comfy_server, checkpoint):
     base model and from the Train node's MODEL output), run with a websocket listening."""
     name, weight_dtype = checkpoint("flux")
     g = Graph()
-    unet = g.add("UNETLoader", unet_name=name, weight_dtype=weight_dtype)
-    images = g.add("TightropeDemoImages", subfolder="it_flux_images", count=4, size=64, seed=0)
-    vae = g.add("VAELoader", vae_name="taef1")
-    encoders = g.add("TightropeDemoEncoders", seed=0)
-    dataset = g.add("TightropeLoadDataset", folder=[images, 0], vae=[vae, 0], clip=[encoders, 1], resolution=64)
-    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0)
-    train = g.add("TightropeTrain", steps=STEPS, learning_rate=0.01, device="cpu", filename_prefix="tightrope/it_flux",
-                  model=[unet, 0], dataset=[dataset, 0], lora=[lora, 0])
-    save = g.add("TightropeSaveLora", session=[train, 0], filename_prefix="tightrope/it_flux_final")
+    ids = g.train_flux((name, weight_dtype), prefix="tightrope/it_flux", images="it_flux_images", steps=STEPS,
+                       learning_rate=0.01)
+    unet, train, save = ids["unet"], ids["train"], ids["save"]
     cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
     latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
     trained = g.sample([train, 1], cond, latent, "it/flux_trained_model")
