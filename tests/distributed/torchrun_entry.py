@@ -1,18 +1,34 @@
 """`python -m tightrope`, plus a recorder for the tests. Each rank writes $TIGHTROPE_TEST_RECORD.rank<R> (JSON):
-the losses of every Train node it ran and, under --fsdp, what the sharded copy of the model held. Started by
+the losses of every Train node it ran and, under --fsdp, what the sharded copy of the model held; and
+$TIGHTROPE_TEST_RECORD.rank<R>.grads.safetensors: the LoRA gradients of every optimizer step after the all-reduce
+(what the optimizer sees) and the LoRA weights they were computed at, so the test can replay the optimizer and bound
+the weights' difference by the gradients' difference. Started by
 torchrun, or by plain python for the single-process reference."""
 import contextlib
 import json
 import os
 import sys
 
+import torch
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from tightrope import cli
 from tightrope.training import distributed, training_run
 
 record = {"losses": [], "fsdp": []}
-_train, _sharded_base = training_run.train, distributed.sharded_base
+grads: dict[str, torch.Tensor] = {}
+_train, _sharded_base, _all_reduce = training_run.train, distributed.sharded_base, distributed.all_reduce_gradients
+
+
+def _recording_all_reduce(params, loss):
+    params = list(params)
+    loss = _all_reduce(params, loss)
+    step = len({k.split(".")[0] for k in grads}) // 2
+    for i, p in enumerate(params):
+        grads[f"weight{step}.{i}"] = p.detach().clone()
+        grads[f"grad{step}.{i}"] = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+    return loss
 
 
 def _recording_train(*args, **kwargs):
@@ -36,8 +52,10 @@ def _recording_sharded_base(module, strategy, device):
 
 
 training_run.train, distributed.sharded_base = _recording_train, _recording_sharded_base
+distributed.all_reduce_gradients = _recording_all_reduce
 code = cli.main()
 if os.environ.get("TIGHTROPE_TEST_RECORD"):
     with open(f"{os.environ['TIGHTROPE_TEST_RECORD']}.rank{os.environ.get('RANK', '0')}", "w") as f:
         json.dump(record, f)
+    save_file(grads, f"{os.environ['TIGHTROPE_TEST_RECORD']}.rank{os.environ.get('RANK', '0')}.grads.safetensors")
 sys.exit(code)
