@@ -12,10 +12,9 @@ every optimizer step, the LoRA weights and the gradients after the all-reduce (w
   ~1e-7 (lora_B starts at zero, so lora_A's first gradients are tiny) a last-bit gradient difference dg is
   amplified up to lr/eps, so the bound is |dw| <= lr * (1 + C/4) * max|dg| / eps plus one ulp of the weights:
   d(m/(r+eps))/dm <= 1/eps; |d(m/(r+eps))/dr| = |m|/(r+eps)^2 <= C/(4 eps) where |m| <= C r (Cauchy-Schwarz over
-  Adam's averaging weights, C = 1 at step 1); |dm|, |dr| <= max|dg| (measured: dg 1.2e-8, dw 4.1e-6 — a 1e-3 step
-  of lr is 1e-3, so a fixed weight tolerance either fails on another machine or checks nothing). Later steps
-  compound this, so instead of a loose bound
-  on the final LoRA, each run's later weights must be exactly what AdamW makes of its recorded gradients (replayed
+  Adam's averaging weights, C = 1 at step 1); |dm|, |dr| <= max|dg| (measured: dg 1.2e-8, dw 4.1e-6; one step of lr 1e-3
+  moves a weight by up to 1e-3, so a fixed weight tolerance either fails on another machine or checks nothing).
+  Later steps compound this, so instead of a loose bound on the final LoRA, each run's later weights must be exactly what AdamW makes of its recorded gradients (replayed
   here with plain torch.optim.AdamW), and the later losses must agree to 1e-6.
 FSDP only all-gathers the exact weights: its forward and backward equal the unsharded ones bit for bit on CPU
 (checked exactly in test_fsdp_composes_with_the_strategies).
