@@ -39,7 +39,7 @@ class ActivationOffload:
         self.min_bytes = min_bytes
         self.d2h_bytes = 0
         self.live_copies = 0       # device copies brought back and not yet freed
-        self.peak_live_copies = 0  # the most alive at once since the last end_step
+        self.peak_live_copies = 0  # the most alive at once since the last start_step
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._by_block: dict[int, list[weakref.ref]] = {}
         self._by_tensor: dict[int, tuple[weakref.ref, weakref.ref]] = {}
@@ -133,11 +133,13 @@ class ActivationOffload:
         torch.cuda.synchronize(self.device)
         return sum(s.elapsed_time(e) for s, e in events) / 1000.0
 
+    def start_step(self) -> None:
+        self.peak_live_copies = self.live_copies
+
     def end_step(self) -> None:
         """Forget this step's bookkeeping (the stored copies themselves die with the autograd graph)."""
         self._by_block.clear()
         self._by_tensor.clear()
-        self.peak_live_copies = self.live_copies
 
 
 def _dense(t: torch.Tensor) -> bool:

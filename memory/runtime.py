@@ -209,6 +209,8 @@ class MemoryRuntime:
                 "graphs": compiled_graph_count() if self.strategy.compile == "per_block" else 0}
 
     def start_step(self) -> None:
+        if self.acts is not None:
+            self.acts.start_step()
         self._timer.start(self.counters())
 
     def end_step(self) -> StepStats:
