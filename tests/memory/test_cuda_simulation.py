@@ -99,16 +99,27 @@ def test_the_store_counts_its_live_copies():
         assert 3 <= rt.acts.peak_live_copies <= 6 and rt.acts.live_copies == 0
 
 
-def test_weight_views_never_outlive_their_slot():
-    """Non-checkpointed offloaded blocks save weights as slot references: the views they unpack must be gone before
-    their slot is refilled with another block (else backward reads that block's weights)."""
-    model = make_lora_model()
+def _weight_views(model, keep=None):
     with MemoryRuntime(model, Strategy(offload_fraction=1.0, prefetch_depth=0, **FP32), "cpu:0",
                        poison_slots=True) as rt:
+        if keep is not None:  # a consumer that holds on to what it unpacks
+            real = rt.offload.unpack
+            rt.offload.unpack = lambda ref: keep.append(real(ref)) or keep[-1]
         result = train_steps(model, steps=2, runtime=rt)
-        c = rt.offload.counters
-        assert c.stale_views == 0 and c.live_views == 0 and 0 < c.peak_live_views
+        return rt.offload.counters, result
+
+
+def test_weight_views_never_outlive_their_slot():
+    """Non-checkpointed offloaded blocks save weights as slot references: each view they unpack is used by one
+    backward node and must be gone before its slot is refilled with another block (else backward would read that
+    block's weights). With one slot (prefetch_depth 0) any view alive across a block change would be stale."""
+    counters, result = _weight_views(make_lora_model())
+    assert counters.stale_views == 0 and counters.live_views == 0
+    assert counters.peak_live_views == 1  # one node's saved weight at a time
     assert_equivalent(result)
+    held = []
+    counters, _ = _weight_views(make_lora_model(), keep=held)  # negative control: the count sees held views
+    assert counters.stale_views > 0 and counters.live_views == len(held) > 0
 
 
 @pytest.mark.parametrize("strategy", [
