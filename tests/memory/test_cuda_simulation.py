@@ -3,12 +3,14 @@
 "cpu:0" stands in for "cuda": CPU tensors report "cpu", as CUDA tensors report "cuda:0" where "cuda" was asked for,
 so a runtime that compares device objects as spelled misses the same way on both.
 """
+import contextlib
 import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from equivalence import assert_equivalent
-from two_stream import make_lora_model, train_steps
+from two_stream import make_batch, make_lora_model, train_steps
 
 from tightrope.memory.activation_offload import ActivationOffload
 from tightrope.memory.runtime import MemoryRuntime
@@ -159,3 +161,22 @@ def test_host_memory_falls_back_to_pageable():
     with MemoryRuntime(make_lora_model(), Strategy(offload_fraction=0.5, activation_offload=True,
                                                     checkpoint="all"), "cpu") as rt:
         assert not rt.host_memory_pinned()
+
+
+def test_a_second_unpack_fetches_the_copy_again():
+    """A packed activation can be unpacked more often than it was packed (a second backward through the same graph
+    recomputes every checkpointed block again): the copy handed out first is gone, so it is fetched again from the
+    host copy, and the gradients are still right."""
+    def grads(strategy):
+        model = make_lora_model()
+        inputs, target = make_batch()
+        with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) if strategy else contextlib.nullcontext():
+            loss = F.mse_loss(model(**inputs), target)
+            loss.backward(retain_graph=True)
+            loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    managed = grads(Strategy(checkpoint="all", activation_offload=True, **FP32))
+    plain = grads(None)
+    for name, g in plain.items():
+        torch.testing.assert_close(managed[name], g, rtol=1e-5, atol=1e-6)
