@@ -84,7 +84,7 @@ class LayerOffload:
         self._restore: list[tuple[nn.Parameter, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._current: tuple[int, bool] | None = None
         self._views: list[tuple[weakref.ref, int, int]] = []  # (unpacked view, slot, block)
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     # -- setup and teardown ------------------------------------------------------------------------------------
     def attach(self) -> None:
