@@ -131,6 +131,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
 def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
     cfg = session.config
     first = session.step
+    # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
+    scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.compute_dtype == "fp16")
     batches = session.dataset.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
                                       shard=distributed.current().shard)
     while run.step < first + steps:
@@ -140,7 +142,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
         with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
-            loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k)
+            loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
         stats = runtime.end_step()
@@ -156,8 +158,10 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
                           "LoRA is unchanged", stacklevel=2)
         else:
             if cfg.max_grad_norm > 0:
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         run.step += 1
         run.losses.append(loss)
@@ -168,7 +172,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             _save(session, run, module, save, optimizer)
 
 
-def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int) -> float:
+def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, scaler) -> float:
     seed = _derive_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
@@ -183,11 +187,13 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int) -> 
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     dev = runtime.device
-    x_t = noised(latents, noise, t).to(dev)
+    # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
+    x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
+        noised(latents, noise, t), t, context, pooled, latents, noise))
     with runtime.autocast():
-        pred = adapter.predict(module, x_t, t.to(dev), context.to(dev), pooled.to(dev), cfg.guidance)
-        loss = flow_matching_loss(pred, latents.to(dev), noise.to(dev))
-    ((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
+        pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
+        loss = flow_matching_loss(pred, latents, noise)
+    scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
     return loss.item() * weight / cfg.grad_accumulation
 
 
