@@ -50,13 +50,14 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
     """The full path of a LoRA to continue from (a path, or a name in the loras folder), once its safetensors header
     has been read: it exists, is .safetensors, is readable and holds tensors. Raises LoraError."""
     path = resolve_existing_lora(name, loras_dir)
+    where = "" if path == name else f" ({path})"
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             keys = list(f.keys())
     except Exception as e:  # safetensors raises several types for a damaged header; PermissionError for mode 000
-        raise LoraError(f"existing_lora={name!r} ({path}) could not be read as safetensors ({e}): it is damaged, "
+        raise LoraError(f"existing_lora={name!r}{where} could not be read as safetensors ({e}): it is damaged, "
                         "incomplete or unreadable; save or download it again, or leave existing_lora empty") from None
     if not keys:
-        raise LoraError(f"existing_lora={name!r} ({path}) holds no tensors: pick a LoRA file, or leave "
+        raise LoraError(f"existing_lora={name!r}{where} holds no tensors: pick a LoRA file, or leave "
                         "existing_lora empty to start a new LoRA")
     return path
