@@ -4,6 +4,7 @@ it answers True or a message naming the input and the fix."""
 import math
 
 import pytest
+import torch
 
 from tightrope import NODE_CLASS_MAPPINGS
 from tightrope.headless.input_spec import node_input_specs
@@ -83,3 +84,9 @@ def test_node_checks(out, tmp_path):
     # auto mode ignores the manual fields, so it does not refuse them
     assert strategy.VALIDATE_INPUTS(**_queued("TightropeMemoryStrategy", mode="auto", weight_dtype="fp16",
                                               compute_dtype="fp32")) is True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so device='cuda' is valid here")
+def test_cuda_without_cuda_is_refused_at_queue_time():
+    verdict = NODE_CLASS_MAPPINGS["TightropeTrain"].VALIDATE_INPUTS(**_queued("TightropeTrain", device="cuda"))
+    assert verdict == "device='cuda' but CUDA is not available: choose 'auto' or 'cpu'"
