@@ -35,7 +35,7 @@ def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
     """`folder` exists and is writable, or its nearest existing parent is a folder this user may create it in."""
     folder = Path(folder)
     existing = folder
-    while not existing.exists() and existing.parent != existing:
+    while not os.path.exists(existing) and existing.parent != existing:  # os.path: False, not raising, if unsearchable
         existing = existing.parent
     if not existing.is_dir():
         raise OutputPathError(f"{what} needs the folder '{folder}', but '{existing}' is a file: move or rename that "
