@@ -1,10 +1,11 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
-    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp]
+    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug]
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
 Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C.
+A user error (bad input: its message names the input and the fix) prints one line; a bug prints its traceback too.
 No module-level state: every call of main() stands alone (torchrun will start one per rank).
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "run":
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
-    return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp)
+    return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp,
+                       debug=args.debug)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun: shard the frozen base weights of each transformer block over the "
                           "processes (FSDP2), for models too big for one GPU (docs/distributed.md)")
+    run.add_argument("--debug", action="store_true",
+                     help="print the Python traceback of every error, not only of bugs")
     commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
     return parser
 
 
-def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False) -> int:
+def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
     from .training.distributed import DistributedError, launched
@@ -60,6 +64,8 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         with launched(fsdp=fsdp):  # under torchrun: the process group, torn down at the end
             return _run(workflow_path, os.path.abspath(output_dir), resume)
     except (WorkflowError, DistributedError) as exc:
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR
     except KeyboardInterrupt:
@@ -67,13 +73,27 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
               "continue from it", file=sys.stderr)
         return EXIT_INTERRUPTED
     except NodeExecutionError as exc:
-        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+        if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps
+            traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except Exception as exc:  # a bug, not a workflow problem: the traceback is what helps
         traceback.print_exc(file=sys.stderr)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def user_error_types() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input, not a bug: their message names the input and the fix, so `tightrope run`
+    prints it without a traceback (unless --debug)."""
+    from .headless.graph import WorkflowError
+    from .memory.strategy import StrategyError
+    from .training.image_folder import DatasetError
+    from .training.resume_state import ResumeError
+    from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
+    from .training.trainer import NonFiniteLossError, TrainingOutOfMemoryError
+    return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,
+            TrainingOutOfMemoryError)
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool) -> int:

@@ -1,10 +1,13 @@
 """The training-step node: N steps on a new or continued session (train, preview, train on)."""
 from __future__ import annotations
 
+from ..training.input_checks import check_output_target
 from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, TrainConfig
 from ..training.timesteps import SAMPLINGS
+from ..training.trainer import resolve_device
 from ..training.training_run import run_training_node
 from . import host
+from .input_validation import validation_result
 
 _C = TrainConfig()
 
@@ -72,3 +75,11 @@ class TightropeTrain:
         if result.interrupted:
             host.raise_interrupt()
         return (result, model_out, report)
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
+        the device available."""
+        prefix, device = inputs.get("filename_prefix"), inputs.get("device")
+        return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
+                                 lambda: device is None or resolve_device(device))
