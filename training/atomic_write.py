@@ -45,7 +45,7 @@ class FileWriteError(OSError):
     def __init__(self, path: Path, code: int | None, reason: str):
         fix = _FIXES.get(code, "check that the folder exists and is writable")
         super().__init__(f"could not write '{path}' ({reason}): {fix}")
-        self.errno, self.strerror, self.path = code, reason, path
+        self.errno, self.strerror, self.path, self.fix = code, reason, Path(path), fix
 
     def __str__(self) -> str:
         return self.args[0]
