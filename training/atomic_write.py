@@ -39,13 +39,14 @@ _FIXES = {errno.ENOSPC: "free disk space there or choose another folder",
 
 
 class FileWriteError(OSError):
-    """A file could not be written (disk full, no permission, ...): the message names it and the fix; errno is the
-    cause's. Any earlier file at that path is unchanged and no temp file is left."""
+    """A file could not be written (disk full, no permission, ...): the message names it, the fix, and what was kept
+    (`kept`, when the caller knows); errno is the cause's. Any earlier file at that path is unchanged and no temp
+    file is left."""
 
-    def __init__(self, path: Path, code: int | None, reason: str):
+    def __init__(self, path: Path, code: int | None, reason: str, *, kept: str = ""):
         fix = _FIXES.get(code, "check that the folder exists and is writable")
-        super().__init__(f"could not write '{path}' ({reason}): {fix}")
-        self.errno, self.strerror, self.path, self.fix = code, reason, Path(path), fix
+        super().__init__(f"could not write '{path}' ({reason}): {fix}" + (f"; {kept}" if kept else ""))
+        self.errno, self.strerror, self.path, self.fix, self.kept = code, reason, Path(path), fix, kept
 
     def __str__(self) -> str:
         return self.args[0]

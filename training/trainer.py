@@ -20,7 +20,7 @@ import torch
 
 from ..memory.runtime import MemoryRuntime
 from . import distributed
-from .atomic_write import remove_stale_temporaries, safe_output_path
+from .atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
@@ -227,10 +227,14 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
         path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
                                metadata=lora_metadata(session, run.step))
         run.saved.append((str(path), run.step))
-    save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
-               run_end=run.end, lora_state=lora, optimizer_state=optimizer_state,
-               losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
-               saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+    try:
+        save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
+                   run_end=run.end, lora_state=lora, optimizer_state=optimizer_state,
+                   losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
+                   saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+    except FileWriteError as e:  # say what is on disk: this step's LoRA, an earlier step's state
+        raise FileWriteError(e.path, e.errno, e.strerror, kept=f"the LoRA of step {run.step} was saved "
+                             f"({run.saved[-1][0]}), its training state was not") from e
     run.saved_step = run.step
 
 
@@ -248,9 +252,11 @@ def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveT
 
 
 def _unsaved_message(session: TrainingSession, run: _Run, module, save: SaveTarget, error: Exception) -> str:
+    if isinstance(error, FileWriteError) and error.kept:
+        return str(error)  # it says which file failed and that this step's LoRA was saved
     if run.saved and run.saved[-1][1] == run.step:
-        return (f"the LoRA of step {run.step} is saved ({run.saved[-1][0]}), but its training state could not be "
-                f"saved: {error}; `--resume` cannot continue from step {run.step}")
+        return (f"the LoRA of step {run.step} was saved ({run.saved[-1][0]}), its training state was not: "
+                f"{type(error).__name__}: {error}")
     if isinstance(error, OSError):
         return str(rescue_lora(error, lora_state(module), session.lora, folder=save.folder,
                                filename_prefix=save.filename_prefix, metadata=lora_metadata(session, run.step),
