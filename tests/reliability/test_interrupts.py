@@ -4,6 +4,7 @@ import errno
 import gc
 import os
 import tempfile
+import time
 import weakref
 
 import pytest
@@ -212,3 +213,16 @@ def test_out_of_memory_frees_saves_suggests_a_strategy_and_the_process_goes_on(o
     session, _, _ = train_node(model, dataset, spec, strategy(offload_fraction=1.0, checkpoint="all"), steps=4)
     assert session.step == 4 and len(session.losses) == 4
     assert_untouched(model.flux, before)
+
+
+def test_a_run_removes_the_temp_files_a_killed_run_left(tmp_path):
+    session = demo_session(tmp_path)
+    save = SaveTarget(tmp_path / "out", "sub/run")
+    (save.folder / "sub").mkdir(parents=True)
+    left = save.folder / "sub" / ".run_00003_.safetensors.k9x2_abc.tmp"  # kill -9 while writing: 0 bytes
+    others = [save.folder / "sub" / "notes.tmp", save.folder / "sub" / ".tmpAbC123"]
+    for path in [left, *others]:
+        path.write_bytes(b"")
+        os.utime(path, (time.time() - 60,) * 2)
+    train(session, 1, device=CPU, save=save)
+    assert not left.exists() and all(p.exists() for p in others)
