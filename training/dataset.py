@@ -27,6 +27,7 @@ from torch import Tensor
 from .atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
+from .finite_check import check_finite
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, load_image,
                            no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
 
@@ -69,7 +70,15 @@ def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, .
 
 
 def _load(x: Tensor | Path, name: str) -> Tensor:
-    return x if isinstance(x, Tensor) else load_file(str(x))[name]
+    return x if isinstance(x, Tensor) else _load_cached(x)[name]
+
+
+def _load_cached(path: Path) -> dict[str, Tensor]:
+    """A cache file's tensors, checked: a NaN read here would surface steps later as a NaN loss."""
+    tensors = load_file(str(path))
+    check_finite(tensors, f"dataset cache file '{path}'", "it is damaged: delete it (or the whole cache folder) and "
+                 "run again, so its image or caption is encoded again")
+    return tensors
 
 
 def _cpu(x: Tensor) -> Tensor:
@@ -292,7 +301,7 @@ class TrainingDataset:
     def _text(self, i: int) -> tuple[Tensor, Tensor]:
         entry = self._texts[i]
         if isinstance(entry, Path):
-            tensors = load_file(str(entry))
+            tensors = _load_cached(entry)
             return tensors["context"], tensors["pooled"]
         return entry
 

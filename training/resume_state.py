@@ -24,6 +24,7 @@ from safetensors import safe_open
 from ..memory.strategy import Strategy
 from . import distributed
 from .atomic_write import atomic_save_file, safe_output_path
+from .finite_check import check_finite
 from .lora_targets import LoraError
 
 STATE_SUFFIX = ".state.safetensors"
@@ -159,6 +160,7 @@ def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.
         raise ResumeError(f"training state file '{path}' could not be read ({e}): it is damaged; {fix}") from None
     if meta.get("format") != FORMAT or _META not in meta:
         raise ResumeError(f"'{path}' is not a Tightrope training state file ({FORMAT}): {fix}")
+    check_finite(tensors, f"training state file '{path}'", f"it is damaged or was saved by a run that diverged; {fix}")
     info = json.loads(meta[_META])
     state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from PIL import Image
 from reliability_kit import dataset_inputs, load_dataset, lora, strategy, train_node, world
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tightrope.memory.strategy import Strategy
@@ -285,4 +286,87 @@ CASES += [
          lambda c: TightropeSaveLora().save(train_node(*world(c.out), steps=1)[0], "lora:v2")),
     Case("dataset_folder_unset", "Load Dataset folder left empty", DATA, "DatasetError",
          ("folder=''", "pass the folder"), lambda c: load_dataset("")),
+]
+
+
+# --- nothinglost ---
+def _poisoned(path, pick="lora"):
+    """Rewrite the safetensors file `path` with one value of its first tensor whose name contains `pick` NaN."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    key = next(k for k in tensors if pick in k)
+    tensors[key].view(-1)[0] = float("nan")
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def nan_existing_lora(ctx):
+    model, dataset, spec, strat = world(ctx.out)
+    (saved,) = TightropeSaveLora().save(train_node(model, dataset, spec, strat, steps=1)[0], "diverged")["result"]
+    train_node(model, dataset, lora(existing_lora=str(_poisoned(saved))), strat)
+
+
+def nan_state(ctx):
+    model, dataset, spec, strat = world(ctx.out)
+    train_node(model, dataset, spec, strat, steps=1, save_every=1)
+    _poisoned(next(ctx.out.rglob("*.state.safetensors")))
+    host.set_resume(True)
+    train_node(model, dataset, spec, strat, steps=2)
+
+
+def nan_cached_latent(ctx):
+    model, dataset, spec, strat = world(ctx.out)
+    cached = {p: p.read_bytes() for p in (ctx.out / ".tightrope_cache" / "latents").rglob("*.safetensors")}
+    try:
+        for path in cached:
+            _poisoned(path, pick="latent")
+        train_node(model, dataset, spec, strat)
+    finally:  # the cache is shared with the other cases of test_the_process_goes_on_after_errors
+        for path, data in cached.items():
+            path.write_bytes(data)
+
+
+def disk_full(ctx):
+    from tightrope.training import atomic_write
+    real = atomic_write._write_all
+
+    def write_all(fd, data):
+        if b"tightrope-training-state" in data[:100_000]:
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+    atomic_write._write_all = write_all
+    try:
+        train_with(ctx, save_every=1)
+    finally:
+        atomic_write._write_all = real
+
+
+def unwritable_save_folder(ctx):
+    from tightrope.training import atomic_write
+    session = train_node(*world(ctx.out), steps=1)[0]
+    real = atomic_write._create_temp
+
+    def create_temp(path):
+        if path.parent.name == "readonly":
+            raise PermissionError(13, "Permission denied")
+        return real(path)
+    atomic_write._create_temp = create_temp
+    try:
+        TightropeSaveLora().save(session, "readonly/my_lora")
+    finally:
+        atomic_write._create_temp = real
+
+
+CASES += [
+    Case("nan_existing_lora", "existing LoRA with NaN weights", TRAIN, "NonFiniteDataError",
+         ("diverged_00001_.safetensors", "pick an earlier LoRA file"), nan_existing_lora),
+    Case("nan_state", "resume file with NaN", TRAIN + " (--resume)", "NonFiniteDataError",
+         ("lora.state.safetensors", "delete it"), nan_state),
+    Case("nan_cached_latent", "cached latent with NaN", TRAIN, "NonFiniteDataError",
+         ("dataset cache file", "delete it"), nan_cached_latent),
+    Case("disk_full", "disk full while saving", TRAIN, "FileWriteError",
+         ("lora.state.safetensors", "No space left on device", "LoRA of step 1 was saved"), disk_full),
+    Case("unwritable_save_folder", "Save LoRA folder not writable", "Save LoRA", "LoraNotSavedError",
+         ("readonly/my_lora_00001_.safetensors", "Permission denied", "was kept in", "tightrope_rescue_my_lora_step1"),
+         unwritable_save_folder),
 ]
