@@ -143,7 +143,6 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
-        stats = runtime.end_step()
         if not math.isfinite(loss):
             if cfg.on_nonfinite == "stop":
                 optimizer.zero_grad(set_to_none=True)
@@ -159,6 +158,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
                 torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
         run.step += 1
         run.losses.append(loss)
         run.stats.append(stats.to_dict())
