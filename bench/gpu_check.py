@@ -22,7 +22,7 @@ from ..memory.probe import measure_h2d_bandwidth
 from ..memory.strategy import Strategy
 from . import cuda_checks
 from .grid import BenchConfig, with_references
-from .gpu_run import Run, gib, no_cuda_line, out_dir, parse
+from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse
 from .measure import add_bounds, run_config
 from .models import build_bench_model
 
@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None, log=print) -> int:
             log(line)
             return 0
     device = torch.device(args.device)
-    run = Run("gpu-check", device, args.tiny, out_dir(args.out, device), log)
-    configs = cuda_checks.matrix(tiny=args.tiny)
+    with one_cpu_thread(device):
+        return _run(Run("gpu-check", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
+
+
+def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
+    configs = cuda_checks.matrix(tiny=tiny)
     compiled = cuda_checks.compiled_matrix("inductor" if device.type == "cuda" else "aot_eager_decomp_partition")
     compiled = compiled if device.type == "cuda" else []  # CPU dry run: the test suite compiles on CPU already
     equivalence = run.section("equivalence", lambda: cuda_checks.run_matrix(device.type, configs + compiled, log=log))
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
     if isinstance(leak, dict) and "passed" in leak:
         run.add(f"leak test ({leak['config']})", "passed" if leak["passed"] else leak["output"][-200:], "flat",
                 leak["passed"])
-    spec = TINY if args.tiny else HEADLINE
+    spec = TINY if tiny else HEADLINE
     headline = run.section("headline", lambda: _headline(device, spec, log))
     if isinstance(headline, dict) and "configs" in headline:
         _summarise_headline(run, headline)
@@ -110,7 +114,8 @@ def _summarise_headline(run: Run, headline: dict) -> None:
                     else "")
             continue
         memory = (f"reserved {gib(r['peak_reserved_bytes'])} ({r['peak_reserved_bytes'] / 1e9:.2f} GB), allocated "
-                  f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}")
+                  f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}"
+                  if r["peak_reserved_bytes"] else "not measured (CPU)")
         run.add(f"{px} {r['label']}: peak", memory, PEAK_TARGET if off == 0.9 else "")
         if off:
             ratio = r.get("bound_ratio")

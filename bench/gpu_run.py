@@ -12,6 +12,7 @@ Exit status: 0 when every correctness check passed, 1 when one failed or a secti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -21,7 +22,7 @@ import subprocess
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -49,6 +50,19 @@ def no_cuda_line(prog: str) -> str | None:
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"{prog}: no CUDA device here (torch {torch.__version__}, {build}): nothing to check; run it on a GPU "
             f"machine (or `tightrope bench {prog} --device cpu --tiny` for a dry run)")
+
+
+@contextlib.contextmanager
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """The CPU dry run uses one intra-op thread: on a small shared machine two threads contend and run several
+    times slower than one. Restored afterwards."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def device_slug(device: torch.device) -> str:
