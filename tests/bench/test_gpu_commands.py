@@ -7,6 +7,7 @@ import torch
 
 from tightrope.bench import gpu_bench, gpu_check
 from tightrope.bench.cli import main as bench_main
+from tightrope.bench.measure import fits
 from tightrope.memory.layer_offload import LayerOffload, in_backward
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real run applies")
