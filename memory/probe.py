@@ -151,9 +151,7 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
     try:
         for step in range(2):
             state["capture"] = step == 0
-            if clock.cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            rt.start_step()  # synchronises and resets the CUDA peak; end_step drops activation-offload bookkeeping
             t0 = clock.mark()
             with (_counting(counter, rt) if step == 0 else contextlib.nullcontext()), rt.autocast():
                 loss = loss_fn(model(**inputs))
@@ -162,8 +160,10 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
             t2 = clock.mark()
             block_fwd = sum(clock.seconds(a, b) for a, b in marks.values())
             result = {"other_fwd_s": clock.seconds(t0, t1) - block_fwd, "step_s_checkpoint_all": clock.seconds(t0, t2)}
+            stats = rt.end_step()
             if clock.cuda:
-                result["peak_allocated_checkpoint_all"] = float(torch.cuda.max_memory_allocated())
+                result["peak_allocated_checkpoint_all"] = float(stats.peak_allocated_bytes)
+                result["peak_reserved_checkpoint_all"] = float(stats.peak_reserved_bytes)
             del loss
             marks.clear()
     finally:
