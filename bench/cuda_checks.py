@@ -181,7 +181,7 @@ def run_leak_test(device_type: str, folder: Path, timeout_s: float = 300.0) -> d
     passes only if the test ran and passed (a skip is a failure here); pytest's junit XML says which."""
     test = ROOT / "tests" / "reliability" / "test_leaks.py"
     select = "ten_runs_keep_cuda_memory_flat" if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
-    report = folder / "leak-test.xml"
+    report = (folder / "leak-test.xml").resolve()  # the test runs from the checkout's root
     cmd = [sys.executable, "-m", "pytest", str(test), "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
     t0 = time.perf_counter()
     counts: dict[str, int] = {}

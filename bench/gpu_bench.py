@@ -25,7 +25,7 @@ from ..memory.planner import plan
 from ..memory.probe import measure_h2d_bandwidth, probe_model
 from ..memory.strategy import Strategy, StrategyError
 from .grid import BenchConfig, strategy_label
-from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse
+from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse, resolve_device
 from .measure import fits, run_config
 from .models import build_bench_model
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
         if line:
             log(line)
             return 0
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     with one_cpu_thread(device):
         return _run(Run("gpu-bench", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
 

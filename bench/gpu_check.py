@@ -22,7 +22,7 @@ from ..memory.probe import measure_h2d_bandwidth
 from ..memory.strategy import Strategy
 from . import cuda_checks
 from .grid import BenchConfig, with_references
-from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse
+from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse, resolve_device
 from .measure import add_bounds, run_config
 from .models import build_bench_model
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
         if line:
             log(line)
             return 0
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     with one_cpu_thread(device):
         return _run(Run("gpu-check", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
 

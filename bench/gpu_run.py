@@ -52,6 +52,14 @@ def no_cuda_line(prog: str) -> str | None:
             f"machine (or `tightrope bench {prog} --device cpu --tiny` for a dry run)")
 
 
+def resolve_device(name: str) -> torch.device:
+    """With its index: torch.device("cuda") != torch.device("cuda:0"), and some CUDA calls (the memory fraction)
+    refuse a device without one."""
+    device = torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
+
+
 @contextlib.contextmanager
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """The CPU dry run uses one intra-op thread: on a small shared machine two threads contend and run several
@@ -80,12 +88,12 @@ def out_dir(given: str | None, device: torch.device) -> Path:
 
 def meta(device: torch.device, tiny: bool) -> dict[str, Any]:
     cuda = device.type == "cuda"
-    props = torch.cuda.get_device_properties(device) if cuda else None
-    return {"device": device.type, "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor()
-            or "cpu", "device_memory_bytes": props.total_memory if props else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda
-            else None, "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "commit": _commit(), "tiny": tiny}
+    return {"device": device.type,
+            "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+            "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None, "python": platform.python_version(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(), "tiny": tiny}
 
 
 def _commit() -> str | None:
@@ -131,8 +139,9 @@ class Run:
         for what, result, target, passed in self.summary:
             status = "–" if passed is None else ("PASS" if passed else "FAIL")
             rows.append(f"| {what} | {result} | {target} | {status} |")
-        rows += ["", f"{'FAILED' if self.failed() else 'all checks passed'}; wall {time.perf_counter() - self.t0:.0f} s;"
-                 f" everything in {self.folder}/{self.name}.json"]
+        verdict = "FAILED" if self.failed() else "all checks passed"
+        rows += ["", f"{verdict}; wall {time.perf_counter() - self.t0:.0f} s; everything in "
+                 f"{self.folder}/{self.name}.json"]
         return "\n".join(rows)
 
     def write(self) -> None:

@@ -262,7 +262,8 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
             fwd_t.append(clock.seconds(a, b))
             bwd_t.append(clock.seconds(c, d) if outs else 0.0)
         del out, outs, grads, args, kwargs
-    return {"saved": saved, "alloc": alloc, "peak": peak, "fwd_s": statistics.median(fwd_t), "bwd_s": statistics.median(bwd_t)}
+    return {"saved": saved, "alloc": alloc, "peak": peak, "fwd_s": statistics.median(fwd_t),
+            "bwd_s": statistics.median(bwd_t)}
 
 
 def _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats, fwd_s, bwd_s, act_full):

@@ -29,7 +29,8 @@ def test_the_measured_step_includes_clipping_and_the_optimizer(tmp_path, monkeyp
 
     monkeypatch.setattr(MemoryRuntime, "end_step", end_step)
     monkeypatch.setattr(trainer, "make_optimizer", make_optimizer)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: (events.append("clip"), real_clip(*a, **k))[1])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda *a, **k: (events.append("clip"), real_clip(*a, **k))[1])
     trainer.train(demo_session(tmp_path, max_grad_norm=1.0), 2, device=CPU)
     assert events == ["clip", "optimizer.step", "end_step"] * 2
 
