@@ -155,7 +155,6 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
-        stats = runtime.end_step()
         nonfinite = _nonfinite_loss_or_gradients(loss, params, scaler)
         if nonfinite:
             if cfg.on_nonfinite == "stop":
@@ -176,6 +175,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
                 raise NonFiniteWeightsError(_nonfinite_weights_message(run, loss))
         optimizer.zero_grad(set_to_none=True)
+        stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
         run.step += 1
         run.losses.append(loss)
         run.stats.append(stats.to_dict())

@@ -68,10 +68,18 @@ def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
     lines = [f"step {session.step}" + (" (interrupted)" if session.interrupted else ""),
              f"loss: first-10 mean {head:.4f}, last-10 mean {tail:.4f}"]
     if stats:
-        lines.append(f"last step: {stats['step_time_s']:.3f} s, peak allocated "
-                     f"{stats['peak_allocated_bytes'] / 2**30:.2f} GiB, streamed {stats['h2d_bytes'] / 2**20:.1f} MiB")
+        lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
+                     f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
     if session.last_saved:
         lines.append(f"saved: {session.last_saved}")
     if explanation:
         lines.append(explanation)
     return "\n".join(lines)
+
+
+def _memory(stats: dict) -> str:
+    """Peak allocated / reserved / device used (CUDA); off CUDA the allocator figures are 0: not measured."""
+    if not stats.get("peak_reserved_bytes"):
+        return "peak memory not measured (CPU)"
+    gib = [stats.get(k, 0) / 2**30 for k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")]
+    return "peak allocated {:.2f} GiB, reserved {:.2f} GiB, device used {:.2f} GiB".format(*gib)
