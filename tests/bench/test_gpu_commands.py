@@ -49,6 +49,7 @@ def _dry(main, tmp_path):
 
 def test_gpu_check_dry_run(tmp_path):
     rc, data = _dry(gpu_check.main, tmp_path)
+    assert rc == 0, data["summary"]  # every check passes, both device spellings included (defect 1)
     sections = data["sections"]
     equivalence, ordering = sections["equivalence"], sections["stream_ordering"]
     assert [r["config"] for r in equivalence] == ["off0.5 ckpt-off", "off1 ckpt-all actoff",
