@@ -92,7 +92,8 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
                                              fwd_s, bwd_s, act_full)
         sizes = rt.sizes
         # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
-        pinned = rt.offload.pin if rt.offload is not None else base.pin_memory and device.type == "cuda"
+        pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
+            else base.pin_memory and device.type == "cuda"
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_s = _time_optimizer(trainable, clock)
     for p in model.parameters():
