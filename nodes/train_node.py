@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..training.input_checks import check_output_target
-from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, TrainConfig
+from ..training.optimizer import optimizer_class
+from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigError, TrainConfig
 from ..training.timesteps import SAMPLINGS
 from ..training.trainer import resolve_device
 from ..training.training_run import run_training_node
@@ -79,7 +80,19 @@ class TightropeTrain:
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
         """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
-        the device available."""
-        prefix, device = inputs.get("filename_prefix"), inputs.get("device")
+        the device available, the optimizer installed and able to run on it."""
+        prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
-                                 lambda: device is None or resolve_device(device))
+                                 lambda: device is None or resolve_device(device),
+                                 lambda: _optimizer_runs(optimizer, device))
+
+
+def _optimizer_runs(optimizer: str | None, device: str | None) -> None:
+    """The optimizer is installed and runs on the device (a device that is not available is reported on its own)."""
+    if optimizer is None or device is None:
+        return
+    try:
+        resolved = resolve_device(device)
+    except ConfigError:
+        return
+    optimizer_class(optimizer, resolved)

@@ -11,7 +11,7 @@ from tightrope.headless.input_spec import node_input_specs
 from tightrope.nodes import host
 
 VALIDATED = ["TightropeTrain", "TightropeSaveLora", "TightropeLoraSetup", "TightropeMemoryStrategy",
-             "TightropeLoadDataset", "TightropeDatasetFromLatents"]
+             "TightropeLoadDataset", "TightropeDatasetFromLatents", "TightropePlots"]
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +81,8 @@ def test_node_checks(out, tmp_path):
     strategy = NODE_CLASS_MAPPINGS["TightropeMemoryStrategy"]
     assert "weight_dtype='fp16' does not work with compute_dtype='fp32'" in strategy.VALIDATE_INPUTS(
         **_queued("TightropeMemoryStrategy", weight_dtype="fp16", compute_dtype="fp32"))
+    assert "contains '..'" in NODE_CLASS_MAPPINGS["TightropePlots"].VALIDATE_INPUTS(session=None,
+                                                                                  filename_prefix="../plots")
     # auto mode ignores the manual fields, so it does not refuse them
     assert strategy.VALIDATE_INPUTS(**_queued("TightropeMemoryStrategy", mode="auto", weight_dtype="fp16",
                                               compute_dtype="fp32")) is True
@@ -90,3 +92,12 @@ def test_node_checks(out, tmp_path):
 def test_cuda_without_cuda_is_refused_at_queue_time():
     verdict = NODE_CLASS_MAPPINGS["TightropeTrain"].VALIDATE_INPUTS(**_queued("TightropeTrain", device="cuda"))
     assert verdict == "device='cuda' but CUDA is not available: choose 'auto' or 'cpu'"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, where adamw8bit may run")
+def test_an_optimizer_that_cannot_run_here_is_refused_at_queue_time():
+    verdict = NODE_CLASS_MAPPINGS["TightropeTrain"].VALIDATE_INPUTS(**_queued("TightropeTrain", device="cpu",
+                                                                             optimizer="adamw8bit"))
+    assert verdict in ("optimizer='adamw8bit' runs on CUDA only: choose optimizer='adamw' on this device",
+                       "optimizer='adamw8bit' needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or choose "
+                       "optimizer='adamw'")
