@@ -24,7 +24,7 @@ from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, rem
 from .lora_file import save_lora
 from .model_adapter import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
-from .resume_state import fingerprints, save_state, state_path
+from .resume_state import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError
@@ -46,6 +46,12 @@ class SaveTarget:
     folder: Path
     filename_prefix: str
     every: int = 0   # save every N steps (0: only when the run stops early)
+    state: Path | None = None  # the training state file (default: <folder>/<filename_prefix>.state.safetensors)
+    owner: StateOwner | None = None  # the node and run the state belongs to, recorded in it
+
+    @property
+    def state_file(self) -> Path:
+        return self.state if self.state is not None else state_path(self.folder, self.filename_prefix)
 
 
 @dataclass
@@ -119,6 +125,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
             if save is not None and (stopped_early or save.every) and run.step > session.step \
                     and (not run.saved or run.saved[-1][1] != run.step):
                 _save(session, run, module, save, optimizer)
+            elif save is not None and not stopped_early and run.saved_step != run.step:
+                _save_final_state(session, run, module, save, optimizer)
             state = lora_state(module)
         finally:
             remove_lora(module)
@@ -198,11 +206,28 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
     path = save_lora(save.folder, save.filename_prefix, module, session.lora,
                      metadata=lora_metadata(session, run.step))
     run.saved.append((str(path), run.step))
-    save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
-               run_end=run.end, lora_state=lora_state(module), optimizer_state=clone_state(optimizer.state_dict()),
-               losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
-               saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+    _save_state(session, run, module, save, optimizer)
     run.saved_step = run.step
+
+
+def _save_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
+    save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
+               lora_state=lora_state(module), optimizer_state=clone_state(optimizer.state_dict()),
+               losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
+               saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner)
+
+
+def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
+    """The state of a run that ended without a save at its last step, so `--resume` returns it without training;
+    the LoRA is in the session the run returns, so a failing write only warns."""
+    if not distributed.current().is_main:
+        return
+    try:
+        _save_state(session, run, module, save, optimizer)
+    except Exception as e:
+        warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
+                      f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "
+                      "node again", stacklevel=2)
 
 
 def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
@@ -225,7 +250,7 @@ def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save:
            "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
     fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
     kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
-            f"{state_path(save.folder, save.filename_prefix)})"
+            f"{save.state_file})"
             if save is not None and run.step > session.step and run.saved_step == run.step
             else "no step was completed in this run, so nothing new was saved")
     return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "

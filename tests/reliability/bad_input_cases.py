@@ -75,8 +75,8 @@ def other_model_state(ctx):
 
 
 def damaged_state(ctx):
-    (ctx.out / "rt").mkdir(parents=True, exist_ok=True)
-    (ctx.out / "rt" / "lora.state.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    (host.state_dir() / "rt").mkdir(parents=True, exist_ok=True)
+    (host.state_dir() / "rt" / "lora.state.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
     host.set_resume(True)
     train_with(ctx)
 
