@@ -15,8 +15,8 @@ import hashlib
 import json
 import os
 import random
-import sys
 import re
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -251,10 +251,11 @@ def _other_run(path: Path, saved: dict | None, owner: StateOwner) -> bool:
                           f"{owner.node}: it must not be resumed here; delete it (or give it back its own name)")
     if saved is not None and saved["input"] == owner.input:
         return False
-    was = "an unknown session" if saved is None else f"a session of step {saved['input_step']}"
-    warnings.warn(f"training state file '{path}' was saved by another run of this node (it went on from {was}; this "
-                  f"run's node starts from other LoRA weights of step {owner.input_step}): it is ignored, this node "
-                  "trains from its input and replaces the file", stacklevel=3)
+    was = "a session it does not name" if saved is None else \
+        f"a session of step {saved['input_step']} with other LoRA weights"
+    warnings.warn(f"training state file '{path}' was saved by another run of this node: it went on from {was}, not "
+                  f"from the session of step {owner.input_step} this node gets now (a node before it trained "
+                  "otherwise): it is ignored; this node trains from its input and replaces the file", stacklevel=3)
     return True
 
 

@@ -151,8 +151,10 @@ def test_a_state_file_of_another_run_of_the_node_is_ignored_with_a_warning(built
     (host.state_dir() / "rt").mkdir(parents=True)
     shutil.copy(state_path(states, "rt/chain", "8"), state_path(host.state_dir(), "rt/chain", "8"))
     host.set_resume(True)
-    with pytest.warns(UserWarning, match=r"chain\.node-8\.state\.safetensors' was saved by another run of this node "
-                                         r"\(it went on from a session of step 3;.*it is ignored"):
+    with pytest.warns(UserWarning, match=r"chain\.node-8\.state\.safetensors' was saved by another run of this node: "
+                                         r"it went on from a session of step 3 with other LoRA weights, not from the "
+                                         r"session of step 3 this node gets now .*: it is ignored; this node trains "
+                                         r"from its input"):
         (first, _, _), (second, _, _) = _chain(*parts, node_7=NODE_7 | {"learning_rate": 3e-3})
     assert second.step == A + B and second.losses[:A] == first.losses and second.losses != whole.losses
     assert _state("8").info["owner"]["input"] == session_digest(first)
