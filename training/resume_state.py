@@ -174,7 +174,7 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
 def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.Tensor]]:
     """(the state, its RNG tensors). Errors name the file and say what to do."""
     path = Path(path)
-    fix = "delete it (the LoRA files beside it are intact) to start this run anew"
+    fix = "delete it (the LoRA files are intact) to start this run anew"
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
