@@ -64,15 +64,15 @@ class TightropeTrain:
             "lora": ("TIGHTROPE_LORA", {"tooltip": "From LoRA Setup."}),
             "strategy": ("TIGHTROPE_STRATEGY", {"tooltip": "From Memory Strategy (default: everything on the GPU, "
                                                            "bf16)."}),
-        }}
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
-              strategy=None, **config):
+              strategy=None, unique_id=None, **config):
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
-            resume=host.resume_requested())
+            resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify)
         if result.interrupted:
             host.raise_interrupt()
         return (result, model_out, report)

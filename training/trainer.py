@@ -28,7 +28,7 @@ from .lora_file import save_lora_state
 from .lora_rescue import rescue_lora
 from .model_adapter import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
-from .resume_state import fingerprints, save_state, state_path
+from .resume_state import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError
@@ -55,6 +55,12 @@ class SaveTarget:
     folder: Path
     filename_prefix: str
     every: int = 0   # save every N steps (0: only when the run stops early)
+    state: Path | None = None  # the training state file (default: <folder>/<filename_prefix>.state.safetensors)
+    owner: StateOwner | None = None  # the node and run the state belongs to, recorded in it
+
+    @property
+    def state_file(self) -> Path:
+        return self.state if self.state is not None else state_path(self.folder, self.filename_prefix)
 
 
 @dataclass
@@ -129,6 +135,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
             stopped_early = run.step < session.step + steps
             if stopped_early or (save is not None and save.every):
                 _save_after_failure(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
+            elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
+                _save_final_state(session, run, module, save, optimizer)
             state = lora_state(module)
         finally:
             remove_lora(module)
@@ -235,14 +243,30 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
                                metadata=lora_metadata(session, run.step))
         run.saved.append((str(path), run.step))
     try:
-        save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
-                   run_end=run.end, lora_state=lora, optimizer_state=optimizer_state,
-                   losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
-                   saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+        _save_state(session, run, save, lora, optimizer_state)
     except FileWriteError as e:  # say what is on disk: this step's LoRA, an earlier step's state
         raise FileWriteError(e.path, e.errno, e.strerror, kept=f"the LoRA of step {run.step} was saved "
                              f"({run.saved[-1][0]}), its training state was not") from e
     run.saved_step = run.step
+
+
+def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dict, optimizer_state: dict) -> None:
+    save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
+               lora_state=lora, optimizer_state=optimizer_state, losses=session.losses + tuple(run.losses),
+               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner)
+
+
+def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
+    """The state of a run that ended without a save at its last step, so `--resume` returns it without training;
+    the LoRA is in the session the run returns, so a failing write only warns."""
+    if not distributed.current().is_main:
+        return
+    try:
+        _save_state(session, run, save, lora_state(module), clone_state(optimizer.state_dict()))
+    except Exception as e:
+        warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
+                      f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "
+                      "node again", stacklevel=2)
 
 
 def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
@@ -288,7 +312,7 @@ def _remove_stale_temporaries(save: SaveTarget, started: float) -> None:
     """Temp files a killed earlier run (kill -9) left in the folders this run writes to."""
     if distributed.current().is_main:
         for folder in {safe_output_path(save.folder, save.filename_prefix).parent,
-                       state_path(save.folder, save.filename_prefix).parent}:
+                       save.state_file.parent}:
             remove_stale_temporaries(folder, older_than=started)
 
 
@@ -301,7 +325,7 @@ def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save:
            "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
     fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
     kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
-            f"{state_path(save.folder, save.filename_prefix)})"
+            f"{save.state_file})"
             if save is not None and run.step > session.step and run.saved_step == run.step
             else "no step was completed in this run, so nothing new was saved")
     return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "

@@ -3,6 +3,7 @@ message must contain (the input's name and the fix), the call). docs/bad_input.m
 from __future__ import annotations
 
 import io
+import shutil
 import struct
 import zlib
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoModel
 from tightrope.nodes.save_node import TightropeSaveLora
+from tightrope.training.resume_state import state_path
+from tightrope.training.state_lock import state_lock
 
 
 @dataclass
@@ -76,10 +79,23 @@ def other_model_state(ctx):
 
 
 def damaged_state(ctx):
-    (ctx.out / "rt").mkdir(parents=True, exist_ok=True)
-    (ctx.out / "rt" / "lora.state.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    (host.state_dir() / "rt").mkdir(parents=True, exist_ok=True)
+    (host.state_dir() / "rt" / "lora.state.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
     host.set_resume(True)
     train_with(ctx)
+
+
+def locked_state(ctx):
+    with state_lock(state_path(host.state_dir(), "rt/lora")):  # as another run training into it holds it
+        train_with(ctx)
+
+
+def other_node_state(ctx):
+    model, dataset, spec, strat = world(ctx.out)
+    train_node(model, dataset, spec, strat, steps=1, unique_id="7")
+    shutil.copy(state_path(host.state_dir(), "rt/lora", "7"), state_path(host.state_dir(), "rt/lora", "8"))
+    host.set_resume(True)
+    train_node(model, dataset, spec, strat, steps=1, unique_id="8")
 
 
 def out_of_memory(ctx):
@@ -182,6 +198,11 @@ CASES = [
          ("out of memory", "offload_fraction=1.0, checkpoint='all'"), out_of_memory),
     Case("nan_loss", "loss becomes NaN (on_nonfinite='stop')", TRAIN, "NonFiniteLossError",
          ("learning_rate", "on_nonfinite='skip'"), nan_loss),
+    # --- resume ---
+    Case("state_locked", "a second run into a training state file in use", TRAIN, "StateLockedError",
+         ("lora.state.safetensors", "another run is training into", "another output folder"), locked_state),
+    Case("resume_other_node", "resume file of another Train node", TRAIN + " (--resume)", "ResumeError",
+         ("lora.node-8.state.safetensors' belongs to node 7, not to this node 8", "delete it"), other_node_state),
 ]
 
 

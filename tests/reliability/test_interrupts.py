@@ -36,11 +36,11 @@ def _patch_predict(model, at_call, effect):
     return model
 
 
-def _saved_step(folder, prefix="run"):
+def _saved_step(folder, prefix="run", state_folder=None):
     """(step of the newest LoRA file, step of the state file, the two hold the same LoRA)."""
     newest = max(folder.glob(f"{prefix}_*_.safetensors"))
     tensors, meta = read_lora_file(newest)
-    state, _ = load_state(state_path(folder, prefix))
+    state, _ = load_state(state_path(state_folder or folder, prefix))
     same = all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
                for k, v in state.lora_state.items())
     return int(meta["tightrope.steps"]), state.step, same
@@ -84,7 +84,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_lora(out):
     with pytest.raises(NonFiniteLossError, match="the loss became nan at step 3: training stopped and the LoRA of "
                                                  "step 2 was kept.*on_nonfinite='skip'"):
         train_node(model, dataset, spec, strat, steps=4)
-    assert _saved_step(out / "rt", "lora") == (2, 2, True)
+    assert _saved_step(out / "rt", "lora", host.state_dir() / "rt") == (2, 2, True)
 
 
 def test_nonfinite_loss_skip_skips_only_that_step(out):
@@ -206,7 +206,7 @@ def test_out_of_memory_frees_saves_suggests_a_strategy_and_the_process_goes_on(o
     del caught
     gc.collect()
     assert held[0]() is None  # the failed step's tensors were released
-    assert _saved_step(out / "rt", "lora") == (2, 2, True)
+    assert _saved_step(out / "rt", "lora", host.state_dir() / "rt") == (2, 2, True)
     assert_untouched(model.flux, before)
     model.predict = type(model).predict.__get__(model)  # the "GPU" has room again, with a lighter strategy
     host.set_resume(True)
