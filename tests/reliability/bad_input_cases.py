@@ -330,7 +330,7 @@ def nan_existing_lora(ctx):
 def nan_state(ctx):
     model, dataset, spec, strat = world(ctx.out)
     train_node(model, dataset, spec, strat, steps=1, save_every=1)
-    _poisoned(next(ctx.out.rglob("*.state.safetensors")))
+    _poisoned(state_path(host.state_dir(), "rt/lora"))  # the state file of that Train node
     host.set_resume(True)
     train_node(model, dataset, spec, strat, steps=2)
 
