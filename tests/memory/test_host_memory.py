@@ -2,6 +2,8 @@
 weights, page-locking in place is released (or falls back to pageable memory with a note), and the inference-mode
 model is trained through aliases, not a copy."""
 import gc
+import os
+import re
 
 import pytest
 import torch
@@ -9,11 +11,20 @@ from equivalence import assert_equivalent, run_managed
 from torch.utils._python_dispatch import TorchDispatchMode
 from two_stream import make_lora_model, train_steps
 
-from tightrope.memory import host_pinning
+from tightrope.memory import host_memory, host_pinning
+from tightrope.memory.blocks import discover_blocks
+from tightrope.memory.host_memory import HostNeeds
 from tightrope.memory.host_pinning import PinnedRanges, page_ranges
 from tightrope.memory.layer_offload import LayerOffload
+from tightrope.memory.plan_cost import Prediction
 from tightrope.memory.runtime import MemoryRuntime
-from tightrope.memory.strategy import Strategy
+from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.nodes import host
+from tightrope.nodes.dataset_nodes import TightropeLoadDataset
+from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages, TightropeDemoModel
+from tightrope.nodes.lora_node import TightropeLoraSetup
+from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+from tightrope.nodes.train_node import TightropeTrain
 
 
 def live_cpu_bytes() -> int:
@@ -190,3 +201,68 @@ def test_inference_mode_model_trains_on_aliases_not_a_copy():
         module.img_in(x).square().sum().backward()
     reference.img_in(xr).square().sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+
+
+# -- host RAM in the plan ------------------------------------------------------------------------------------------
+def _prediction(offloaded, host_acts=0):
+    return Prediction(peak_bytes=1, step_s=1.0, bound_s=1.0, compute_s=1.0, compile_s=0.0, offloaded=tuple(offloaded),
+                      breakdown={"host_activations": host_acts})
+
+
+def test_host_needs_count_the_model_once_and_copies_only_for_another_dtype():
+    model = make_lora_model()
+    blocks = [b.module for b in discover_blocks(model)]
+    own = HostNeeds.measure(model, blocks, None, budget_bytes=1 << 30)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert own.model_bytes == weights and own.copy_bytes == [0] * len(blocks)
+    bf16 = HostNeeds.measure(model, blocks, torch.bfloat16, budget_bytes=1 << 30)
+    assert [c // 2 for c in bf16.copy_bytes] == pytest.approx(
+        [sum(p.numel() for p in b.parameters() if not p.requires_grad) for b in blocks], rel=0.05)  # alignment
+    assert own.need(_prediction([0, 1], host_acts=100)) == weights + 100
+    assert bf16.need(_prediction([0, 1])) == weights + bf16.copy_bytes[0] + bf16.copy_bytes[1]
+
+
+def test_host_budget_refusals_name_what_would_fit():
+    needs = HostNeeds(budget_bytes=10 << 20, model_bytes=8 << 20, model_8bit_bytes=2 << 20, copy_bytes=[3 << 20] * 2)
+    fits, copies = (_prediction([]), "a"), (_prediction([0, 1]), "b")
+    assert needs.keep_fitting([copies, fits]) == [fits]
+    with pytest.raises(StrategyError, match=r"needs 14\.0 MiB .*6\.0 MiB of converted weight copies.*what would fit: "
+                                            r"weight_dtype auto .* \(8\.0 MiB\), or raise host_ram_budget_gb"):
+        needs.keep_fitting([copies])
+    small = HostNeeds(budget_bytes=4 << 20, model_bytes=8 << 20, model_8bit_bytes=2 << 20, copy_bytes=[0, 0])
+    with pytest.raises(StrategyError, match=r"model's own weights take 8\.0 MiB .* host-RAM budget of 4\.0 MiB "
+                                            r"\(host_ram_budget_gb\): load the model with 8-bit weights .*2\.0 MiB"):
+        small.keep_fitting([fits])
+    assert "Host RAM: 8.0 MiB of your 10.0 MiB" in needs.explain(fits[0])
+
+
+def test_default_host_budget_is_available_ram_plus_the_model(monkeypatch):
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 << 30)
+    model = make_lora_model()
+    needs = HostNeeds.measure(model, [b.module for b in discover_blocks(model)], None)
+    assert needs.budget_bytes == (10 << 30) + needs.model_bytes - host_memory.AUTO_HOST_MARGIN_BYTES
+    if os.path.exists("/proc/meminfo"):
+        monkeypatch.undo()
+        assert 0 < host_memory.available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
+    host.set_headless_output_dir(tmp_path)
+    try:
+        (folder,) = TightropeDemoImages().make("imgs", 4, 32, 0)
+        vae, clip = TightropeDemoEncoders().load(0)
+        (dataset,) = TightropeLoadDataset().load(folder=folder, vae=vae, clip=clip, resolution=32, caption_dropout=0.0,
+                                                 use_repeats=True, strict=False)
+        (lora,) = TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default")
+        spec = TightropeMemoryStrategy.INPUT_TYPES()["required"]
+        values = {k: v[1]["default"] for k, v in spec.items()} | {"compute_dtype": "fp32", "mode": "auto",
+                                                                   "vram_budget_gb": 1.0}
+        (auto,) = TightropeMemoryStrategy().make(**values, host_ram_budget_gb=64.0)
+        widgets = {k: v[1]["default"] for k, v in TightropeTrain.INPUT_TYPES()["required"].items()}
+        _, _, report = TightropeTrain().train(**(widgets | dict(steps=1, batch_size=2, device="cpu")),
+                                              model=TightropeDemoModel().load(0)[0], dataset=dataset, lora=lora,
+                                              strategy=auto)
+    finally:
+        host._headless_output = None
+    assert re.search(r"Predicted .* peak of your 1\.0 GiB.* Host RAM: 7\.1 MiB of your 64\.00 GiB \(the model's "
+                     r"7\.1 MiB", report), report

@@ -181,6 +181,10 @@ CASES = [
          ("out of memory", "offload_fraction=1.0, checkpoint='all'"), out_of_memory),
     Case("nan_loss", "loss becomes NaN (on_nonfinite='stop')", TRAIN, "NonFiniteLossError",
          ("learning_rate", "on_nonfinite='skip'"), nan_loss),
+    # --- hostram ---
+    Case("host_ram_too_small", "auto strategy with a host-RAM budget smaller than the model", TRAIN,
+         "StrategyError", ("host_ram_budget_gb", "8-bit weights"),
+         lambda c: train_with(c, strat=strategy(mode="auto", vram_budget_gb=1.0, host_ram_budget_gb=0.001))),
 ]
 
 
