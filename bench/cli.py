@@ -5,6 +5,7 @@
     tightrope bench --runtime-overhead                        # MemoryRuntime overhead and checkpoint RSS (CPU)
     tightrope bench gpu-check [--out DIR]                     # CUDA correctness + 2048 px headline (make gpu-check)
     tightrope bench gpu-bench [--out DIR]                     # planner budgets, compile, H2D (make gpu-bench)
+    tightrope bench --host-memory                             # host RAM above the loaded model, per offload (CPU)
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU intra-op threads (default 1: repeatable figures on small or shared machines)")
     ap.add_argument("--runtime-overhead", action="store_true",
                     help="run the runtime-overhead benchmark instead (CPU; see bench/runtime_overhead.py)")
+    ap.add_argument("--host-memory", action="store_true",
+                    help="run the host-memory benchmark instead (CPU; see bench/host_memory.py)")
     return ap
 
 
@@ -49,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--runtime-overhead" in argv:
         from .runtime_overhead import main as overhead_main
         return overhead_main([a for a in argv if a != "--runtime-overhead"])
+    if "--host-memory" in argv:
+        from .host_memory import main as host_memory_main
+        return host_memory_main([a for a in argv if a != "--host-memory"])
     args = build_parser().parse_args(argv)
     if args.steps is not None and args.steps < 1:
         print("error: --steps must be at least 1", file=sys.stderr)

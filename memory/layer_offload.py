@@ -1,6 +1,11 @@
 """Layer offload: offloaded blocks' frozen weights stream host -> device through a ring of preallocated slots.
 
-- One master copy per block in host memory (pinned where CUDA exists), in one flat byte buffer.
+- One host copy of the weights: a frozen weight already in host memory in the weight dtype (the headless model's,
+  or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
+  run adds no host memory. Only weights that cannot stream from where they are (on the device, in another dtype
+  than weight_dtype, or non-contiguous) get a host copy: one flat buffer per block, freed at detach.
+- Undo copies no weights: each param gets its original tensor back (a weight that lived on the device and so was
+  dropped while offloaded is copied back there from its host copy).
 - Frozen weights travel host-to-device only: they never change, so eviction is free (nothing is copied back).
 - Device slots are preallocated flat byte buffers, so streaming causes no allocator churn; a block's params become
   views into its slot while it is loaded, and an expanded NaN scalar while it is not, so any use of an unloaded
@@ -11,8 +16,11 @@
 - Weights that autograd saves for backward are packed as (block, offset) references and unpacked by loading the
   block again, so saving a weight never pins a slot. Whether a tensor is a slot view is decided by its storage (the
   slots' data pointers), never by comparing device objects ("cuda" vs "cuda:0").
-- Host copies that the system refuses to page-lock are pageable; copies from them are blocking (`pinned` says so).
-On a CPU device the same schedule runs with real copies between a host buffer and the "device" slots (simulation).
+- Host memory: offloaded weights stream from the model's own host tensors (page-locked in place where the system
+  allows), so there is no second host copy; only weights that need a dtype conversion (or live on the device) get
+  a host copy per block, freed at detach. Memory the system refuses to page-lock stays pageable, and copies from it
+  are blocking (`pinned` says so).
+On a CPU device the same schedule runs with real copies from the host sources into the "device" slots (simulation).
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .devices import host_buffer, normalize_device
+from .devices import normalize_device
+from .host_pinning import PinnedRanges
 
 _ALIGN = 256  # bytes; keeps every param view aligned for any dtype and for vectorised kernels
 
@@ -32,12 +41,17 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def streams_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether an offloaded weight can be copied to its slot straight from its own storage (no host copy)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+
+
 @dataclass
 class _Layout:
-    params: list[tuple[nn.Parameter, int, torch.Size, torch.dtype]]  # (param, byte offset, shape, dtype)
-    nbytes: int
-    host: torch.Tensor | None = None  # flat uint8 master copy
-    pinned: bool = False              # page-locked, so copies from it are asynchronous
+    params: list[tuple[nn.Parameter, int, torch.Size, torch.dtype]]  # (param, byte offset in a slot, shape, dtype)
+    nbytes: int                                    # slot bytes (each param aligned)
+    sources: list[torch.Tensor]                    # per param: the host tensor its slot bytes are copied from
+    copy: torch.Tensor | None = None               # flat uint8 host copy of the params that cannot stream in place
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class LayerOffload:
         self.depth = prefetch_depth
         self.cuda = self.device.type == "cuda"
         self.pin = pin_memory and self.cuda
-        self.pinned = self.pin  # False once the system refused page-locked memory for a master copy
+        self.pinned = self.pin  # False once the system refused to page-lock some host weights in place
         self.weight_dtype = weight_dtype
         self.poison_slots = poison_slots
         self.counters = TransferCounters()
@@ -82,6 +96,7 @@ class LayerOffload:
         self._slot_ptrs: dict[int, int] = {}       # storage data_ptr -> slot
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._restore: list[tuple[nn.Parameter, torch.Tensor | None, torch.device, torch.dtype]] = []
+        self._pinned = PinnedRanges(self.device)
         self._current: tuple[int, bool] | None = None
         self._views: list[tuple[weakref.ref, int, int]] = []  # (unpacked view, slot, block)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -89,45 +104,63 @@ class LayerOffload:
     # -- setup and teardown ------------------------------------------------------------------------------------
     def attach(self) -> None:
         for i in self.offloaded:
-            frozen = [p for p in self.blocks[i].parameters() if not p.requires_grad]
-            offset, entries = 0, []
-            for p in frozen:
-                dtype = self.weight_dtype or p.dtype
-                entries.append((p, offset, p.shape, dtype))
-                offset += _aligned(p.numel() * dtype.itemsize)
-            layout = _Layout(entries, offset)
-            layout.host = host_buffer(lambda pin: torch.empty(offset, dtype=torch.uint8, pin_memory=pin), self.pin)
-            layout.pinned = layout.host.is_pinned()
-            self.pinned = self.pinned and layout.pinned
-            for p, off, shape, dtype in entries:
-                _view(layout.host, off, shape, dtype).copy_(p.detach())
-                # keep the user's tensor only when our copy is not an exact stand-in for it (dtype changed)
-                keep = p.data if dtype != p.dtype else None
-                self._restore.append((p, keep, p.device, p.dtype))
-                p.data = self._placeholder(shape, dtype)
-            self.layouts[i] = layout
+            self.layouts[i] = self._layout(self.blocks[i])
+        if self.pin:
+            self._pinned.register(src for lay in self.layouts.values() for src in lay.sources)
+            self.pinned = self._pinned.refused_bytes == 0
         n_slots = min(self.depth + 1, len(self.offloaded))
         slot_bytes = max((self.layouts[i].nbytes for i in self.offloaded), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
         self.slot_owner = [None] * n_slots
         self._slot_ptrs = {s.untyped_storage().data_ptr(): k for k, s in enumerate(self.slots)}
 
-    def detach(self) -> None:
-        """Give every offloaded param back on its original device and dtype, with its original values."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        by_param = {id(p): (i, off, shape, dtype) for i, lay in self.layouts.items()
-                    for p, off, shape, dtype in lay.params}
-        for p, kept, dev, dtype in self._restore:
-            if kept is not None:
-                p.data = kept
+    def _layout(self, block: nn.Module) -> _Layout:
+        entries, offset = [], 0
+        for p in block.parameters():
+            if not p.requires_grad:
+                dtype = self.weight_dtype or p.dtype
+                entries.append((p, offset, p.shape, dtype))
+                offset += _aligned(p.numel() * dtype.itemsize)
+        copied = [k for k, (p, _, _, dtype) in enumerate(entries) if not streams_in_place(p.data, dtype)]
+        copy_offsets, n = {}, 0
+        for k in copied:
+            copy_offsets[k] = n
+            n += _aligned(entries[k][0].numel() * entries[k][3].itemsize)
+        layout = _Layout(entries, offset, [], torch.empty(n, dtype=torch.uint8) if copied else None)
+        for k, (p, _, shape, dtype) in enumerate(entries):
+            original = p.data
+            if k in copy_offsets:
+                source = _view(layout.copy, copy_offsets[k], shape, dtype)
+                source.copy_(original)
             else:
-                i, off, shape, wdtype = by_param[id(p)]
-                p.data = _view(self.layouts[i].host, off, shape, wdtype).to(dev, dtype, copy=True)
-        self._restore.clear()
-        self.layouts.clear()
-        self.slots, self.slot_owner, self.resident, self.ready, self._slot_ptrs = [], [], {}, {}, {}
-        self._views = []
+                source = original
+            layout.sources.append(source)
+            # the original goes back on detach unless it lived on the device, where dropping it is the point
+            keep = original if original.device.type == "cpu" or dtype != original.dtype else None
+            self._restore.append((p, keep, original.device, original.dtype))
+            p.data = self._placeholder(shape, dtype)
+        return layout
+
+    def detach(self) -> None:
+        """Give every offloaded param back its original tensor (no copy of host weights), then release the slots,
+        the host copies and the page-locking."""
+        try:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+                self.copy_stream.synchronize()  # no copy may still read host memory about to be unpinned or freed
+            sources = {id(p): src for lay in self.layouts.values() for (p, *_), src in zip(lay.params, lay.sources)}
+            for p, kept, dev, dtype in self._restore:
+                p.data = kept if kept is not None else sources[id(p)].to(dev, dtype)
+        finally:
+            self._pinned.release()
+            self._restore.clear()
+            self.layouts.clear()
+            self.slots, self.slot_owner, self.resident, self.ready, self._slot_ptrs = [], [], {}, {}, {}
+            self._views = []
+
+    def host_copy_bytes(self) -> int:
+        """Host bytes this object allocated: copies of weights that could not stream from their own storage."""
+        return sum(lay.copy.numel() for lay in self.layouts.values() if lay.copy is not None)
 
     def slot_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
@@ -169,20 +202,30 @@ class LayerOffload:
             # the slot's previous owner may still be read by kernels queued on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                dst[: layout.nbytes].copy_(layout.host, non_blocking=layout.pinned)  # pageable: blocking, honestly
+                views = self._copy_in(layout, dst, non_blocking=self.pinned)  # pageable: blocking, honestly
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self.copy_stream)
             self.ready[index] = event
         else:
-            dst[: layout.nbytes].copy_(layout.host)
+            views = self._copy_in(layout, dst, non_blocking=False)
             self.ready[index] = None
-        for p, off, shape, dtype in layout.params:
-            p.data = _view(dst, off, shape, dtype)
+        for (p, *_), view in zip(layout.params, views):
+            p.data = view
         self.slot_owner[slot] = index
         self.resident[index] = slot
-        self.counters.h2d_bytes += layout.nbytes
+        self.counters.h2d_bytes += sum(src.numel() * src.element_size() for src in layout.sources)
         self.counters.loads += 1
         return True
+
+    @staticmethod
+    def _copy_in(layout: _Layout, dst: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
+        """One copy per param, from its host source into its place in the slot; returns the slot views."""
+        views = []
+        for (_, off, shape, dtype), src in zip(layout.params, layout.sources):
+            view = _view(dst, off, shape, dtype)
+            view.copy_(src, non_blocking=non_blocking)
+            views.append(view)
+        return views
 
     def _free_slot(self, index: int, protect: set[int]) -> int | None:
         for k, owner in enumerate(self.slot_owner):

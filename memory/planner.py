@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
 from .plan_cost import Prediction, predict
 from .profile import Profile
@@ -95,8 +96,10 @@ def compile_measured(profile: Profile) -> bool:
 
 def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0, allow_compile: bool = True,
          compile_time_budget_s: float | None = None, base: Strategy | None = None, margin_fraction: float = 0.05,
-         margin_bytes: int | None = None, device: torch.device | str | None = None) -> Plan:
-    """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin)."""
+         margin_bytes: int | None = None, device: torch.device | str | None = None,
+         host: HostNeeds | None = None) -> Plan:
+    """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin), and, given
+    `host`, its host-RAM budget too."""
     if budget_bytes == "auto":
         budget_bytes = auto_budget(device or profile.device)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
@@ -108,6 +111,8 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
     scored = [(predict(profile, s, batch_scale=batch_scale, margin_fraction=margin_fraction,
                        margin_bytes=margin_bytes, offloaded=off), s) for s, off in candidates]
     fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
+    if host is not None:
+        fitting = host.keep_fitting(fitting)
     if not fitting:
         least = min(scored, key=lambda ps: ps[0].peak_bytes)
         raise StrategyError(
@@ -116,6 +121,7 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
             f"({_describe(least[1], least[0], profile)}): raise the budget or reduce the batch/resolution")
     best, strategy = min(fitting, key=lambda ps: (round(ps[0].step_s, 9), ps[0].peak_bytes))
     text = explain(profile, strategy, best, int(budget_bytes), len(scored), allow_compile)
+    text += f" {host.explain(best)}" if host is not None else ""
     return Plan(strategy, best.peak_bytes, best.step_s, text, len(scored), best, int(budget_bytes))
 
 

@@ -58,6 +58,10 @@ class TightropeMemoryStrategy:
                                                                  "in; auto keeps the model's."}),
             "pin_memory": ("BOOLEAN", {"default": _D.pin_memory,
                                        "tooltip": "Page-lock host copies for asynchronous copies (CUDA)."}),
+        }, "optional": {
+            "host_ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 65536.0, "step": 0.5,
+                                             "tooltip": "auto mode: host RAM the run may use, the model included, "
+                                                        "in GB; 0 = available RAM now minus a safety margin."}),
         }}
 
     @classmethod
@@ -71,7 +75,7 @@ class TightropeMemoryStrategy:
                 s.Strategy(**fields)
         return validation_result(cls, inputs, fields_fit)
 
-    def make(self, mode, vram_budget_gb, **fields):
+    def make(self, mode, vram_budget_gb, host_ram_budget_gb=0.0, **fields):
         if mode == "auto":
-            return (AutoStrategy(vram_budget_gb=vram_budget_gb),)
+            return (AutoStrategy(vram_budget_gb=vram_budget_gb, host_ram_budget_gb=host_ram_budget_gb),)
         return (s.Strategy(**fields),)

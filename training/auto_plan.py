@@ -10,6 +10,7 @@ import gc
 import torch
 from torch import nn
 
+from ..memory.host_memory import host_needs
 from ..memory.planner import plan
 from ..memory.probe import probe_model
 from ..memory.strategy import Strategy
@@ -51,6 +52,7 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         return inputs, lambda out: flow_matching_loss(out, latents.to(device), noise.to(device))
 
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
+        host = host_needs(module, session.strategy, choice.host_ram_budget_gb)
         inject_lora(module, session.lora, adapter.family)
         try:
             profile = probe_model(_Predictor(adapter, module, cfg.guidance), make_inputs, device, base,
@@ -61,5 +63,5 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         gc.collect()
         torch.cuda.empty_cache()  # the probe's cached blocks go back, so the free memory read next is real
     budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
-    chosen = plan(profile, budget, device=device)
+    chosen = plan(profile, budget, device=device, host=host)
     return chosen.strategy, chosen.explanation

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -41,10 +42,13 @@ class ReferenceFluxModel:
 
     @contextlib.contextmanager
     def training_module(self) -> Iterator[nn.Module]:
-        if any(p.is_inference() for p in self.flux.parameters()):
-            # built under ComfyUI's inference_mode: autograd cannot save inference tensors, so train on a copy
-            flux = Flux(self.flux.params).requires_grad_(False)
-            flux.load_state_dict({k: v.clone() for k, v in self.flux.state_dict().items()})
+        tensors = list(itertools.chain(self.flux.parameters(), self.flux.buffers()))
+        if any(t.is_inference() for t in tensors):
+            # built under ComfyUI's inference_mode: autograd cannot save inference tensors, so train on new module
+            # objects whose tensors are ordinary aliases of the same storage (no copy of the weights)
+            with torch.inference_mode(False):
+                memo = {id(t): ordinary_alias(t) for t in tensors}
+                flux = copy.deepcopy(self.flux, memo).requires_grad_(False)
             yield flux
         else:
             yield self.flux
@@ -59,6 +63,15 @@ class ReferenceFluxModel:
         flux = copy.deepcopy(self.flux)
         merge_lora_into(flux, path, strength)
         return ReferenceFluxModel(flux, self.base_name)
+
+
+def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
+    """An ordinary (non-inference) tensor sharing `t`'s storage, a Parameter if `t` is one. Made outside inference
+    mode, it can be saved for backward; it costs no memory."""
+    data = t.data
+    out = torch.empty(0, dtype=data.dtype, device=data.device)
+    out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
+    return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
 
 
 def adapter_for(model: Any) -> ModelAdapter:

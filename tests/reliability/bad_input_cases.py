@@ -203,6 +203,10 @@ CASES = [
          ("lora.state.safetensors", "another run is training into", "another output folder"), locked_state),
     Case("resume_other_node", "resume file of another Train node", TRAIN + " (--resume)", "ResumeError",
          ("lora.node-8.state.safetensors' belongs to node 7, not to this node 8", "delete it"), other_node_state),
+    # --- hostram ---
+    Case("host_ram_too_small", "auto strategy with a host-RAM budget smaller than the model", TRAIN,
+         "StrategyError", ("host_ram_budget_gb", "8-bit weights"),
+         lambda c: train_with(c, strat=strategy(mode="auto", vram_budget_gb=1.0, host_ram_budget_gb=0.001))),
 ]
 
 

@@ -1,0 +1,113 @@
+"""Host RAM in the plan: what a strategy needs in host memory, the budget it must fit, and what would fit instead.
+
+A run's host memory is the model's own weights (already loaded: offloaded blocks stream from them, see
+layer_offload) plus what the strategy adds: a host copy of each offloaded block whose weights cannot stream in place
+(a weight_dtype other than the model's, weights on the device, non-contiguous ones) and the activations offloaded to
+the host. The budget is host RAM the run may occupy, the model included; by default what is available now plus the
+model's own bytes, minus a margin.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .blocks import discover_blocks
+from .layer_offload import _aligned, streams_in_place
+from .plan_cost import Prediction
+from .strategy import Strategy, StrategyError
+
+AUTO_HOST_MARGIN_BYTES = 2 << 30  # left free by the default budget: the OS page cache, other programs, the UI
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available now (psutil if installed, else /proc/meminfo's MemAvailable); None when unknown."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class HostNeeds:
+    budget_bytes: int
+    model_bytes: int        # the model's weights and buffers in host memory now (each storage once)
+    model_8bit_bytes: int   # the same with every floating-point weight stored in 8 bits (e.g. fp8)
+    copy_bytes: list[int]   # per block: the host copy the block needs when offloaded (0: streams in place)
+
+    @classmethod
+    def measure(cls, model: nn.Module, blocks: list[nn.Module], weight_dtype: torch.dtype | None,
+                budget_bytes: int | None = None) -> "HostNeeds":
+        """`budget_bytes` None: available host memory + the model's own host bytes - AUTO_HOST_MARGIN_BYTES."""
+        spans, small = {}, {}
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.device.type == "cpu":
+                s = t.untyped_storage()
+                spans[s.data_ptr()] = s.nbytes()
+                small[s.data_ptr()] = t.numel() * (1 if t.is_floating_point() else t.element_size())
+        copies = [sum(_aligned(p.numel() * (weight_dtype or p.dtype).itemsize) for p in b.parameters()
+                      if not p.requires_grad and not streams_in_place(p.data, weight_dtype or p.dtype))
+                  for b in blocks]
+        model_bytes = sum(spans.values())
+        if budget_bytes is None:
+            free = available_host_bytes()
+            if free is None:
+                raise StrategyError("the available host RAM cannot be read on this system: give host_ram_budget_gb")
+            budget_bytes = free + model_bytes - AUTO_HOST_MARGIN_BYTES
+        return cls(int(budget_bytes), model_bytes, sum(small.values()), copies)
+
+    def need(self, p: Prediction) -> int:
+        return self.model_bytes + self._copies(p) + p.breakdown.get("host_activations", 0)
+
+    def _copies(self, p: Prediction) -> int:
+        return sum(self.copy_bytes[i] for i in p.offloaded)
+
+    def keep_fitting(self, fitting: list[tuple[Prediction, object]]) -> list[tuple[Prediction, object]]:
+        """The (prediction, strategy) pairs that also fit host RAM; a refusal naming what would fit if none does."""
+        kept = [(p, s) for p, s in fitting if self.need(p) <= self.budget_bytes]
+        if kept or not fitting:
+            return kept
+        budget = f"host-RAM budget of {_gib(self.budget_bytes)} (host_ram_budget_gb)"
+        if self.model_bytes > self.budget_bytes:
+            raise StrategyError(
+                f"the model's own weights take {_gib(self.model_bytes)} of host memory, more than the {budget}: "
+                f"load the model with 8-bit weights (e.g. weight_dtype fp8_e4m3fn in Load Diffusion Model: about "
+                f"{_gib(self.model_8bit_bytes)}), or raise host_ram_budget_gb")
+        least = min((p for p, _ in fitting), key=self.need)
+        copies, acts = self._copies(least), least.breakdown.get("host_activations", 0)
+        fix = (f"weight_dtype auto streams offloaded blocks from the model's own weights without the copies "
+               f"({_gib(self.need(least) - copies)})" if copies else "a strategy without activation offload")
+        raise StrategyError(
+            f"no strategy that fits the VRAM budget fits the {budget}: the one needing the least host memory needs "
+            f"{_gib(self.need(least))} (the model's {_gib(self.model_bytes)} + {_gib(copies)} of converted weight "
+            f"copies + {_gib(acts)} of offloaded activations); what would fit: {fix}, or raise host_ram_budget_gb")
+
+    def explain(self, p: Prediction) -> str:
+        copies = self._copies(p)
+        extra = (f"+ {_gib(copies)} of host copies of offloaded weights in another dtype" if copies else
+                 "offloaded blocks stream from those weights, no copy")
+        return (f"Host RAM: {_gib(self.need(p))} of your {_gib(self.budget_bytes)} (the model's "
+                f"{_gib(self.model_bytes)}, {extra}, {_gib(p.breakdown.get('host_activations', 0))} of offloaded "
+                "activations).")
+
+
+def host_needs(model: nn.Module, strategy: Strategy, budget_gb: float = 0.0) -> HostNeeds:
+    """HostNeeds of `model` under `strategy`'s weight dtype and block lists; budget_gb 0: the default budget."""
+    from .runtime import TORCH_DTYPES
+    blocks = [b.module for b in discover_blocks(model, strategy.block_lists)]
+    dtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+    return HostNeeds.measure(model, blocks, dtype, int(budget_gb * 2**30) if budget_gb else None)

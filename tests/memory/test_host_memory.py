@@ -1,0 +1,268 @@
+"""Host memory: offloaded blocks stream from the one host copy of the weights that already exists, undo copies no
+weights, page-locking in place is released (or falls back to pageable memory with a note), and the inference-mode
+model is trained through aliases, not a copy."""
+import gc
+import os
+import re
+
+import pytest
+import torch
+from equivalence import assert_equivalent, run_managed
+from torch.utils._python_dispatch import TorchDispatchMode
+from two_stream import make_lora_model, train_steps
+
+from tightrope.memory import host_memory, host_pinning
+from tightrope.memory.blocks import discover_blocks
+from tightrope.memory.host_memory import HostNeeds
+from tightrope.memory.host_pinning import PinnedRanges, page_ranges
+from tightrope.memory.layer_offload import LayerOffload
+from tightrope.memory.plan_cost import Prediction
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.nodes import host
+from tightrope.nodes.dataset_nodes import TightropeLoadDataset
+from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages, TightropeDemoModel
+from tightrope.nodes.lora_node import TightropeLoraSetup
+from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+from tightrope.nodes.train_node import TightropeTrain
+
+
+def live_cpu_bytes() -> int:
+    """Bytes of every distinct CPU storage some Python-visible tensor holds (params included)."""
+    gc.collect()
+    spans = {}
+    for o in gc.get_objects():
+        # plain tensors only: fake tensors left over by compile tests have no data
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":
+            s = o.untyped_storage()
+            spans[s.data_ptr()] = s.nbytes()
+    return sum(spans.values())
+
+
+class AllocationTally(TorchDispatchMode):
+    """Bytes of new storages that aten ops return (an allocation, not a view of an input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        seen = set()
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() not in inputs and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    self.bytes += s.nbytes()
+        return out
+
+
+def frozen_block_bytes(model, itemsize=4):
+    return sum(p.numel() * itemsize for n, p in model.named_parameters() if "_blocks" in n and not p.requires_grad)
+
+
+def test_offload_adds_no_host_copy_and_undo_gives_the_original_storages_back():
+    model = make_lora_model()
+    loader = {n: p.data for n, p in model.named_parameters()}  # what ComfyUI's ModelPatcher keeps holding
+    storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    base = live_cpu_bytes()
+    rt = MemoryRuntime(model, Strategy(offload_fraction=1.0, compute_dtype="fp32"), "cpu")
+    with AllocationTally() as attach:
+        rt.apply()
+    try:
+        lo = rt.offload
+        # the slots and the NaN placeholders (scalars) are all that attach allocates; the old master copy
+        # added every offloaded block's weights again
+        assert attach.bytes - lo.slot_bytes() < 4096
+        assert lo.host_copy_bytes() == 0
+        sources = {src.untyped_storage().data_ptr() for lay in lo.layouts.values() for src in lay.sources}
+        assert sources <= set(storages.values())
+        assert live_cpu_bytes() - base - lo.slot_bytes() < 4096  # on the CPU "device" the slots are host memory
+        train_steps(model, steps=1, runtime=rt)
+    finally:
+        with AllocationTally() as undo:
+            rt.undo()
+    assert undo.bytes == 0  # the old undo copied every offloaded weight (`.to(copy=True)`)
+    assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == storages
+    assert all(p.data is loader[n] or torch.equal(p.data, loader[n]) for n, p in model.named_parameters())
+    del rt, lo
+    assert live_cpu_bytes() <= base * 1.02
+
+
+def test_dtype_conversion_makes_one_host_copy_per_block_freed_at_undo():
+    model = make_lora_model()
+    storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
+    base = live_cpu_bytes()
+    with MemoryRuntime(model, Strategy(offload_fraction=1.0, weight_dtype="bf16", compute_dtype="fp32"),
+                       "cpu") as rt:
+        # the converted copy is unavoidable: bf16 bytes of every offloaded frozen weight (each tensor aligned)
+        assert frozen_block_bytes(model, 2) <= rt.offload.host_copy_bytes() < frozen_block_bytes(model, 2) * 1.1
+        during = live_cpu_bytes() - base - rt.offload.slot_bytes()
+        assert during <= rt.offload.host_copy_bytes() + 4096
+    assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == storages
+    del rt
+    assert live_cpu_bytes() <= base * 1.02
+
+
+def test_page_ranges_merge_storages_that_share_a_page():
+    page = 4096
+    spans = [(page + 10, 100), (page + 200, 50), (4 * page + 5, 5000), (3 * page, page)]
+    # the first two share page 1; the page-3 storage ends where page 4 begins, so it is separate from the last
+    assert page_ranges(spans, page) == [(page, page), (3 * page, page), (4 * page, 2 * page)]
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s registration calls, recorded; `refuse` makes every registration fail."""
+
+    def __init__(self, refuse=0):
+        self.refuse, self.registered, self.unregistered = refuse, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if self.refuse:
+            return self.refuse
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaError(self, code):
+        return code
+
+    def cudaGetErrorString(self, code):
+        return "out of memory"
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """LayerOffload on the CPU device, page-locking through a fake CUDA runtime (the CUDA path's bookkeeping)."""
+    fake = FakeCudart()
+    real_attach = LayerOffload.attach
+
+    def attach(self):
+        self.pin, self._pinned = True, PinnedRanges(self.device, cudart=fake)
+        real_attach(self)
+    monkeypatch.setattr(LayerOffload, "attach", attach)
+    return fake
+
+
+def test_weights_are_pinned_in_place_and_unpinned_at_undo(pinned):
+    model = make_lora_model()
+    with MemoryRuntime(model, Strategy(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
+        spans = host_pinning.storage_spans(src for lay in rt.offload.layouts.values() for src in lay.sources)
+        covered = [(a, a + n) for a, n in pinned.registered]
+        assert all(any(a <= s and s + n <= b for a, b in covered) for s, n in spans)
+        assert not pinned.unregistered
+    assert sorted(pinned.unregistered) == sorted(a for a, _ in pinned.registered)
+
+
+def test_pinning_refused_falls_back_to_pageable_with_a_note(pinned):
+    pinned.refuse = 2  # cudaErrorMemoryAllocation, as with a low `ulimit -l`
+    with pytest.warns(RuntimeWarning, match=r"could not page-lock .* GiB of host weights in place \(out of memory, "
+                                            r"error 2\); streaming them from pageable memory"):
+        result = run_managed(Strategy(offload_fraction=1.0, compute_dtype="fp32"))
+    assert_equivalent(result)
+    assert not pinned.unregistered
+
+
+def test_pinning_without_a_cuda_runtime_is_a_note_not_a_crash(monkeypatch):
+    def no_cuda():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    pins = PinnedRanges(torch.device("cpu"))
+    with pytest.warns(RuntimeWarning, match="CUDA runtime unavailable: Torch not compiled with CUDA enabled"):
+        pins.register([torch.ones(1024)])
+    assert pins.pinned_bytes == 0 and pins.refused_bytes == 4096
+    pins.release()
+
+
+def test_inference_mode_model_trains_on_aliases_not_a_copy():
+    from tightrope.training.demo import demo_model
+    with torch.inference_mode():  # as ComfyUI builds models
+        model = demo_model(0)
+        model.flux = type(model.flux)(model.flux.params)
+        model.flux.load_state_dict(demo_model(0).flux.state_dict())
+    assert all(p.is_inference() for p in model.flux.parameters())
+    reference = demo_model(0).flux
+    before = {n: p.untyped_storage().data_ptr() for n, p in model.flux.named_parameters()}
+    with torch.inference_mode(False), AllocationTally() as tally, model.training_module() as module:
+        assert module is not model.flux
+        assert {n: p.untyped_storage().data_ptr() for n, p in module.named_parameters()} == before
+        assert not any(p.is_inference() or p.requires_grad for p in module.parameters())
+    assert tally.bytes < 4096  # the old path cloned the whole model
+    # the alias trains: gradients flow through the frozen weights to an input, exactly as through the original
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.inference_mode(False), model.training_module() as module:
+        module.img_in(x).square().sum().backward()
+    reference.img_in(xr).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+
+
+# -- host RAM in the plan ------------------------------------------------------------------------------------------
+def _prediction(offloaded, host_acts=0):
+    return Prediction(peak_bytes=1, step_s=1.0, bound_s=1.0, compute_s=1.0, compile_s=0.0, offloaded=tuple(offloaded),
+                      breakdown={"host_activations": host_acts})
+
+
+def test_host_needs_count_the_model_once_and_copies_only_for_another_dtype():
+    model = make_lora_model()
+    blocks = [b.module for b in discover_blocks(model)]
+    own = HostNeeds.measure(model, blocks, None, budget_bytes=1 << 30)
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    assert own.model_bytes == weights and own.copy_bytes == [0] * len(blocks)
+    bf16 = HostNeeds.measure(model, blocks, torch.bfloat16, budget_bytes=1 << 30)
+    assert [c // 2 for c in bf16.copy_bytes] == pytest.approx(
+        [sum(p.numel() for p in b.parameters() if not p.requires_grad) for b in blocks], rel=0.05)  # alignment
+    assert own.need(_prediction([0, 1], host_acts=100)) == weights + 100
+    assert bf16.need(_prediction([0, 1])) == weights + bf16.copy_bytes[0] + bf16.copy_bytes[1]
+
+
+def test_host_budget_refusals_name_what_would_fit():
+    needs = HostNeeds(budget_bytes=10 << 20, model_bytes=8 << 20, model_8bit_bytes=2 << 20, copy_bytes=[3 << 20] * 2)
+    fits, copies = (_prediction([]), "a"), (_prediction([0, 1]), "b")
+    assert needs.keep_fitting([copies, fits]) == [fits]
+    with pytest.raises(StrategyError, match=r"needs 14\.0 MiB .*6\.0 MiB of converted weight copies.*what would fit: "
+                                            r"weight_dtype auto .* \(8\.0 MiB\), or raise host_ram_budget_gb"):
+        needs.keep_fitting([copies])
+    small = HostNeeds(budget_bytes=4 << 20, model_bytes=8 << 20, model_8bit_bytes=2 << 20, copy_bytes=[0, 0])
+    with pytest.raises(StrategyError, match=r"model's own weights take 8\.0 MiB .* host-RAM budget of 4\.0 MiB "
+                                            r"\(host_ram_budget_gb\): load the model with 8-bit weights .*2\.0 MiB"):
+        small.keep_fitting([fits])
+    assert "Host RAM: 8.0 MiB of your 10.0 MiB" in needs.explain(fits[0])
+
+
+def test_default_host_budget_is_available_ram_plus_the_model(monkeypatch):
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 << 30)
+    model = make_lora_model()
+    needs = HostNeeds.measure(model, [b.module for b in discover_blocks(model)], None)
+    assert needs.budget_bytes == (10 << 30) + needs.model_bytes - host_memory.AUTO_HOST_MARGIN_BYTES
+    if os.path.exists("/proc/meminfo"):
+        monkeypatch.undo()
+        assert 0 < host_memory.available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
+    host.set_headless_output_dir(tmp_path)
+    try:
+        (folder,) = TightropeDemoImages().make("imgs", 4, 32, 0)
+        vae, clip = TightropeDemoEncoders().load(0)
+        (dataset,) = TightropeLoadDataset().load(folder=folder, vae=vae, clip=clip, resolution=32, caption_dropout=0.0,
+                                                 use_repeats=True, strict=False)
+        (lora,) = TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default")
+        spec = TightropeMemoryStrategy.INPUT_TYPES()["required"]
+        values = {k: v[1]["default"] for k, v in spec.items()} | {"compute_dtype": "fp32", "mode": "auto",
+                                                                   "vram_budget_gb": 1.0}
+        (auto,) = TightropeMemoryStrategy().make(**values, host_ram_budget_gb=64.0)
+        widgets = {k: v[1]["default"] for k, v in TightropeTrain.INPUT_TYPES()["required"].items()}
+        _, _, report = TightropeTrain().train(**(widgets | dict(steps=1, batch_size=2, device="cpu")),
+                                              model=TightropeDemoModel().load(0)[0], dataset=dataset, lora=lora,
+                                              strategy=auto)
+    finally:
+        host._headless_output = None
+    assert re.search(r"Predicted .* peak of your 1\.0 GiB.* Host RAM: 7\.1 MiB of your 64\.00 GiB \(the model's "
+                     r"7\.1 MiB", report), report
