@@ -96,7 +96,7 @@ def test_dtype_conversion_makes_one_host_copy_per_block_freed_at_undo():
     model = make_lora_model()
     storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
     base = live_cpu_bytes()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, weight_dtype="bf16", compute_dtype="fp32"),
+    with MemoryRuntime(model, Strategy(offload_fraction=1.0, weight_dtype="bf16", compute_dtype="bf16"),
                        "cpu") as rt:
         # the converted copy is unavoidable: bf16 bytes of every offloaded frozen weight (each tensor aligned)
         assert frozen_block_bytes(model, 2) <= rt.offload.host_copy_bytes() < frozen_block_bytes(model, 2) * 1.1
