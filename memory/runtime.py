@@ -83,7 +83,7 @@ class MemoryRuntime:
             if self.strategy.activation_offload:
                 self.acts = ActivationOffload(self.device, pin_memory=self.strategy.pin_memory,
                                               min_bytes=self.activation_min_bytes)
-            self._param_storages = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
+            self._param_storages = _storage_ptrs(self._model_tensors())
             if self.offload is not None:
                 self._param_storages |= self.offload.device_storage_ptrs()
             for i, block in enumerate(self.blocks):
@@ -240,3 +240,16 @@ class MemoryRuntime:
                 continue
             total += t.numel() * t.element_size()
         return total
+
+
+def _storage_ptrs(tensors) -> set[int]:
+    """The data pointers of the tensors' storages: a sharded (FSDP2 DTensor) parameter's local shard; a storage
+    that holds no data (FSDP2 frees unsharded parameters between uses) has none to protect."""
+    ptrs = set()
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            ptrs.add(local.untyped_storage().data_ptr())
+        except RuntimeError:
+            continue
+    return ptrs
