@@ -13,7 +13,8 @@ from tightrope import cli
 def fake_cli(monkeypatch, mappings):
     """main() with the fake nodes and a recorder instead of tightrope.nodes.host."""
     host_calls = []
-    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
     monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: host_calls.append((output_dir, resume)))
     return host_calls
 
@@ -78,7 +79,8 @@ def test_run_configures_the_real_host(tmp_path, api_workflow, mappings, monkeypa
     host = pytest.importorskip("tightrope.nodes.host")
     monkeypatch.setattr(host, "_headless_output", None)  # restored after the test: host state is module-level
     monkeypatch.setattr(host, "_resume", False)
-    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
     assert cli.main(["run", _write(tmp_path, api_workflow), "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
     assert host.output_dir() == tmp_path / "o" and host.resume_requested()
 
