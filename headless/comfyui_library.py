@@ -208,11 +208,11 @@ def load_comfyui(directory: str | os.PathLike) -> ComfyUILibrary:
     path = Path(directory).expanduser().resolve()
     if path in _loaded:
         return _loaded[path]
+    version = _checked_dir(path)
     if _loaded:
         other = next(iter(_loaded))
         raise ComfyUIUnavailable(f"this process already loaded the ComfyUI at {other}; one process can load one "
                                  f"ComfyUI: run {path} in a new process")
-    version = _checked_dir(path)
     shadowing = sys.modules.get("nodes")
     if shadowing is not None and Path(getattr(shadowing, "__file__", "") or "").resolve().parent != path:
         raise ComfyUIUnavailable(f"another module named 'nodes' ({getattr(shadowing, '__file__', '?')}) is already "
