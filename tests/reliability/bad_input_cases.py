@@ -13,6 +13,7 @@ from PIL import Image
 from reliability_kit import dataset_inputs, load_dataset, lora, strategy, train_node, world
 from safetensors.torch import save_file
 
+from tightrope.headless.comfyui_library import load_comfyui
 from tightrope.memory.strategy import Strategy
 from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
@@ -181,6 +182,13 @@ CASES = [
          ("out of memory", "offload_fraction=1.0, checkpoint='all'"), out_of_memory),
     Case("nan_loss", "loss becomes NaN (on_nonfinite='stop')", TRAIN, "NonFiniteLossError",
          ("learning_rate", "on_nonfinite='skip'"), nan_loss),
+    # --- headlesscomfy ---
+    Case("comfyui_dir_missing", "--comfyui DIR that does not exist", "tightrope run", "ComfyUIUnavailable",
+         ("'<tmp>/nope'", "pass --comfyui DIR"), lambda c: load_comfyui(c.tmp / "nope")),
+    Case("comfyui_not_comfyui", "--comfyui DIR that is not a ComfyUI", "tightrope run", "ComfyUIUnavailable",
+         ("is not a ComfyUI", "main.py and nodes.py"), lambda c: load_comfyui(c.tmp)),
+    Case("comfyui_too_old", "--comfyui DIR holding a ComfyUI older than 0.33", "tightrope run", "ComfyUIUnavailable",
+         ("version 0.3.10", "0.33 and newer"), lambda c: load_comfyui(fake_comfyui(c.tmp / "old", "0.3.10"))),
 ]
 
 
@@ -190,3 +198,13 @@ def _all_bad(c):
     (d / "bad.png").write_bytes(b"junk")
     (d / "bad.txt").write_text("x")
     return load_dataset(d)
+
+
+# --- headlesscomfy ---
+def fake_comfyui(folder, version: str):
+    """A folder shaped like a ComfyUI checkout of `version` (files only: it is refused before anything is imported)."""
+    (folder / "comfy").mkdir(parents=True)
+    for name in ("nodes.py", "folder_paths.py", "execution.py"):
+        (folder / name).write_text("")
+    (folder / "comfyui_version.py").write_text(f'__version__ = "{version}"\n')
+    return folder
