@@ -178,3 +178,26 @@ def test_failing_core_node_reports_its_message_without_traceback(batch):
     error = next(line for line in log.splitlines() if line.startswith("error: "))
     assert error.startswith("error: node 1 'UNETLoader' failed: SafetensorError: Error while deserializing header"), error
     assert "Traceback" not in log
+
+
+def test_lora_equals_the_one_a_comfyui_server_trains(comfy_server, checkpoint, comfyui_python, tmp_path):
+    """The same API workflow (seed 1, CPU, fp32 strategy) queued in a real server and run by `python -m tightrope
+    run --comfyui`: the same node classes on the same weights and seeds, so the LoRAs must be equal bit for bit."""
+    name, _dtype = checkpoint("flux")
+    g, ids = training_graph(name, "parity", steps=2)
+    strategy = g.add("TightropeMemoryStrategy", compute_dtype="fp32", weight_dtype="fp32")
+    g.nodes[ids["train"]]["inputs"]["strategy"] = [strategy, 0]
+    save = g.add("TightropeSaveLora", session=[ids["train"], 0], filename_prefix="tightrope/parity_final")
+    served = read_lora_file(comfy_server.run(g.nodes)["outputs"][save]["text"][0])
+
+    path = tmp_path / "parity.json"
+    path.write_text(json.dumps(g.nodes))
+    proc = subprocess.run([comfyui_python, "-m", "tightrope", "run", str(path), "--comfyui", COMFYUI_DIR,
+                           "--models-dir", str(comfy_server.base / "models"), "--output-dir", str(tmp_path / "out")],
+                          env=comfy_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    headless = read_lora_file(tmp_path / "out" / "tightrope" / "parity_final_00001_.safetensors")
+    assert served[0].keys() == headless[0].keys() and len(served[0]) > 0
+    for key, tensor in served[0].items():
+        assert torch.equal(tensor, headless[0][key]), key
+    assert served[1]["tightrope.steps"] == headless[1]["tightrope.steps"] == "2"
