@@ -9,12 +9,11 @@ as users do, `python -m tightrope run`, and compares with a real server.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from api_graph import Graph
-from comfy_env import COMFYUI_DIR, REPO
+from comfy_env import COMFYUI_DIR, tightrope_env
 from PIL import Image
 from safetensors.torch import load_file
 from tiny_models import CHECKPOINTS, write_taef1
@@ -23,17 +22,6 @@ from tightrope.training.lora_file import read_lora_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLUX, SD3 = CHECKPOINTS["flux"][0], CHECKPOINTS["sd3"][0]
-
-
-def comfy_env(tmp_path) -> dict:
-    """The environment of a `python -m tightrope` subprocess in ComfyUI's python: this checkout importable as
-    `tightrope`, ComfyUI named by COMFYUI_DIR."""
-    pythonpath = tmp_path / "pythonpath"
-    if not pythonpath.exists():
-        pythonpath.mkdir()
-        (pythonpath / "tightrope").symlink_to(REPO, target_is_directory=True)
-    return {**os.environ, "PYTHONPATH": str(pythonpath), "COMFYUI_DIR": os.path.abspath(COMFYUI_DIR),
-            "PYTHONUNBUFFERED": "1"}
 
 
 def write_models(models) -> None:
@@ -118,7 +106,7 @@ def batch(comfyui_python, tmp_path_factory):
                      "log": str(tmp / f"{name}.log"), "ui_from": prompt if name == "flux" else None})
     (tmp / "runs.json").write_text(json.dumps(runs))
     proc = subprocess.run([comfyui_python, os.path.join(HERE, "headless_batch.py"), str(tmp / "runs.json")],
-                          env=comfy_env(tmp), capture_output=True, text=True, timeout=1200)
+                          env=tightrope_env(tmp), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     codes = json.loads((tmp / "runs.json.codes").read_text())
     result = {name: (code, (tmp / f"{name}.log").read_text(errors="replace")) for name, code in zip(workflows, codes)}
@@ -194,7 +182,7 @@ def test_lora_equals_the_one_a_comfyui_server_trains(comfy_server, checkpoint, c
     path.write_text(json.dumps(g.nodes))
     proc = subprocess.run([comfyui_python, "-m", "tightrope", "run", str(path), "--comfyui", COMFYUI_DIR,
                            "--models-dir", str(comfy_server.base / "models"), "--output-dir", str(tmp_path / "out")],
-                          env=comfy_env(tmp_path), capture_output=True, text=True, timeout=900)
+                          env=tightrope_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     headless = read_lora_file(tmp_path / "out" / "tightrope" / "parity_final_00001_.safetensors")
     assert served[0].keys() == headless[0].keys() and len(served[0]) > 0
