@@ -104,11 +104,12 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
                             f"a folder you can write to") from None
     configure_host(output_dir, resume)
     with _comfyui_folders(library, models_dir):
-        if library is not None:  # a missing model file, named with the folders searched, before the generic check
-            missing = library.missing_model_files(parse_workflow(data, node_mappings))
-            if missing:
-                raise WorkflowError(missing)
-        graph = load_workflow(data, node_mappings)
+        try:
+            graph = load_workflow(data, node_mappings)
+        except WorkflowError as exc:  # with ComfyUI, a missing model file is named with the folders searched
+            if library is None:
+                raise
+            raise library.explain_model_files(exc, parse_workflow(data, node_mappings)) from None
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
         started = time.monotonic()
         main_rank = current().is_main  # under torchrun only rank 0 reports

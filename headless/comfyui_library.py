@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .graph import Link, NodeSpec, WorkflowError
+from .graph import Link, NodeSpec, WorkflowError, describe_node
 
 COMFYUI_DIR_ENV = "COMFYUI_DIR"
 OLDEST_SUPPORTED = (0, 33)  # execution.get_input_data(..., extra_data) and the V3 node API; tested: 0.33.0
@@ -67,10 +67,17 @@ class ComfyUILibrary:
                 raise CoreNodeFailed(f"{type(exc).__name__}: {exc}") from exc
             raise  # Tightrope's own nodes raise their own errors (user errors stay user errors)
 
-    def missing_model_files(self, graph: dict) -> list[str]:
-        """A problem per model-file input (UNETLoader's unet_name, ...) naming a file that is in no model folder."""
+    def explain_model_files(self, error: WorkflowError, graph: dict) -> WorkflowError:
+        """`error` (from validating `graph`) with each problem about a model-file input (UNETLoader's unet_name, ...)
+        whose file is in no model folder replaced by one naming the file and the folders searched."""
+        missing = self._missing_model_files(graph)
+        return WorkflowError([next((message for prefix, message in missing.items() if problem.startswith(prefix)),
+                                   problem) for problem in error.problems])
+
+    def _missing_model_files(self, graph: dict) -> dict[str, str]:
+        """{the start of validation's problem for the input: the model-file message} per missing model file."""
         import folder_paths
-        problems = []
+        missing = {}
         for node_id, node in graph.items():
             node_class = self.node_mappings.get(node.class_type)
             if node_class is None:
@@ -86,11 +93,12 @@ class ComfyUILibrary:
                 if not folders:
                     continue
                 searched = [p for folder in folders for p in folder_paths.get_folder_paths(folder)]
-                problems.append(
-                    f"node {node_id} '{node.class_type}' input '{name}': model file {value!r} not found in ComfyUI's "
-                    f"{' or '.join(folders)} folders ({', '.join(searched)}): put the file in one of them, or point "
-                    f"at your models with --models-dir DIR or ComfyUI's extra_model_paths.yaml")
-        return problems
+                prefix = f"{describe_node(node_id, node.class_type)} input '{name}'"
+                missing[f"{prefix} "] = (
+                    f"{prefix}: model file {value!r} not found in ComfyUI's {' or '.join(folders)} folders "
+                    f"({', '.join(searched)}): put the file in one of them, or point at your models with --models-dir "
+                    f"DIR or ComfyUI's extra_model_paths.yaml")
+        return missing
 
     @contextlib.contextmanager
     def run_folders(self, output_dir: str | os.PathLike, loras_dir: str | os.PathLike,
