@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .graph import Link, NodeSpec, WorkflowError, describe_node
+from .input_spec import node_input_specs
 
 COMFYUI_DIR_ENV = "COMFYUI_DIR"
 OLDEST_SUPPORTED = (0, 33)  # execution.get_input_data(..., extra_data) and the V3 node API; tested: 0.33.0
@@ -82,12 +83,9 @@ class ComfyUILibrary:
             node_class = self.node_mappings.get(node.class_type)
             if node_class is None:
                 continue
-            declared = node_class.INPUT_TYPES()
-            combos = {name: entry[0] for part in ("required", "optional") for name, entry in
-                      (declared.get(part) or {}).items() if isinstance(entry, tuple) and isinstance(entry[0], list)}
-            for name, choices in combos.items():
-                value = node.inputs.get(name)
-                if isinstance(value, Link) or not isinstance(value, str) or value in choices:
+            for name, spec in node_input_specs(node_class).items():
+                value, choices = node.inputs.get(name), list(spec.choices or ())
+                if spec.type != "COMBO" or isinstance(value, Link) or not isinstance(value, str) or value in choices:
                     continue
                 folders = MODEL_INPUT_FOLDERS.get((node.class_type, name)) or _listing_folders(choices)
                 if not folders:
