@@ -1,10 +1,12 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
-    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--comfyui DIR] [--models-dir DIR]
+    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug] [--comfyui DIR] [--models-dir DIR]
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
-Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C.
+Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C, 143 SIGTERM
+(129 SIGHUP, 138 SIGUSR1: every polite stop saves like Ctrl-C, headless/stop_signals.py).
+A user error (bad input: its message names the input and the fix) prints one line; a bug prints its traceback too.
 No module-level state: every call of main() stands alone (torchrun will start one per rank).
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import time
 import traceback
 
-EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
     return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp,
-                       comfyui=args.comfyui, models_dir=args.models_dir)
+                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun: shard the frozen base weights of each transformer block over the "
                           "processes (FSDP2), for models too big for one GPU (docs/distributed.md)")
+    run.add_argument("--debug", action="store_true",
+                     help="print the Python traceback of every error, not only of bugs")
     run.add_argument("--comfyui", metavar="DIR", help="run ComfyUI's own nodes too (loaders, samplers, SaveImage), "
                      "in this process, from the ComfyUI in DIR (default: $COMFYUI_DIR when the workflow needs them); "
                      "run with the python ComfyUI runs in")
@@ -58,23 +62,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, comfyui: str | None = None,
-                models_dir: str | None = None) -> int:
+def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False,
+                comfyui: str | None = None, models_dir: str | None = None) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
+    from .headless.stop_signals import polite_stops, report_stop
     from .training.distributed import DistributedError, launched
     try:
-        with launched(fsdp=fsdp):  # under torchrun: the process group, torn down at the end
+        with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
             return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir)
     except (WorkflowError, DistributedError) as exc:
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR
-    except KeyboardInterrupt:
-        print("\ninterrupted (Ctrl-C); Train nodes saved their last completed step: run again with --resume to "
-              "continue from it", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stop:
+        return report_stop(stop)  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
     except NodeExecutionError as exc:
-        if not isinstance(exc.__cause__, WorkflowError):  # a core node's failure is reported by its message
+        if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps
             traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -82,6 +87,22 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         traceback.print_exc(file=sys.stderr)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def user_error_types() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input, not a bug: their message names the input and the fix, so `tightrope run`
+    prints it without a traceback (unless --debug)."""
+    from .headless.graph import WorkflowError
+    from .memory.strategy import StrategyError
+    from .training.atomic_write import FileWriteError
+    from .training.finite_check import NonFiniteDataError
+    from .training.image_folder import DatasetError
+    from .training.lora_rescue import LoraNotSavedError
+    from .training.resume_state import ResumeError
+    from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
+    from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
+    return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,
+            NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, TrainingOutOfMemoryError)
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,

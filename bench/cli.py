@@ -3,6 +3,8 @@
     tightrope bench --quick                                   # tiny model, CPU, small grid (~1 min on 2 cores)
     tightrope bench --model flux-dev --device cuda            # the full grid on a GPU (H100/H200)
     tightrope bench --runtime-overhead                        # MemoryRuntime overhead and checkpoint RSS (CPU)
+    tightrope bench gpu-check [--out DIR]                     # CUDA correctness + 2048 px headline (make gpu-check)
+    tightrope bench gpu-bench [--out DIR]                     # planner budgets, compile, H2D (make gpu-bench)
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-check"]:
+        from .gpu_check import main as gpu_check
+        return gpu_check(argv[1:])
+    if argv[:1] == ["gpu-bench"]:
+        from .gpu_bench import main as gpu_bench
+        return gpu_bench(argv[1:])
     if "--runtime-overhead" in argv:
         from .runtime_overhead import main as overhead_main
         return overhead_main([a for a in argv if a != "--runtime-overhead"])

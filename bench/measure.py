@@ -58,6 +58,7 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
         images_per_s=config.batch / step_s if step_s > 0 else None,
         peak_allocated_bytes=max(d["peak_allocated"] for d in steady),
         peak_reserved_bytes=max(d["peak_reserved"] for d in steady),
+        device_used_bytes=max(d["device_used"] for d in steady),
         h2d_bytes=med("h2d_bytes"), h2d_fwd_bytes=med("h2d_fwd_bytes"), d2h_bytes=med("d2h_bytes"),
         transfer_wait_s=med("wait_s"),
         compile_s=max(0.0, steps_data[0]["step_s"] - step_s),
@@ -65,6 +66,14 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
         recompiles=int(sum(d["recompiles"] for d in steps_data[1:])),
         loss=steady[-1]["loss"])
     return record
+
+
+def fits(record: dict[str, Any], budget: int) -> bool:
+    """A run fits a budget if it ran and neither what the allocator reserved nor what the device lost to the run
+    (total - free, over the baseline) exceeds it: allocated alone leaves out the cache and fragmentation."""
+    if record.get("oom"):
+        return False
+    return max(record.get("peak_reserved_bytes", 0), record.get("device_used_bytes", 0)) <= budget
 
 
 def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:
@@ -78,14 +87,15 @@ def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str
     t1 = time.perf_counter()
     h2d_fwd = rt.counters()["h2d_bytes"] - h2d_before
     loss.backward()
-    stats = rt.end_step()
+    _sync(device)
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    _sync(device)
+    stats = rt.end_step()  # synchronises: the step includes the optimizer, as the planner's prediction does
     t3 = time.perf_counter()
     return {"step_s": t3 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1, "opt_s": t3 - t2,
             "peak_allocated": stats.peak_allocated_bytes, "peak_reserved": stats.peak_reserved_bytes,
+            "device_used": stats.device_used_bytes,
             "h2d_bytes": stats.h2d_bytes, "h2d_fwd_bytes": h2d_fwd, "d2h_bytes": stats.d2h_bytes,
             "wait_s": stats.transfer_wait_s, "recompiles": stats.recompiles, "loss": float(loss.detach())}
 

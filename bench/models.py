@@ -9,7 +9,8 @@ Weights are random (no download). A model is built on the `meta` device and mate
 host memory (pinned on request); the random values are drawn on the init device (the GPU when there is one, which
 is far faster than CPU RNG) and copied down block by block, so host RAM never holds the model twice.
 LoRA (peft, rank 16, alpha 16) goes on the attention projections: double blocks' img/txt qkv and proj, single
-blocks' linear1/linear2 (which fuse attention and MLP). The LoRA weights are fp32 (AdamW state in fp32).
+blocks' linear1/linear2 (which fuse attention and MLP). The LoRA weights are fp32 (AdamW state in fp32); under
+autocast their matmuls run in the compute dtype, as in training (training/lora.py keep_inputs_in_compute_dtype).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from ..training.lora import keep_inputs_in_compute_dtype
 from ..training.reference_flux import Flux, FluxParams
 
 LORA_TARGETS = r"(double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)|single_blocks\.\d+\.linear(1|2))"
@@ -100,7 +102,9 @@ def _meta_model(name: str, dtype: torch.dtype, lora_rank: int = 16, params: Flux
         flux = Flux(params or MODEL_PARAMS[name]()).to(dtype)
     flux.requires_grad_(False)
     cfg = LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=LORA_TARGETS)
-    return LatentFlux(inject_adapter_in_model(cfg, flux))
+    model = LatentFlux(inject_adapter_in_model(cfg, flux))
+    keep_inputs_in_compute_dtype(model)  # as training does: no fp32 copy of each LoRA input under autocast
+    return model
 
 
 def build_bench_model(name: str, *, dtype: torch.dtype | None = None, init_device: torch.device | str | None = None,

@@ -27,7 +27,7 @@ def markdown(result: dict[str, Any]) -> str:
              f"H2D {meta['h2d_bytes_per_s'] / 1e9:.3g} GB/s, peak {meta['peak_flops_source']}. "
              f"Medians of {meta['steps']} steps after {meta['warmup']} warm-up steps. "
              f"torch {meta['torch']}.", ""]
-    mem_col = "peak alloc / reserved GiB" if cuda else "predicted peak GiB (CPU: no allocator stats)"
+    mem_col = "peak alloc / reserved / device used GiB" if cuda else "predicted peak GiB (CPU: no allocator stats)"
     lines += [f"| config | s/step | img/s | {mem_col} | MFU | HFU | H2D GB/step | wait s | compile s | "
               "recompiles | bound s | ratio |", "|" + " --- |" * 12]
     for r in result["configs"]:
@@ -35,7 +35,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | OOM | | | | | | | | | | |")
             continue
         if cuda:
-            mem = f"{r['peak_allocated_bytes'] / GiB:.2f} / {r['peak_reserved_bytes'] / GiB:.2f}"
+            mem = (f"{r['peak_allocated_bytes'] / GiB:.2f} / {r['peak_reserved_bytes'] / GiB:.2f} / "
+                   f"{r.get('device_used_bytes', 0) / GiB:.2f}")
         else:
             mem = _fmt(r["predicted_peak_bytes"] / GiB if r.get("predicted_peak_bytes") else None, ".3g")
         lines.append(" | ".join([
@@ -44,17 +45,17 @@ def markdown(result: dict[str, Any]) -> str:
             str(r["recompiles"]), _fmt(r.get("bound_s")), _fmt(r.get("bound_ratio"), ".2f")]) + " |")
     if result.get("planner"):
         lines += ["", "## Planner: predicted vs measured", "",
-                  "| budget | strategy | predicted peak | measured peak | predicted s/step | measured s/step |",
-                  "|" + " --- |" * 6]
+                  "| budget | strategy | predicted peak | measured peak reserved | fits | predicted s/step | "
+                  "measured s/step |", "|" + " --- |" * 7]
         for p in result["planner"]:
             if p.get("error"):
-                lines.append(f"| {format_bytes(p['budget_bytes'])} | infeasible: {p['error']} | | | | |")
+                lines.append(f"| {format_bytes(p['budget_bytes'])} | infeasible: {p['error']} | | | | | |")
                 continue
             m = p.get("measured") or {}
-            peak = format_bytes(m["peak_allocated_bytes"]) if m.get("peak_allocated_bytes") else "–"
+            peak = format_bytes(m["peak_reserved_bytes"]) if m.get("peak_reserved_bytes") else "–"
             lines.append(f"| {format_bytes(p['budget_bytes'])} | {p['label']} | "
-                         f"{format_bytes(p['predicted_peak_bytes'])} | {peak} | {p['predicted_step_s']:.3g} | "
-                         f"{_fmt(m.get('step_s'))} |")
+                         f"{format_bytes(p['predicted_peak_bytes'])} | {peak} | {_fmt(p.get('fits'))} | "
+                         f"{p['predicted_step_s']:.3g} | {_fmt(m.get('step_s'))} |")
         lines += [""] + [f"- {format_bytes(p['budget_bytes'])}: {p['explanation']}" for p in result["planner"]
                          if p.get("explanation")]
     lines += ["", "MFU = model FLOPs / (s/step x peak); model FLOPs = 2 F_base + 3 F_lora + 3 F_attn (frozen base: no "
@@ -73,10 +74,10 @@ def charts(result: dict[str, Any]) -> dict[str, Any]:
     cuda = meta["device"] == "cuda"
     primary = [r for r in result["configs"] if not r.get("oom") and r["batch"] == meta["primary_batch"]
                and r["resolution"] == meta["primary_resolution"]]
-    mems = [(r["peak_allocated_bytes"] if cuda else r.get("predicted_peak_bytes"), r) for r in primary]
+    mems = [(r["peak_reserved_bytes"] if cuda else r.get("predicted_peak_bytes"), r) for r in primary]
     unit, size = _unit(max((m or 0 for m, _ in mems), default=0))
     points = [(m / size, r["step_s"], r["label"]) for m, r in mems if m]
-    xlabel = f"peak allocated {unit}" if cuda else f"predicted peak {unit} (CPU)"
+    xlabel = f"peak reserved {unit}" if cuda else f"predicted peak {unit} (CPU)"
     out = {"frontier": scatter_chart(points, title=f"{meta['model']} memory vs speed ({meta['device_name']})",
                                      xlabel=xlabel, ylabel="s/step")}
     series: dict[str, list[tuple[float, float]]] = {}

@@ -26,7 +26,7 @@ from ..memory.strategy import StrategyError
 from . import report
 from .flops import device_peak_flops, forward_flops, step_flops
 from .grid import BenchConfig, full_grid, quick_grid, strategy_label
-from .measure import add_bounds, run_config
+from .measure import add_bounds, fits, run_config
 from .models import build_bench_model
 
 GiB = 1 << 30
@@ -139,7 +139,7 @@ def _planner_check(bench, profile, primary: BenchConfig, dev, budgets, steps, wa
                      "predicted_peak_bytes": p.predicted_peak_bytes, "predicted_step_s": p.predicted_step_s,
                      "explanation": p.explanation, "candidates": p.candidates_considered,
                      "breakdown": p.prediction.breakdown, "measured": measured,
-                     "fits": (measured.get("peak_allocated_bytes", 0) <= budget) if dev.type == "cuda" else None})
+                     "fits": fits(measured, budget) if dev.type == "cuda" else None})
         log(f"plan for {format_bytes(budget)}: {strategy_label(p.strategy)}: predicted {p.predicted_step_s:.3g} s, "
             f"measured " + ("OOM" if measured.get("oom") else f"{measured['step_s']:.3g} s"))
     return rows

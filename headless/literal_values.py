@@ -1,12 +1,14 @@
 """Checking one literal input value against its declared type, range and choices.
 
-Stricter than ComfyUI in two places, because a silently wrong training setting costs hours:
+Stricter than ComfyUI in three places, because a silently wrong training setting costs hours:
 a fractional number for an INT and a string like "false" for a BOOLEAN are rejected/parsed
-explicitly instead of going through Python's int()/bool().
+explicitly instead of going through Python's int()/bool(), and a NaN or infinite FLOAT is refused
+(ComfyUI's min/max comparisons are all false for NaN, so NaN passes them).
 """
 from __future__ import annotations
 
 import difflib
+import math
 
 from .input_spec import InputSpec
 
@@ -64,6 +66,8 @@ def _check_range(spec: InputSpec, value) -> None:
         return
     low, high = spec.options.get("min"), spec.options.get("max")
     limits = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+    if spec.type == "FLOAT" and not math.isfinite(value):  # NaN passes any min/max comparison
+        raise ValueError(f"is {value}, not a finite number: use a value in {limits}")
     if low is not None and value < low:
         raise ValueError(f"is {value}, below its min of {low}: use a value in {limits}")
     if high is not None and value > high:

@@ -4,6 +4,12 @@ They are packed by a saved-tensor hook (torch's non-reentrant checkpoint saves a
 hooks, so ours see exactly the checkpoint-boundary tensors), copied device-to-host on a side stream, and copied back
 ahead of need: when block i starts its backward, the inputs of the blocks before it are prefetched.
 Tensors shared by every block (the modulation vector, RoPE tables) are stored once per step, not once per block.
+
+Lifetimes: a device copy brought back is owned by its consumers, not by this store. Each pack of a tensor expects
+one unpack; the store keeps the copy only until the last expected unpack has handed it out, so it dies with its last
+backward use (a later unexpected unpack, e.g. a second recompute, fetches it again from the host copy). The host
+copy lives as long as autograd keeps the packed object. Copies back are allocated on the compute stream (its
+allocator pool, where they are freed) and written on the side stream.
 """
 from __future__ import annotations
 
@@ -11,26 +17,33 @@ import weakref
 
 import torch
 
+from .devices import host_buffer, normalize_device
+
 
 class _Stored:
-    """A host copy of one saved activation, and its device copy once it is on its way back."""
+    """A host copy of one saved activation, and its device copy while it is on its way back."""
 
-    def __init__(self, host: torch.Tensor, device: torch.device, event):
-        self.host, self.device, self.d2h_event = host, device, event
+    def __init__(self, host: torch.Tensor, event):
+        self.host, self.d2h_event = host, event
         self.back: torch.Tensor | None = None
         self.h2d_event = None
+        self.pending = 1  # unpacks still expected: one per pack
 
 
 class ActivationOffload:
     def __init__(self, device: torch.device, *, pin_memory: bool, min_bytes: int = 1 << 16):
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self.device = normalize_device(device)
+        self.cuda = self.device.type == "cuda"
         self.pin = pin_memory and self.cuda
+        self.pinned = self.pin  # False once the system refused page-locked memory for a copy
         self.min_bytes = min_bytes
         self.d2h_bytes = 0
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.live_copies = 0       # device copies brought back and not yet freed
+        self.peak_live_copies = 0  # the most alive at once since the last start_step
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._by_block: dict[int, list[weakref.ref]] = {}
-        self._by_tensor: dict[int, tuple[weakref.ref, _Stored]] = {}
+        self._by_tensor: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+        self._wait_events: list = []
 
     def pack(self, t: torch.Tensor, block: int):
         # compiled backward graphs expect saved tensors with their exact strides: offload only dense tensors, whose
@@ -39,21 +52,25 @@ class ActivationOffload:
                 or not _dense(t):
             return t
         hit = self._by_tensor.get(id(t))
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
+        stored = hit[1]() if hit is not None and hit[0]() is t else None
+        if stored is not None:
+            stored.pending += 1
+            return stored
+        host = host_buffer(lambda pin: torch.empty_like(t, device="cpu", pin_memory=pin), self.pin)
         event = None
         if self.cuda:
+            pinned = host.is_pinned()
+            self.pinned = self.pinned and pinned
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                host.copy_(t, non_blocking=True)
+                host.copy_(t, non_blocking=pinned)  # into pageable memory the copy is blocking anyway: say so
                 event = torch.cuda.Event()
                 event.record(self.stream)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has read it
         else:
             host.copy_(t)
-        stored = _Stored(host, t.device, event)
-        self._by_tensor[id(t)] = (weakref.ref(t), stored)
+        stored = _Stored(host, event)
+        self._by_tensor[id(t)] = (weakref.ref(t), weakref.ref(stored))
         self._by_block.setdefault(block, []).append(weakref.ref(stored))
         self.d2h_bytes += host.numel() * host.element_size()
         return stored
@@ -63,27 +80,61 @@ class ActivationOffload:
             return stored
         if stored.back is None:
             self._bring_back(stored)
+        back = stored.back
         if stored.h2d_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(stored.h2d_event)
-        return stored.back
+            self._wait(stored.h2d_event)
+            stored.h2d_event = None
+        stored.pending -= 1
+        if stored.pending <= 0:
+            stored.back = None  # its consumers hold it now: it dies with its last use
+        return back
 
     def prefetch(self, block: int) -> None:
         """Start copying block `block`'s saved inputs back to the device."""
         for ref in self._by_block.get(block, ()):
             stored = ref()
-            if stored is not None and stored.back is None:
+            if stored is not None and stored.back is None and stored.pending > 0:
                 self._bring_back(stored)
 
     def _bring_back(self, stored: _Stored) -> None:
         if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            back = torch.empty_like(stored.host, device=self.device)  # in the compute stream's pool, freed there
+            self.stream.wait_stream(compute)  # its memory may have been another tensor's, still read by compute
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(stored.d2h_event)
-                stored.back = stored.host.to(stored.device, non_blocking=True)
+                back.copy_(stored.host, non_blocking=stored.host.is_pinned())
                 stored.h2d_event = torch.cuda.Event()
                 stored.h2d_event.record(self.stream)
-            stored.back.record_stream(torch.cuda.current_stream(self.device))
+            back.record_stream(self.stream)  # freed unused (never waited on), it must outlive the copy into it
         else:
-            stored.back = stored.host.clone()
+            back = stored.host.clone()
+        stored.back = back
+        self.live_copies += 1
+        self.peak_live_copies = max(self.peak_live_copies, self.live_copies)
+        weakref.finalize(back, self._freed)
+
+    def _freed(self) -> None:
+        self.live_copies -= 1
+
+    def _wait(self, event) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(event)
+        end.record(stream)
+        self._wait_events.append((start, end))
+
+    def collect_wait_seconds(self) -> float:
+        """Time the compute stream stalled on activation copies since the last call (synchronises CUDA)."""
+        events, self._wait_events = self._wait_events, []
+        if not events:
+            return 0.0
+        torch.cuda.synchronize(self.device)
+        return sum(s.elapsed_time(e) for s, e in events) / 1000.0
+
+    def start_step(self) -> None:
+        self.peak_live_copies = self.live_copies
 
     def end_step(self) -> None:
         """Forget this step's bookkeeping (the stored copies themselves die with the autograd graph)."""

@@ -4,7 +4,8 @@ Each block is compiled on its own (one graph per block type, reused by every blo
 seconds, not minutes). The budget is read by AOTAutograd's partitioner while the graph is compiled, and dynamo's
 guards do not look at it, so a graph compiled under one budget would be reused under another. Hence one backend
 callable per (backend, budget, mode): the budget is applied while *that* backend compiles (and restored after), and
-dynamo keys its cache on the backend, so each budget gets its own graphs.
+dynamo keys its cache on the backend, so each budget gets its own graphs. Inductor options of the compile mode reach
+both the forward and the lazily compiled backward graph (inductor's own config_patches).
 """
 from __future__ import annotations
 
@@ -21,12 +22,20 @@ _BACKENDS: dict[tuple[str, float, str], Callable] = {}
 def _backend(name: str, budget: float, mode: str) -> Callable:
     key = (name, budget, mode)
     if key not in _BACKENDS:
-        inner = torch._dynamo.lookup_backend(name)
-        options = {} if mode == "default" else torch._inductor.list_mode_options(mode)
+        if name == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+            options = {} if mode == "default" else torch._inductor.list_mode_options(mode)
+
+            def inner(gm, example_inputs):
+                # config_patches, unlike a patch around this call, also covers the backward graph, which
+                # AOTAutograd compiles lazily at the first backward, long after this call has returned
+                return compile_fx(gm, example_inputs, config_patches=options)
+        else:
+            inner = torch._dynamo.lookup_backend(name)
 
         def backend(gm, example_inputs):
-            import torch._inductor.config as inductor_config
-            with functorch_config.patch(activation_memory_budget=budget), inductor_config.patch(options):
+            # the partitioner reads the budget while it splits the joint graph, inside this call (forward time)
+            with functorch_config.patch(activation_memory_budget=budget):
                 return inner(gm, example_inputs)
 
         backend.__name__ = f"tightrope_{name}_budget{budget}_{mode}"

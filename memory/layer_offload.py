@@ -9,15 +9,20 @@
   order and, during backward, in reverse order. Slots are reused lazily (the block furthest behind the current one
   goes first), so blocks left loaded by a recompute that stopped early are simply evicted when a slot is needed.
 - Weights that autograd saves for backward are packed as (block, offset) references and unpacked by loading the
-  block again, so saving a weight never pins a slot.
+  block again, so saving a weight never pins a slot. Whether a tensor is a slot view is decided by its storage (the
+  slots' data pointers), never by comparing device objects ("cuda" vs "cuda:0").
+- Host copies that the system refuses to page-lock are pageable; copies from them are blocking (`pinned` says so).
 On a CPU device the same schedule runs with real copies between a host buffer and the "device" slots (simulation).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from .devices import host_buffer, normalize_device
 
 _ALIGN = 256  # bytes; keeps every param view aligned for any dtype and for vectorised kernels
 
@@ -32,6 +37,7 @@ class _Layout:
     params: list[tuple[nn.Parameter, int, torch.Size, torch.dtype]]  # (param, byte offset, shape, dtype)
     nbytes: int
     host: torch.Tensor | None = None  # flat uint8 master copy
+    pinned: bool = False              # page-locked, so copies from it are asynchronous
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ class TransferCounters:
     h2d_bytes: int = 0
     loads: int = 0
     cuda_wait_events: list = field(default_factory=list)
+    live_views: int = 0       # unpacked weight views (slot views handed to autograd) not yet freed
+    peak_live_views: int = 0
+    stale_views: int = 0      # slots refilled while a view of their previous block was alive (must stay 0)
 
 
 class LayerOffload:
@@ -57,10 +66,11 @@ class LayerOffload:
                  poison_slots: bool = False):
         self.blocks = blocks
         self.offloaded = sorted(offloaded)
-        self.device = device
+        self.device = normalize_device(device)
         self.depth = prefetch_depth
-        self.cuda = device.type == "cuda"
+        self.cuda = self.device.type == "cuda"
         self.pin = pin_memory and self.cuda
+        self.pinned = self.pin  # False once the system refused page-locked memory for a master copy
         self.weight_dtype = weight_dtype
         self.poison_slots = poison_slots
         self.counters = TransferCounters()
@@ -73,7 +83,8 @@ class LayerOffload:
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._restore: list[tuple[nn.Parameter, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._current: tuple[int, bool] | None = None
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._views: list[tuple[weakref.ref, int, int]] = []  # (unpacked view, slot, block)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     # -- setup and teardown ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -85,7 +96,9 @@ class LayerOffload:
                 entries.append((p, offset, p.shape, dtype))
                 offset += _aligned(p.numel() * dtype.itemsize)
             layout = _Layout(entries, offset)
-            layout.host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.pin)
+            layout.host = host_buffer(lambda pin: torch.empty(offset, dtype=torch.uint8, pin_memory=pin), self.pin)
+            layout.pinned = layout.host.is_pinned()
+            self.pinned = self.pinned and layout.pinned
             for p, off, shape, dtype in entries:
                 _view(layout.host, off, shape, dtype).copy_(p.detach())
                 # keep the user's tensor only when our copy is not an exact stand-in for it (dtype changed)
@@ -114,6 +127,7 @@ class LayerOffload:
         self._restore.clear()
         self.layouts.clear()
         self.slots, self.slot_owner, self.resident, self.ready, self._slot_ptrs = [], [], {}, {}, {}
+        self._views = []
 
     def slot_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
@@ -148,13 +162,14 @@ class LayerOffload:
             return False
         layout = self.layouts[index]
         dst = self.slots[slot]
+        self._check_views(slot, index)
         if self.poison_slots:
             dst.fill_(0xFF)  # all-ones bytes are NaN in every float dtype: stale views of the old owner read NaN
         if self.cuda:
             # the slot's previous owner may still be read by kernels queued on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                dst[: layout.nbytes].copy_(layout.host, non_blocking=True)
+                dst[: layout.nbytes].copy_(layout.host, non_blocking=layout.pinned)  # pageable: blocking, honestly
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self.copy_stream)
             self.ready[index] = event
@@ -214,7 +229,8 @@ class LayerOffload:
 
     # -- saved-tensor hooks for weights --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
-        return t.device == self.device and t.untyped_storage().data_ptr() in self._slot_ptrs
+        """Whether t is a view of a slot: by its storage, so any spelling of the device matches."""
+        return t.device.type == self.device.type and t.untyped_storage().data_ptr() in self._slot_ptrs
 
     def pack(self, t: torch.Tensor) -> WeightRef:
         owner = self.slot_owner[self._slot_ptrs[t.untyped_storage().data_ptr()]]
@@ -222,8 +238,21 @@ class LayerOffload:
 
     def unpack(self, ref: WeightRef) -> torch.Tensor:
         self.load(ref.block)
-        base = self.slots[self.resident[ref.block]].view(ref.dtype)
-        return base.as_strided(ref.shape, ref.stride, ref.offset)
+        slot = self.resident[ref.block]
+        view = self.slots[slot].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
+        c = self.counters
+        c.live_views += 1
+        c.peak_live_views = max(c.peak_live_views, c.live_views)
+        self._views = [v for v in self._views if v[0]() is not None] + [(weakref.ref(view), slot, ref.block)]
+        weakref.finalize(view, self._view_freed)
+        return view
+
+    def _view_freed(self) -> None:
+        self.counters.live_views -= 1
+
+    def _check_views(self, slot: int, index: int) -> None:
+        """Count views of another block still alive in a slot about to be refilled (they would read `index`)."""
+        self.counters.stale_views += sum(1 for v, s, b in self._views if s == slot and b != index and v() is not None)
 
     def _placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(shape), dtype)

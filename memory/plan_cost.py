@@ -5,7 +5,10 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   element) + activations kept for backward (per block: all it saves, only its inputs when checkpointed, or what the
   compiler keeps under an activation budget; activation offload moves the kept bytes of checkpointed blocks to host
   memory except a two-block window) + inputs shared by all blocks + saves outside the blocks + the largest block's
-  transient working set (its recomputed activations plus the gradients of its input and output) + a margin.
+  transient working set + a margin. The transient is the block's peak over its forward + backward as the probe
+  measured it on CUDA (everything the allocator held above the block's inputs: activations, autocast and LoRA
+  casts, gradients, workspaces) less what is already counted as kept; without that measurement (CPU) it is
+  estimated as the block's recomputed activations plus the gradients of its input and output.
 
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
@@ -15,7 +18,8 @@ schedule, a pass cannot beat its busiest resource, so the lower bound we report 
     step >= max(sum C_fwd, sum X_fwd) + max(sum C_bwd, sum X_bwd) + other + optimizer
 with C_bwd including the recompute forward of checkpointed blocks and X the offloaded bytes / H2D bandwidth.
 With depth-1 prefetch and every block offloaded the pipeline is close to sum_i max(C_i, X_i) per pass.
-On CPU the runtime's copies are synchronous memcpys, so there the transfers add to compute instead of hiding.
+On CPU the runtime's copies are synchronous memcpys, and on CUDA so are copies from pageable (unpinned) host
+memory: there the transfers add to compute instead of hiding.
 """
 from __future__ import annotations
 
@@ -106,8 +110,9 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     else:
         act_device = sum(on_device)
     activations = act_device + (profile.act_shared + profile.act_other) * s
-    transient = max(((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s
-                     for i in range(n)), default=0.0)
+    measured_peak = profile.block_peak_alloc or [0] * n
+    transient = max((max((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s,
+                         measured_peak[i] * s - kept[i]) for i in range(n)), default=0.0)
     weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.prefetch_depth)
     grads = profile.trainable_bytes
     optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
@@ -126,7 +131,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     still_loaded = set(off[-(strategy.prefetch_depth + 1):]) if off else set()
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
-    overlap = profile.device == "cuda"
+    overlap = profile.device == "cuda" and profile.h2d_pinned
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, strategy.prefetch_depth, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, strategy.prefetch_depth, overlap)
     other = profile.other_s * s + profile.optimizer_s

@@ -42,12 +42,14 @@ def format_bytes(n: float) -> str:
 
 
 def auto_budget(device: torch.device | str, margin_bytes: int = AUTO_MARGIN_BYTES) -> int:
-    """Free device memory now, minus a margin. Only CUDA can say what is free."""
+    """Free device memory now, minus a margin. Only CUDA can say what is free. Blocks this process's caching
+    allocator holds but no tensor uses (a probe's, say) are free to the plan: the driver counts them as used."""
     device = torch.device(device)
     if device.type != "cuda":
         raise StrategyError(f"budget='auto' reads the free GPU memory, but the device is '{device}': give an "
                             "explicit budget in bytes (e.g. budget_bytes=12 * 2**30)")
     free, _total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if free <= margin_bytes:
         raise StrategyError(f"budget='auto': only {format_bytes(free)} of {device} is free, less than the "
                             f"{format_bytes(margin_bytes)} margin: close other GPU programs or give a budget")
@@ -164,6 +166,8 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
         third = "nothing is transferred"
     elif profile.device != "cuda":
         third = f"on {profile.device} the copies are synchronous and add ~{exposed:.2g} s/step"
+    elif not profile.h2d_pinned:
+        third = f"host memory is not pinned, so the copies are synchronous and add ~{exposed:.2g} s/step"
     elif exposed <= 0.02 * p.step_s:
         third = "transfers are hidden behind compute"
     else:

@@ -9,8 +9,12 @@
      any block are "other". Each block's inputs are captured on the host for pass 2.
   2. Each block alone, on its captured inputs, without checkpointing (its unwrapped forward, weights loaded by the
      runtime's layer offload): the bytes it saves for backward (weights excluded: they are not activations), the
-     allocator's growth on CUDA, and its forward and backward compute time (CUDA events on CUDA). Only one block's
-     activations are alive at a time, so the probe never needs the no-checkpoint peak.
+     allocator's growth on CUDA, its real peak over forward + backward on CUDA (max_memory_allocated above what was
+     allocated before it: activations, autocast and LoRA casts, gradients, workspaces), and its forward and backward
+     compute time (CUDA events on CUDA). Only one block's activations are alive at a time, so the probe never needs
+     the no-checkpoint peak: it needs what the backward of one checkpointed block needs anyway.
+The probe runs with strategy_base's weight and activation offload (checkpointing all blocks), so with the most
+frugal base (offload 1.0 + activation offload, as `auto` uses on CUDA) it fits any budget a plan could fit.
 Optionally (measure_compile) the first block of each type is compiled per block at activation budgets 1.0 and 0.5.
 """
 from __future__ import annotations
@@ -44,11 +48,11 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
                 measure_compile: bool = False, h2d_nbytes: int | None = None) -> Profile:
     """Measure `model` on the inputs `make_inputs()` returns ((kwargs for model, loss_fn(output) -> loss)).
 
-    strategy_base supplies dtypes, pinning, block lists and (for a model larger than the device) the offload used
-    while probing; checkpointing, activation offload and compile are set by the probe itself."""
+    strategy_base supplies dtypes, pinning, block lists and (for a model larger than the device) the weight and
+    activation offload used while probing; checkpointing and compile are set by the probe itself."""
     device = torch.device(device)
     base = strategy_base or Strategy()
-    strategy = base.replace(checkpoint="all", activation_offload=False, compile="off")
+    strategy = base.replace(checkpoint="all", compile="off")
     originals = {id(m): m.__dict__.get("forward") for m in model.modules()}
     clock = Clock(device)
     with MemoryRuntime(model, strategy, device) as rt:
@@ -73,12 +77,13 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
             else:
                 act_other += n
 
-        act_full, act_alloc, fwd_s, bwd_s = [], [], [], []
+        act_full, act_alloc, peak, fwd_s, bwd_s = [], [], [], [], []
         for i, module in enumerate(blocks):
             forward = originals.get(id(module)) or type(module).forward.__get__(module)
             r = _probe_block(rt, i, forward, captured[i], shared, weights, clock, repeats)
             act_full.append(r["saved"])
             act_alloc.append(r["alloc"])
+            peak.append(r["peak"])
             fwd_s.append(r["fwd_s"])
             bwd_s.append(r["bwd_s"])
         compile_factors = None
@@ -86,6 +91,9 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
             compile_factors = _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats,
                                              fwd_s, bwd_s, act_full)
         sizes = rt.sizes
+        # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
+        pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
+            else base.pin_memory and device.type == "cuda"
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_s = _time_optimizer(trainable, clock)
     for p in model.parameters():
@@ -98,8 +106,9 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=act_ckpt,
         act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
         other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
-        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes), optimizer_s=optimizer_s,
-        act_full_alloc=act_alloc if device.type == "cuda" else None, compile=compile_factors,
+        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned), h2d_pinned=pinned,
+        optimizer_s=optimizer_s, act_full_alloc=act_alloc if device.type == "cuda" else None,
+        block_peak_alloc=peak if device.type == "cuda" else None, compile=compile_factors,
         measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict())
 
 
@@ -143,19 +152,19 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
     try:
         for step in range(2):
             state["capture"] = step == 0
-            if clock.cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            rt.start_step()  # synchronises and resets the CUDA peak; end_step drops activation-offload bookkeeping
             t0 = clock.mark()
-            with (counter.hooks() if step == 0 else contextlib.nullcontext()), rt.autocast():
+            with (_counting(counter, rt) if step == 0 else contextlib.nullcontext()), rt.autocast():
                 loss = loss_fn(model(**inputs))
             t1 = clock.mark()
             loss.backward()
             t2 = clock.mark()
             block_fwd = sum(clock.seconds(a, b) for a, b in marks.values())
             result = {"other_fwd_s": clock.seconds(t0, t1) - block_fwd, "step_s_checkpoint_all": clock.seconds(t0, t2)}
+            stats = rt.end_step()
             if clock.cuda:
-                result["peak_allocated_checkpoint_all"] = float(torch.cuda.max_memory_allocated())
+                result["peak_allocated_checkpoint_all"] = float(stats.peak_allocated_bytes)
+                result["peak_reserved_checkpoint_all"] = float(stats.peak_reserved_bytes)
             del loss
             marks.clear()
     finally:
@@ -167,6 +176,22 @@ def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):
         raise RuntimeError(f"blocks {missing} did not run in the probe's forward: does the model call every block "
                            "from forward()? If some blocks are skipped, set Strategy.block_lists to the ones used")
     return counter, captured, result
+
+
+@contextlib.contextmanager
+def _counting(counter: SavedBytes, rt: MemoryRuntime):
+    """Count saved tensors. Only the innermost saved-tensor hooks see a save, and with activation offload those are
+    the runtime's own around each checkpointed block: so the counter also runs inside the runtime's pack."""
+    acts = rt.acts
+    if acts is not None:
+        real = acts.pack
+        acts.pack = lambda t, *args, **kwargs: real(counter.pack(t), *args, **kwargs)
+    try:
+        with counter.hooks():
+            yield
+    finally:
+        if acts is not None:
+            del acts.pack  # the instance attribute: the class's pack shows through again
 
 
 def _time_optimizer(params: list[torch.Tensor], clock: Clock, repeats: int = 3) -> float:
@@ -200,7 +225,7 @@ def _restore(c, device, skip: set[int], shared: set[int]):
 def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, count=True) -> dict[str, float]:
     """One block alone, without checkpointing: bytes saved for backward, and median forward/backward times."""
     device = rt.device
-    fwd_t, bwd_t, saved, alloc = [], [], 0, 0
+    fwd_t, bwd_t, saved, alloc, peak = [], [], 0, 0, 0
     # the first calls in a process pay one-off costs (allocator, kernel selection); repeats=0 is one timed call
     warmup = 2 if repeats else 0
     for r in range(max(1, repeats) + warmup):
@@ -214,6 +239,8 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
         if clock.cuda:
             torch.cuda.synchronize()
         before = torch.cuda.memory_allocated() if clock.cuda else 0
+        if clock.cuda and measuring:
+            torch.cuda.reset_peak_memory_stats()
         a = clock.mark()
         with (counter.hooks() if measuring else contextlib.nullcontext()), rt.autocast():
             out = forward(*args, **kwargs)
@@ -229,11 +256,15 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
         if outs:
             torch.autograd.backward(outs, grads)
         d = clock.mark()
+        if clock.cuda and measuring:
+            torch.cuda.synchronize()
+            peak = max(0, torch.cuda.max_memory_allocated() - before)
         if r >= warmup:
             fwd_t.append(clock.seconds(a, b))
             bwd_t.append(clock.seconds(c, d) if outs else 0.0)
         del out, outs, grads, args, kwargs
-    return {"saved": saved, "alloc": alloc, "fwd_s": statistics.median(fwd_t), "bwd_s": statistics.median(bwd_t)}
+    return {"saved": saved, "alloc": alloc, "peak": peak, "fwd_s": statistics.median(fwd_t),
+            "bwd_s": statistics.median(bwd_t)}
 
 
 def _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats, fwd_s, bwd_s, act_full):

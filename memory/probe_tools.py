@@ -9,13 +9,15 @@ from dataclasses import dataclass
 import torch
 
 
-def measure_h2d_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5) -> float:
-    """Bytes per second host -> device: pinned-memory copies on CUDA; on CPU the memcpy bandwidth, which is what
-    the runtime's CPU simulation of a transfer costs."""
+def measure_h2d_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5, *,
+                          pinned: bool = True) -> float:
+    """Bytes per second host -> device: on CUDA from pinned host memory, or pageable with pinned=False (what the
+    runtime copies from when pinning is off or unavailable: slower, and synchronous for the host); on CPU the memcpy
+    bandwidth, which is what the runtime's CPU simulation of a transfer costs."""
     device = torch.device(device)
     if device.type == "cuda":
         nbytes = nbytes or 256 << 20
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         with torch.cuda.device(device):
             dev.copy_(host, non_blocking=True)  # warm-up: first-touch and driver setup are not bandwidth

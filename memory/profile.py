@@ -43,9 +43,11 @@ class Profile:
     fwd_s: list[float]                   # forward compute seconds per block
     bwd_s: list[float]                   # backward compute seconds per block (without recompute)
     other_s: float                       # forward + backward seconds outside the blocks
-    h2d_bytes_per_s: float               # host-to-device copy bandwidth (pinned on CUDA; memcpy on CPU)
+    h2d_bytes_per_s: float               # host-to-device copy bandwidth (from the host memory the runtime uses)
     optimizer_s: float = 0.0             # one AdamW step over the trainable parameters (does not scale with batch)
     act_full_alloc: list[int] | None = None   # CUDA: allocator growth over each block's forward, minus its output
+    block_peak_alloc: list[int] | None = None  # CUDA: allocator peak over each block's forward + backward alone
+    h2d_pinned: bool = True              # CUDA copies from pinned memory overlap compute; pageable ones block the host
     compile: dict[str, dict[str, CompileFactors]] | None = None  # block type -> str(budget) -> factors
     measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
     strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
@@ -53,8 +55,8 @@ class Profile:
     def __post_init__(self) -> None:
         n = len(self.block_names)
         for name in ("block_types", "block_frozen", "block_packed", "block_trainable", "act_full", "act_ckpt",
-                     "fwd_s", "bwd_s"):
-            if len(getattr(self, name)) != n:
+                     "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} blocks: "
                                  "give one entry per block")
         if self.batch < 1:
@@ -87,6 +89,7 @@ class Profile:
             self, batch=batch, act_full=ints(self.act_full), act_ckpt=ints(self.act_ckpt),
             act_shared=int(round(self.act_shared * r)), act_other=int(round(self.act_other * r)),
             act_full_alloc=ints(self.act_full_alloc) if self.act_full_alloc else None,
+            block_peak_alloc=ints(self.block_peak_alloc) if self.block_peak_alloc else None,
             fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,
             measured={})
 

@@ -9,6 +9,9 @@ Apply order:
      clones, then eager checkpointing, then saved-tensor hooks (weight references, activation offload). The result
      is set as the block's instance-level `forward`, so module names and state-dict keys never change.
 undo() reverses 4, 3, 2. Use `with MemoryRuntime(...) as rt:`; the undo runs in `finally`.
+
+The device is normalised once, here ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"), so every comparison with the
+devices tensors report holds. Parameters (resident, LoRA, or slot views) never go through activation offload.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .activation_offload import ActivationOffload
 from .block_compile import compile_block, compiled_graph_count
 from .blocks import Block, discover_blocks
 from .checkpointing import checkpointed_call
+from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
 from .offload_selection import select_offloaded
@@ -36,10 +40,10 @@ class MemoryRuntime:
                  poison_slots: bool = False, activation_min_bytes: int = 1 << 16):
         self.model = model
         self.strategy = strategy
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise StrategyError(f"device '{device}' was asked for but CUDA is not available: use device 'cpu' "
                                 "or install a CUDA build of PyTorch")
+        self.device = normalize_device(device)
         self.poison_slots = poison_slots
         self.activation_min_bytes = activation_min_bytes
         self.blocks: list[Block] = discover_blocks(model, strategy.block_lists)
@@ -53,6 +57,7 @@ class MemoryRuntime:
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._patched: list[tuple[nn.Module, Any]] = []
         self._last_backward_block: int | None = None
+        self._param_storages: set[int] = set()
         self._timer = StepTimer(self.device)
         self.applied = False
 
@@ -78,6 +83,9 @@ class MemoryRuntime:
             if self.strategy.activation_offload:
                 self.acts = ActivationOffload(self.device, pin_memory=self.strategy.pin_memory,
                                               min_bytes=self.activation_min_bytes)
+            self._param_storages = {t.untyped_storage().data_ptr() for t in self._model_tensors()}
+            if self.offload is not None:
+                self._param_storages |= self.offload.device_storage_ptrs()
             for i, block in enumerate(self.blocks):
                 self._patch_forward(i, block.module)
             self.applied = True
@@ -99,6 +107,7 @@ class MemoryRuntime:
             self.offload.detach()
             self.offload = None
         self.acts = None
+        self._param_storages = set()
         for t, kept, dev, dtype in reversed(self._placed):
             t.data = kept if kept is not None else t.data.to(dev, dtype)
         self._placed.clear()
@@ -169,7 +178,7 @@ class MemoryRuntime:
         def pack(t: torch.Tensor):
             if weights and offload.owns(t):
                 return offload.pack(t)
-            return act_store.pack(t, index) if acts else t
+            return act_store.pack(t, index) if acts and not self._is_parameter(t) else t
 
         def unpack(x):
             if isinstance(x, WeightRef):
@@ -180,6 +189,13 @@ class MemoryRuntime:
             return x
 
         return lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        """A parameter, or a view of one's storage (compiled graphs save weights and their transposes)."""
+        return isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return list(self.model.parameters()) + list(self.model.buffers())
 
     # -- per step ------------------------------------------------------------------------------------------------
     def autocast(self):
@@ -193,14 +209,23 @@ class MemoryRuntime:
                 "graphs": compiled_graph_count() if self.strategy.compile == "per_block" else 0}
 
     def start_step(self) -> None:
+        if self.acts is not None:
+            self.acts.start_step()
         self._timer.start(self.counters())
 
     def end_step(self) -> StepStats:
         if self.acts is not None:
             self.acts.end_step()
         self._last_backward_block = None
-        wait = self.offload.collect_wait_seconds() if self.offload else 0.0
+        wait = (self.offload.collect_wait_seconds() if self.offload else 0.0) \
+            + (self.acts.collect_wait_seconds() if self.acts else 0.0)
         return self._timer.stop(self.counters(), wait)
+
+    def host_memory_pinned(self) -> bool:
+        """Whether the host copies are page-locked, so copies overlap compute at pinned bandwidth. False on a CPU
+        device, with pin_memory off, or where the system refused to lock memory (copies then block the host)."""
+        stores = [s for s in (self.offload, self.acts) if s is not None]
+        return self.device.type == "cuda" and self.strategy.pin_memory and all(s.pinned for s in stores)
 
     # -- memory accounting ---------------------------------------------------------------------------------------
     def predicted_weight_bytes(self) -> int:
@@ -210,7 +235,7 @@ class MemoryRuntime:
         """Bytes of parameters and buffers really held on the device now (slots counted whole, once)."""
         managed = self.offload.device_storage_ptrs() if self.offload else set()
         total = self.offload.slot_bytes() if self.offload else 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
+        for t in self._model_tensors():
             if t.device != self.device or t.untyped_storage().data_ptr() in managed:
                 continue
             total += t.numel() * t.element_size()

@@ -54,7 +54,8 @@ class Strategy:
     compute_dtype: str = "bf16"
     """Autocast dtype for the forward and backward: 'bf16', 'fp16' or 'fp32' (no autocast)."""
     weight_dtype: str = "auto"
-    """Dtype the frozen base weights are stored and moved in: 'auto' keeps the model's own."""
+    """Dtype the frozen base weights are stored and moved in: 'auto' keeps the model's own. 'bf16'/'fp16' need
+    compute_dtype 'bf16' or 'fp16' (autocast casts the weights per matmul; fp32 compute has no autocast)."""
     pin_memory: bool = True
     """Page-lock the host copies so host-to-device copies run asynchronously (CUDA only; ignored elsewhere)."""
     block_lists: tuple[str, ...] | None = None
@@ -81,6 +82,12 @@ class Strategy:
         self._check_choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
         self._check_choice("compute_dtype", self.compute_dtype, DTYPES)
         self._check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        if self.compute_dtype == "fp32" and self.weight_dtype in ("bf16", "fp16"):
+            # fp32 compute runs without autocast, so every matmul would meet a half-precision weight
+            raise StrategyError(f"Strategy.weight_dtype={self.weight_dtype!r} does not work with compute_dtype='fp32' "
+                                f"(no autocast: {self.weight_dtype} weights meet fp32 activations): set compute_dtype="
+                                f"{self.weight_dtype!r} (fp32 compute gains nothing on {self.weight_dtype} weights), or "
+                                "weight_dtype='auto' or 'fp32' to train in fp32")
         for name in ("activation_offload", "pin_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise StrategyError(f"Strategy.{name}={getattr(self, name)!r} must be true or false")

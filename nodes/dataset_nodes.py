@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from ..training.dataset_builder import dataset_from_conditioning, dataset_from_folder
+from ..training.image_folder import check_dataset_folder
 from . import host
+from .input_validation import validation_result
 
 
 class TightropeLoadDataset:
@@ -30,6 +32,12 @@ class TightropeLoadDataset:
                                    "tooltip": "Stop at a bad image or caption; otherwise skip it with a warning."}),
         }}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before anything runs: every widget in range, and a folder typed in (not linked) exists."""
+        folder = inputs.get("folder")
+        return validation_result(cls, inputs, lambda: folder is None or check_dataset_folder(folder))
+
     def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict):
         return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
                                     use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir()),)
@@ -53,6 +61,11 @@ class TightropeDatasetFromLatents:
         }, "optional": {
             "empty_conditioning": ("CONDITIONING", {"tooltip": "The empty caption's conditioning, for dropout."}),
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before anything runs: caption_dropout in range (NaN included)."""
+        return validation_result(cls, inputs)
 
     def load(self, latent, conditioning, caption_dropout, empty_conditioning=None):
         return (dataset_from_conditioning(latent, conditioning, caption_dropout=caption_dropout,

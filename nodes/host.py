@@ -68,6 +68,21 @@ def loras_dir() -> Path:
     return run_dir()  # every rank reads LoRAs from here; under torchrun only rank 0 writes (Save node, trainer)
 
 
+def state_dir() -> Path:
+    """Training state files (for `--resume`) and their locks, where no LoRA list shows them: ComfyUI lists every
+    .safetensors under models/loras as a LoRA, so the state lives in its user folder; headless in the output dir."""
+    if in_comfyui():
+        import folder_paths
+        return Path(folder_paths.get_user_directory()) / "tightrope_state"
+    return run_dir() / ".tightrope_state"  # rank 0 writes, every rank reads it on --resume
+
+
+def notify(message: str) -> None:
+    """A one-line note for the user (ComfyUI's console, or stderr headless); torchrun ranks other than 0 stay quiet."""
+    if is_main():
+        print(f"tightrope: {message}", file=sys.stderr, flush=True)
+
+
 def preview_dir() -> tuple[Path, str]:
     """Folder for preview images, and ComfyUI's name for its kind ("temp" is served to the UI)."""
     if in_comfyui():

@@ -1,8 +1,10 @@
 """LoRA setup node: what to train (peft LoRA), not yet on which model (presets resolve per model family)."""
 from __future__ import annotations
 
-from ..training.lora import LoraSpec, resolve_existing_lora
+from ..training.input_checks import check_existing_lora
+from ..training.lora import LoraSpec
 from . import host
+from .input_validation import validation_result
 
 
 class TightropeLoraSetup:
@@ -34,7 +36,14 @@ class TightropeLoraSetup:
                                                                     "loras folder) to continue training from."}),
         }}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before anything runs: every widget in range, the regex compiles, the LoRA to continue from is readable."""
+        regex, existing = inputs.get("target_regex"), inputs.get("existing_lora")
+        return validation_result(cls, inputs, lambda: not regex or LoraSpec(target_regex=regex),
+                                 lambda: not existing or check_existing_lora(existing, host.loras_dir()))
+
     def setup(self, rank, alpha, rslora, dropout, targets, init, target_regex="", existing_lora=""):
-        existing = resolve_existing_lora(existing_lora, host.loras_dir()) if existing_lora else None
+        existing = check_existing_lora(existing_lora, host.loras_dir()) if existing_lora else None
         return (LoraSpec(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, targets=targets,
                          target_regex=target_regex or None, init=init, existing_lora=existing),)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from ..training.atomic_write import next_free_path
+from ..training.input_checks import check_output_target
 from ..training.plots import image_to_comfy
 from ..training.session_plots import loss_chart, memory_chart
 from . import host
+from .input_validation import validation_result
 
 
 class TightropePlots:
@@ -22,6 +24,13 @@ class TightropePlots:
             "filename_prefix": ("STRING", {"default": "tightrope/plot",
                                            "tooltip": "Name of the PNG files written for the preview."}),
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before any training: the file name is safe and the preview folder can be written."""
+        prefix = inputs.get("filename_prefix")
+        return validation_result(cls, inputs,
+                                 lambda: prefix is None or check_output_target(host.preview_dir()[0], prefix))
 
     def plot(self, session, filename_prefix):
         folder, kind = host.preview_dir()

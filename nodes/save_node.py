@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from ..training.distributed import on_main_rank
+from ..training.input_checks import check_output_target
 from ..training.save_session import save_session_lora
 from . import host
+from .input_validation import validation_result
 
 
 class TightropeSaveLora:
@@ -24,7 +26,14 @@ class TightropeSaveLora:
                                                       "'..' and absolute paths are not."}),
         }}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before any training: the file name is safe and the loras folder can be written."""
+        prefix = inputs.get("filename_prefix")
+        return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix))
+
     def save(self, session, filename_prefix):
+        check_output_target(host.loras_dir(), filename_prefix)
         # under torchrun rank 0 writes and every rank gets its path
         path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix))
         return {"ui": {"text": [str(path)]}, "result": (str(path),)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..memory import strategy as s
 from ..training.strategy_choice import AutoStrategy
+from .input_validation import validation_result
 
 _D = s.Strategy()
 
@@ -58,6 +59,17 @@ class TightropeMemoryStrategy:
             "pin_memory": ("BOOLEAN", {"default": _D.pin_memory,
                                        "tooltip": "Page-lock host copies for asynchronous copies (CUDA)."}),
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before anything runs: every widget in range, and (manual mode) the fields fit together."""
+        names = [n for n in cls.INPUT_TYPES()["required"] if n not in ("mode", "vram_budget_gb")]
+        fields = {n: inputs.get(n) for n in names}
+
+        def fields_fit():
+            if inputs.get("mode") == "manual" and None not in fields.values():  # linked values are not known yet
+                s.Strategy(**fields)
+        return validation_result(cls, inputs, fields_fit)
 
     def make(self, mode, vram_budget_gb, **fields):
         if mode == "auto":

@@ -1,10 +1,14 @@
 """The training-step node: N steps on a new or continued session (train, preview, train on)."""
 from __future__ import annotations
 
-from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, TrainConfig
+from ..training.input_checks import check_output_target
+from ..training.optimizer import optimizer_class
+from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigError, TrainConfig
 from ..training.timesteps import SAMPLINGS
+from ..training.trainer import resolve_device
 from ..training.training_run import run_training_node
 from . import host
+from .input_validation import validation_result
 
 _C = TrainConfig()
 
@@ -60,15 +64,35 @@ class TightropeTrain:
             "lora": ("TIGHTROPE_LORA", {"tooltip": "From LoRA Setup."}),
             "strategy": ("TIGHTROPE_STRATEGY", {"tooltip": "From Memory Strategy (default: everything on the GPU, "
                                                            "bf16)."}),
-        }}
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
-              strategy=None, **config):
+              strategy=None, unique_id=None, **config):
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
-            resume=host.resume_requested())
+            resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify)
         if result.interrupted:
             host.raise_interrupt()
         return (result, model_out, report)
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
+        the device available, the optimizer installed and able to run on it."""
+        prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
+        return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
+                                 lambda: device is None or resolve_device(device),
+                                 lambda: _optimizer_runs(optimizer, device))
+
+
+def _optimizer_runs(optimizer: str | None, device: str | None) -> None:
+    """The optimizer is installed and runs on the device (a device that is not available is reported on its own)."""
+    if optimizer is None or device is None:
+        return
+    try:
+        resolved = resolve_device(device)
+    except ConfigError:
+        return
+    optimizer_class(optimizer, resolved)

@@ -1,22 +1,55 @@
 """Crash-safe safetensors writes, and output names that never overwrite and never leave the output folder.
 
-A file is written to a temp file beside its target, fsynced, then renamed into place (and the folder fsynced), so a
-reader (ComfyUI's LoraLoader, a resumed run) sees the old file or the new one, never half of one; a failed write
-removes its temp file. Temp names end in ".tmp", so ComfyUI never lists them as models.
+A file is serialized in memory, written to a temp file beside its target, fsynced, then renamed into place (and the
+folder fsynced), so a reader (ComfyUI's LoraLoader, a resumed run) sees the old file or the new one, never half of
+one; a failed write removes its temp file and raises FileWriteError naming the target. We write the bytes ourselves
+rather than through safetensors' save_file, which (0.7+) writes its own 0600 ".tmpXXXXXX" beside the target: so
+every temp file is ours, named ".<name>.<8 random>.tmp" (ComfyUI never lists it as a model) and locked by its
+writer (POSIX) until renamed, so one left by a killed process (kill -9, power cut) can be told from one being
+written, and removed (remove_stale_temporaries); and the file gets the mode the user's umask gives any new file
+(0644 under umask 022), like ComfyUI's images. The in-memory copy costs the file's size once (LoRA, training state
+and cache files are small next to the model).
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
-import tempfile
+import secrets
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import Tensor
+
+try:
+    import fcntl
+except ImportError:  # Windows: an open file cannot be deleted there, so a live writer's temp file is safe anyway
+    fcntl = None
 
 # Characters Windows forbids in names (':' would also open an NTFS alternate stream): refused on every OS, so a
 # workflow written on Linux still saves on Windows.
 _FORBIDDEN_CHARS = set('<>:"|?*')
+# our temp files (and those of tempfile.mkstemp, which earlier versions used): ".<name>.safetensors.<8 chars>.tmp"
+_TEMP_NAME = re.compile(r"\..+\.safetensors\.[a-z0-9_]{8}\.tmp")
+_FIXES = {errno.ENOSPC: "free disk space there or choose another folder",
+          errno.EDQUOT: "free space in your disk quota or choose another folder",
+          errno.EACCES: "make the folder writable or choose another folder",
+          errno.EPERM: "make the folder writable or choose another folder",
+          errno.EROFS: "the file system is read-only: choose another folder"}
+
+
+class FileWriteError(OSError):
+    """A file could not be written (disk full, no permission, ...): the message names it, the fix, and what was kept
+    (`kept`, when the caller knows); errno is the cause's. Any earlier file at that path is unchanged and no temp
+    file is left."""
+
+    def __init__(self, path: Path, code: int | None, reason: str, *, kept: str = ""):
+        fix = _FIXES.get(code, "check that the folder exists and is writable")
+        super().__init__(f"could not write '{path}' ({reason}): {fix}" + (f"; {kept}" if kept else ""))
+        self.errno, self.strerror, self.path, self.fix, self.kept = code, reason, Path(path), fix, kept
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def atomic_save_file(tensors: dict[str, Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None,
@@ -24,28 +57,103 @@ def atomic_save_file(tensors: dict[str, Tensor], path: str | os.PathLike, metada
     """Write `tensors` (and string `metadata`) to the safetensors file `path`, atomically.
 
     overwrite=False never replaces an existing file, even one created by another process meanwhile: FileExistsError.
-    A failure leaves any previous file at `path` as it was and removes the temp file."""
+    A failure leaves any previous file at `path` as it was and removes the temp file; an I/O failure (disk full,
+    permissions) raises FileWriteError naming `path`."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"atomic_save_file path {str(path)!r} does not end in .safetensors: only safetensors files "
                          "are written; give a name ending in .safetensors")
     _check_metadata(metadata)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    fd, tmp = None, None
     try:
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:  # save_file has closed it; flush the OS cache to disk before the rename
-            os.fsync(f.fileno())
+        data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _create_temp(path)
+        if fcntl is not None:  # held until the file is renamed: marks it as being written
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_all(fd, data)
+        os.fsync(fd)  # on disk before the rename
+        if os.name == "nt":  # Windows cannot rename an open file
+            os.close(fd)
+            fd = None
         if overwrite:
             os.replace(tmp, path)
         else:
             _publish_new(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        failure = _as_write_error(path, e)
+        if failure is not None:
+            raise failure from e
         raise
+    finally:
+        if fd is not None:
+            os.close(fd)
     _fsync_dir(path.parent)  # makes the rename itself durable
     return path
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, *, older_than: float) -> list[Path]:
+    """Delete the temp files this writer left in `folder` when its process was killed: only names it makes, last
+    modified before `older_than` (a time.time(), the run's start) and not locked by a live writer (another run
+    writing into the same folder keeps its lock until it has renamed its file). Returns the removed paths."""
+    try:
+        entries = [e for e in os.scandir(folder) if _TEMP_NAME.fullmatch(e.name)]
+    except OSError:  # no such folder yet, or unreadable: nothing of ours to remove
+        return []
+    removed = []
+    for entry in entries:
+        try:
+            if not entry.is_file(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_mtime >= older_than:
+                continue
+            if _remove_unless_locked(Path(entry.path)):
+                removed.append(Path(entry.path))
+        except OSError:  # gone meanwhile, or not ours to delete
+            continue
+    return removed
+
+
+def _remove_unless_locked(path: Path) -> bool:
+    if fcntl is None:  # Windows refuses to delete a file another process has open
+        path.unlink()
+        return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # a live writer
+        path.unlink()
+        return True
+    finally:
+        os.close(fd)
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new, empty temp file beside `path`. Unlike tempfile.mkstemp (always 0600) os.open's mode goes through the
+    umask, so the renamed file gets the mode any file the user creates gets."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temp file beside {path}: 100 random names were taken")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _as_write_error(path: Path, e: BaseException) -> FileWriteError | None:
+    """An OSError as a FileWriteError naming `path`; None for anything else (FileExistsError included, which
+    save_lora_state uses to pick the next free name)."""
+    if not isinstance(e, OSError) or isinstance(e, (FileExistsError, FileWriteError)):
+        return None
+    return FileWriteError(path, e.errno, e.strerror or str(e))
 
 
 def _publish_new(tmp: str, path: Path) -> None:

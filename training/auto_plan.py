@@ -5,6 +5,8 @@ supplies what it measures: the model with its LoRA, and a batch shaped like trai
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -37,9 +39,11 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     gen = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(latents.shape, generator=gen)
     t = torch.full((latents.shape[0],), 0.5)
-    # probe with everything streamed on CUDA, so that a model larger than the GPU can be measured at all
+    # probe with the most frugal strategy on CUDA (every block streamed and checkpointed, boundary activations in
+    # host memory), so that the probe fits whatever budget a plan could fit
+    cuda = device.type == "cuda"
     base = Strategy(compute_dtype=session.strategy.compute_dtype, weight_dtype=session.strategy.weight_dtype,
-                    offload_fraction=1.0 if device.type == "cuda" else 0.0)
+                    offload_fraction=1.0 if cuda else 0.0, activation_offload=cuda)
 
     def make_inputs():
         inputs = dict(x_t=noised(latents, noise, t).to(device), t=t.to(device), context=context.to(device),
@@ -53,6 +57,9 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
                                   batch=cfg.batch_size, repeats=1)
         finally:
             remove_lora(module)
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()  # the probe's cached blocks go back, so the free memory read next is real
     budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
     chosen = plan(profile, budget, device=device)
     return chosen.strategy, chosen.explanation

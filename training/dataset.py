@@ -27,8 +27,9 @@ from torch import Tensor
 from .atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
-from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, load_image, no_usable_images, read_image_size,
-                           scan_folder, skip_or_raise)
+from .finite_check import check_finite
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, load_image,
+                           no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
 
 # Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
 PREPROCESS_VERSION = "fit-lanczos-center-v1"
@@ -69,7 +70,15 @@ def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, .
 
 
 def _load(x: Tensor | Path, name: str) -> Tensor:
-    return x if isinstance(x, Tensor) else load_file(str(x))[name]
+    return x if isinstance(x, Tensor) else _load_cached(x)[name]
+
+
+def _load_cached(path: Path) -> dict[str, Tensor]:
+    """A cache file's tensors, checked: a NaN read here would surface steps later as a NaN loss."""
+    tensors = load_file(str(path))
+    check_finite(tensors, f"dataset cache file '{path}'", "it is damaged: delete it (or the whole cache folder) and "
+                 "run again, so its image or caption is encoded again")
+    return tensors
 
 
 def _cpu(x: Tensor) -> Tensor:
@@ -110,10 +119,11 @@ class TrainingDataset:
         text_index = self._encode_captions(captions, text_encoder)
         self._empty_text = text_index[""]
 
-        samples, repeats, problems = [], [], []
+        samples, repeats, problems, upscaled = [], [], [], []
         for entry in entries:
             try:
-                latent, shape = self._encode_image(entry.path, image_encoder, max_pixels, multiple, max_image_pixels)
+                latent, shape = self._encode_image(entry.path, image_encoder, max_pixels, multiple, max_image_pixels,
+                                                   upscaled)
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
@@ -122,6 +132,7 @@ class TrainingDataset:
             repeats.append(entry.repeats if use_repeats else 1)
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
+        warn_upscaled(upscaled)
         self._finish(samples, repeats)
 
     @classmethod
@@ -210,13 +221,18 @@ class TrainingDataset:
                     self.encoded_captions += 1
         return index
 
-    def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int,
-                      max_image_pixels: int) -> tuple[Tensor | Path, tuple[int, ...]]:
+    def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
+                      upscaled: list[tuple[Path, float]]) -> tuple[Tensor | Path, tuple[int, ...]]:
+        """upscaled: (path, factor) is appended when fitting the image to its bucket enlarges it a lot."""
         try:
             data = path.read_bytes()
         except OSError as e:
             raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
-        bucket = choose_bucket(*read_image_size(path, data=data, max_pixels=max_image_pixels), max_pixels, multiple)
+        size = read_image_size(path, data=data, max_pixels=max_image_pixels)
+        bucket = choose_bucket(*size, max_pixels, multiple)
+        factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
+        if factor > UPSCALE_WARNING_FACTOR:
+            upscaled.append((path, factor))
         key = _sha256(hashlib.sha256(data).hexdigest(), encoder.cache_id, f"{bucket[0]}x{bucket[1]}",
                       PREPROCESS_VERSION)
         cache_path = self._cache_path("latents", key)
@@ -285,7 +301,7 @@ class TrainingDataset:
     def _text(self, i: int) -> tuple[Tensor, Tensor]:
         entry = self._texts[i]
         if isinstance(entry, Path):
-            tensors = load_file(str(entry))
+            tensors = _load_cached(entry)
             return tensors["context"], tensors["pooled"]
         return entry
 

@@ -150,10 +150,11 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
 
 
 def local_device(device: torch.device) -> torch.device:
-    """Under torchrun, a bare 'cuda' becomes this rank's GPU, cuda:LOCAL_RANK."""
+    """A bare 'cuda' becomes a GPU with its index, as its tensors report it: under torchrun this rank's GPU,
+    cuda:LOCAL_RANK, else the current one."""
     par = current()
-    if device.type == "cuda" and device.index is None and par.distributed:
-        return torch.device("cuda", par.local_rank)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", par.local_rank if par.distributed else torch.cuda.current_device())
     return device
 
 

@@ -28,6 +28,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 _UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".psd")
 # 100 megapixels: far above any training image, far below what would exhaust memory while decoding.
 DEFAULT_MAX_IMAGE_PIXELS = 100_000_000
+# Upscaling an image by more than this into its bucket is warned about: it mostly teaches the LoRA blur.
+UPSCALE_WARNING_FACTOR = 2.0
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXIF_ORIENTATION = 0x0112
 
@@ -98,15 +100,22 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
     return images, unsupported
 
 
-def scan_folder(folder: str | Path, *, strict: bool = True) -> list[ImageEntry]:
-    """Find every image with its caption and repeat count (images are not decoded here)."""
-    root = Path(folder).expanduser()
+def check_dataset_folder(folder: str | Path) -> Path:
+    """The folder as a Path, if it exists and is a folder (cheap: nothing is listed); DatasetError otherwise."""
     fix = "pass the folder that holds your images and their .txt captions"
+    if not str(folder).strip():
+        raise DatasetError(f"the dataset folder is not set (folder={str(folder)!r}): {fix}")
+    root = Path(folder).expanduser()
     if not root.exists():
         raise DatasetError(f"dataset folder '{root}' does not exist: {fix}")
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' is a file, not a folder: {fix}")
+    return root
 
+
+def scan_folder(folder: str | Path, *, strict: bool = True) -> list[ImageEntry]:
+    """Find every image with its caption and repeat count (images are not decoded here)."""
+    root = check_dataset_folder(folder)
     images, unsupported = _list_images(root)
     if not images:
         found = (f" (found {len(unsupported)} file(s) in unsupported formats, e.g. '{unsupported[0]}': "
@@ -135,7 +144,8 @@ def _open(path: Path, data: bytes | None, max_pixels: int) -> Image.Image:
     """Open lazily (header only) with our own decompression-bomb guard in place of PIL's warning."""
     def too_big(pixels: str) -> DatasetError:
         return DatasetError(f"image '{path}' has {pixels} pixels, over the limit of {max_pixels} that guards "
-                            f"against decompression bombs: downscale it, or raise max_image_pixels if you trust it")
+                            f"against decompression bombs: downscale it to at most {max_pixels} pixels (training "
+                            f"resizes it to the resolution anyway), or remove it from the folder")
 
     try:
         with warnings.catch_warnings():
@@ -149,6 +159,17 @@ def _open(path: Path, data: bytes | None, max_pixels: int) -> Image.Image:
     if width * height > max_pixels:
         raise too_big(f"{width}x{height} = {width * height}")
     return image
+
+
+def warn_upscaled(upscaled: list[tuple[Path, float]]) -> None:
+    """One warning naming the images (path, factor) blown up by more than UPSCALE_WARNING_FACTOR into their bucket."""
+    if not upscaled:
+        return
+    shown = ", ".join(f"'{path}' {factor:.1f}x" for path, factor in upscaled[:5])
+    more = f" and {len(upscaled) - 5} more" if len(upscaled) > 5 else ""
+    warnings.warn(f"{len(upscaled)} image(s) are smaller than the training resolution and are upscaled more than "
+                  f"{UPSCALE_WARNING_FACTOR:g}x, which trains blur: {shown}{more}: use larger images, or lower the "
+                  f"Load Dataset resolution", stacklevel=3)
 
 
 def _unreadable(path: Path, error: Exception) -> DatasetError:

@@ -24,7 +24,8 @@ from torch import nn
 from .lora_targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
 
 __all__ = ["LoraSpec", "LoraError", "inject_lora", "remove_lora", "merge_and_remove_lora", "lora_layers",
-           "lora_parameters", "lora_state", "load_lora_state", "resolve_existing_lora", "targeted_layers"]
+           "lora_parameters", "lora_state", "load_lora_state", "resolve_existing_lora", "targeted_layers",
+           "keep_inputs_in_compute_dtype"]
 
 ADAPTER = "default"  # peft's adapter name; one LoRA per model
 INITS = ("default", "gaussian")
@@ -166,6 +167,7 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
             if p.dtype != torch.float32:  # peft gives LoRA the base dtype (bf16, even fp8): train fp32 masters
                 p.data = p.data.float()
             p.requires_grad_(True)
+        keep_inputs_in_compute_dtype(module)
         if spec.existing_lora:
             from .lora_file import load_lora_file_into  # lora_file builds on this module
             load_lora_file_into(module, spec.existing_lora)
@@ -173,6 +175,27 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
         remove_lora(module)
         raise
     return names
+
+
+class _OutsideAutocast:
+    """A truth value for peft's per-layer `cast_input_dtype_enabled` (read on every forward): true only while no
+    autocast is active. peft's LoRA forward casts its input to the LoRA weights' dtype, fp32 here; under autocast
+    that is a full fp32 copy of the layer's input (about 1.5 GB at one Flux single block's linear2 at 2048 px), and
+    autocast casts it straight back to run the matmul. Under autocast the input stays in the compute dtype and
+    autocast casts the fp32 master weights per op, so the LoRA matmuls run in the compute dtype and the gradients
+    still land on the fp32 masters; outside autocast (fp32 compute, or a bf16 ComfyUI model run without it) peft
+    casts as before, so F.linear never sees mixed dtypes. (peft's `autocast_adapter_dtype` option only decides
+    whether the adapter weights are upcast to fp32 at injection: it never changes the input cast.)"""
+
+    def __bool__(self) -> bool:
+        return not (torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+
+def keep_inputs_in_compute_dtype(module: nn.Module) -> None:
+    """Make every peft LoRA layer in `module` skip its fp32 input cast while autocast runs (see _OutsideAutocast).
+    The flag lives on the LoRA layers, so remove_lora takes it away with them."""
+    for layer in lora_layers(module).values():
+        layer.cast_input_dtype_enabled = _OutsideAutocast()
 
 
 def remove_lora(module: nn.Module) -> None:

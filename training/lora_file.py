@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from .atomic_write import atomic_save_file, next_free_path
+from .finite_check import check_finite
 from .lora import ADAPTER, LoraSpec, lora_layers, lora_state
 from .lora_targets import LoraError
 
@@ -84,7 +85,10 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
     """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
 
     `metadata`: the run's facts as strings (trainer.lora_metadata gives tightrope.base_model, .family, .steps,
-    .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here."""
+    .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here. A LoRA
+    holding NaN or inf is never written (NonFiniteDataError)."""
+    check_finite(state, f"the LoRA to save as {filename_prefix!r}", "it was not saved; the training diverged: lower "
+                 "learning_rate and train again from the last saved LoRA")
     tensors = lora_file_tensors(state, spec, dtype)
     meta = {**metadata, **lora_metadata(spec, dtype)}
     for _ in range(100):  # another writer may take the same counter between choosing it and writing
@@ -125,10 +129,13 @@ def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str
                                 "folder includes its subfolder, e.g. 'tightrope/my_lora_00001_.safetensors')")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except Exception as e:  # safetensors raises several types for a damaged header or a truncated file
         raise LoraError(f"LoRA file {str(path)!r} could not be read as safetensors ({e}): it is damaged or "
                         "incomplete; save or download it again") from e
+    check_finite(tensors, f"LoRA file {str(path)!r}", "it is damaged or comes from a run that diverged; pick an "
+                 "earlier LoRA file of that run, or leave existing_lora empty to start a new LoRA")
+    return tensors, meta
 
 
 def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[str, LoraWeights]:

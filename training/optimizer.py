@@ -9,8 +9,10 @@ from torch import nn
 from .train_config import ConfigError, TrainConfig
 
 
-def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    if config.optimizer == "adamw8bit":
+def optimizer_class(name: str, device: torch.device) -> type[torch.optim.Optimizer]:
+    """The optimizer class for `name` on `device`; a ConfigError naming the fix when it cannot run here (the Train
+    node's input check calls this too, so a missing package fails before any training)."""
+    if name == "adamw8bit":
         try:
             import bitsandbytes as bnb
         except ImportError:
@@ -18,8 +20,13 @@ def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torc
                               "or choose optimizer='adamw'") from None
         if device.type != "cuda":
             raise ConfigError("optimizer='adamw8bit' runs on CUDA only: choose optimizer='adamw' on this device")
-        return bnb.optim.AdamW8bit(params, lr=config.learning_rate, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+        return bnb.optim.AdamW8bit
+    return torch.optim.AdamW
+
+
+def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    return optimizer_class(config.optimizer, device)(params, lr=config.learning_rate,
+                                                     weight_decay=config.weight_decay)
 
 
 def learning_rate_at(config: TrainConfig, step: int, run_start: int, run_steps: int) -> float:

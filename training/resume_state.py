@@ -1,10 +1,13 @@
 """The training state file: everything a run needs to go on exactly where it stopped, never pickled.
 
-`<loras>/<filename_prefix>.state.safetensors` (the latest, replaced atomically whenever the trainer saves a LoRA)
-holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`; everything else is JSON in the
-metadata key `tightrope.resume_state`: step, the node run's start and end step, LoRA spec, TrainConfig, Strategy,
-the optimizer's param_groups and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and
-fingerprints of the model (family, parameter names + shapes, a sample of base weights) and of the dataset.
+One file per Train node: `<state dir>/<filename_prefix>.node-<node id>.state.safetensors` (the state dir is
+nodes/host.state_dir(), never under the loras folder, where ComfyUI would list it as a LoRA). The trainer replaces it
+atomically whenever it saves a LoRA and when the node's run ends, so a finished node resumes to "nothing to do".
+It holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`; everything else is JSON in the
+metadata key `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of
+the session the node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups
+and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and fingerprints of the model
+(family, parameter names + shapes, a sample of base weights) and of the dataset.
 """
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from safetensors import safe_open
 from ..memory.strategy import Strategy
 from . import distributed
 from .atomic_write import atomic_save_file, safe_output_path
+from .finite_check import check_finite
 from .lora_targets import LoraError
 
 STATE_SUFFIX = ".state.safetensors"
@@ -48,9 +53,28 @@ class TrainingState:
     info: dict       # the JSON part
 
 
-def state_path(folder: str | os.PathLike, filename_prefix: str) -> Path:
+@dataclass(frozen=True)
+class StateOwner:
+    """Which node of which run a state file belongs to; a file of another node or run is never resumed from."""
+    node: str | None  # the Train node's id in its workflow (ComfyUI's UNIQUE_ID); None when called directly
+    input_step: int   # the step of the session the node started from
+    input: str        # session_digest() of that session: another upstream run gives another digest
+    note: str = ""    # the node's strategy explanation, repeated in the report when a finished node resumes
+
+
+def state_path(folder: str | os.PathLike, filename_prefix: str, node: str | None = None) -> Path:
     base = safe_output_path(folder, filename_prefix)
-    return base.with_name(base.name + STATE_SUFFIX)
+    tag = "" if node is None else ".node-" + re.sub(r"[^A-Za-z0-9_-]", "_", str(node))  # ComfyUI ids: "7", "12:3"
+    return base.with_name(base.name + tag + STATE_SUFFIX)
+
+
+def session_digest(session: Any) -> str:
+    """A hash of a session's step and LoRA weights (bit for bit): what a downstream node's state was trained from."""
+    h = hashlib.sha256(f"step {session.step};".encode())
+    for name, t in sorted((session.lora_state or {}).items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
@@ -127,7 +151,7 @@ def restore_rng(state: TrainingState, tensors: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------------------ save / load
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
-               fingerprints: dict) -> Path:
+               fingerprints: dict, owner: StateOwner | None = None) -> Path:
     """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
     tensors = {f"lora.{k}": v for k, v in lora_state.items()}
     scalars: dict[str, dict[str, Any]] = {}
@@ -143,6 +167,7 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
             "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
             "losses": list(losses), "stats": list(stats), "saved": list(saved), "rng": rng_info, **fingerprints,
+            "owner": None if owner is None else asdict(owner),
             "layout": distributed.resume_fields(session.config.batch_size)}
     return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
 
@@ -150,7 +175,7 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
 def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.Tensor]]:
     """(the state, its RNG tensors). Errors name the file and say what to do."""
     path = Path(path)
-    fix = "delete it (the LoRA files beside it are intact) to start this run anew"
+    fix = "delete it (the LoRA files are intact) to start this run anew"
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -159,6 +184,7 @@ def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.
         raise ResumeError(f"training state file '{path}' could not be read ({e}): it is damaged; {fix}") from None
     if meta.get("format") != FORMAT or _META not in meta:
         raise ResumeError(f"'{path}' is not a Tightrope training state file ({FORMAT}): {fix}")
+    check_finite(tensors, f"training state file '{path}'", f"it is damaged or was saved by a run that diverged; {fix}")
     info = json.loads(meta[_META])
     state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
@@ -176,12 +202,17 @@ def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.
 
 
 # ------------------------------------------------------------------------------------------------ resume
-def resume_session(path: Path, session: Any, *, strategy_given: bool) -> tuple[Any, int]:
-    """`session` (built from the node's inputs) advanced to the state in `path`, checked against its model and
-    LoRA settings; returns (session, the step the interrupted node run began at). Restores the RNG states."""
+def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
+                   steps: int | None = None) -> tuple[Any, TrainingState] | None:
+    """`session` (built from the node's inputs) advanced to the state in `path`, checked against its owner, model
+    and LoRA settings, and the state; restores the RNG states and the strategy the state was trained with.
+    owner: this node (None: not checked); a state of another node is refused, one of another run of this node
+    (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed)."""
     from .model_adapter import adapter_for
     state, rng = load_state(path)
     info = state.info
+    if owner is not None and _other_run(path, info.get("owner"), owner):
+        return None
     adapter = adapter_for(session.model)
     with torch.inference_mode(False), adapter.training_module() as module:
         problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
@@ -190,7 +221,7 @@ def resume_session(path: Path, session: Any, *, strategy_given: bool) -> tuple[A
                           "was trained on, or use another filename_prefix (or delete the file) to train this model "
                           "from the start")
     distributed.check_resume(info.get("layout", {}), session.config.batch_size)  # world size may change
-    spec = session.lora.to_dict()
+    spec = _as_saved(session.lora.to_dict())
     changed = [f"{k}={info['lora'][k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if info["lora"][k] != spec[k]]
     if changed:
         raise LoraError(f"training state file '{path}' was trained with LoRA {', '.join(changed)}: set the LoRA Setup "
@@ -198,8 +229,11 @@ def resume_session(path: Path, session: Any, *, strategy_given: bool) -> tuple[A
     if info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset)):
         warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
-    now = session.config.to_dict()
-    diff = [f"{k}: {v!r} -> {now[k]!r}" for k, v in info["config"].items() if now.get(k) != v]
+    now = _as_saved(session.config.to_dict())
+    diff = [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in info["config"].items() if now.get(k) != v]
+    diff += [f"LoRA {k}: {v!r} -> {spec.get(k)!r}" for k, v in info["lora"].items() if spec.get(k) != v]
+    if steps is not None and steps != state.run_end - state.run_start:
+        diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
     if diff:
         warnings.warn(f"resuming '{path}' with changed training settings ({'; '.join(diff)}): the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
@@ -207,13 +241,34 @@ def resume_session(path: Path, session: Any, *, strategy_given: bool) -> tuple[A
     resumed = session.advanced(
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
-        strategy=session.strategy if strategy_given else Strategy.from_dict(info["strategy"]))
-    return resumed, state.run_start
+        strategy=Strategy.from_dict(info["strategy"]))  # a node given a strategy input resolves it again to train on
+    return resumed, state
+
+
+def _other_run(path: Path, saved: dict | None, owner: StateOwner) -> bool:
+    """True (with a warning) if the state at `path` was written by this node in another run; raises if it was
+    written by another node (a renamed or copied file)."""
+    if saved is not None and saved["node"] != owner.node:
+        raise ResumeError(f"training state file '{path}' belongs to node {saved['node']}, not to this node "
+                          f"{owner.node}: it must not be resumed here; delete it (or give it back its own name)")
+    if saved is not None and saved["input"] == owner.input:
+        return False
+    was = "a session it does not name" if saved is None else \
+        f"a session of step {saved['input_step']} with other LoRA weights"
+    warnings.warn(f"training state file '{path}' was saved by another run of this node: it went on from {was}, not "
+                  f"from the session of step {owner.input_step} this node gets now (a node before it trained "
+                  "otherwise): it is ignored; this node trains from its input and replaces the file", stacklevel=3)
+    return True
+
+
+def _as_saved(values: dict) -> dict:
+    """`values` as they read back from the state file's JSON (tuples become lists), so equal settings compare equal."""
+    return json.loads(json.dumps(values))
 
 
 def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
     return {"model": model_fingerprint(module, family), "dataset": dataset_fingerprint(dataset)}
 
 
-__all__ = ["STATE_SUFFIX", "ResumeError", "TrainingState", "state_path", "save_state", "load_state",
-           "resume_session", "fingerprints", "model_fingerprint", "dataset_fingerprint"]
+__all__ = ["STATE_SUFFIX", "ResumeError", "StateOwner", "TrainingState", "state_path", "session_digest", "save_state",
+           "load_state", "resume_session", "fingerprints", "model_fingerprint", "dataset_fingerprint"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +20,15 @@ import torch
 
 from ..memory.runtime import MemoryRuntime
 from . import distributed
+from .atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
+from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
-from .lora_file import save_lora
+from .lora_file import save_lora_state
+from .lora_rescue import rescue_lora
 from .model_adapter import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
-from .resume_state import fingerprints, save_state, state_path
+from .resume_state import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError
@@ -33,7 +37,12 @@ Progress = Callable[[int, int, float], None]  # (steps done in this run, steps o
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the last good LoRA was kept."""
+    """The loss (or a gradient) became NaN or infinite; the last good LoRA was kept."""
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """An optimizer step made the LoRA weights NaN or infinite although its loss and gradients were finite; those
+    weights are never saved (the message names the last LoRA saved)."""
 
 
 class TrainingOutOfMemoryError(torch.OutOfMemoryError):
@@ -46,6 +55,12 @@ class SaveTarget:
     folder: Path
     filename_prefix: str
     every: int = 0   # save every N steps (0: only when the run stops early)
+    state: Path | None = None  # the training state file (default: <folder>/<filename_prefix>.state.safetensors)
+    owner: StateOwner | None = None  # the node and run the state belongs to, recorded in it
+
+    @property
+    def state_file(self) -> Path:
+        return self.state if self.state is not None else state_path(self.folder, self.filename_prefix)
 
 
 @dataclass
@@ -80,10 +95,12 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
     adapter = adapter_for(session.model)
     run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps)
+    started = time.time()
     # ComfyUI runs nodes under inference_mode; training needs autograd (restored when this block exits)
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
         if save is not None:
             run.fingerprints = fingerprints(module, adapter.family, session.dataset)
+            _remove_stale_temporaries(save, started)
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
             torch.manual_seed(_derive_seed(cfg.seed, "lora-init"))
             inject_lora(module, session.lora, adapter.family)
@@ -116,9 +133,10 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
                 optimizer_state = clone_state(optimizer.state_dict())
             stopped_early = run.step < session.step + steps
-            if save is not None and (stopped_early or save.every) and run.step > session.step \
-                    and (not run.saved or run.saved[-1][1] != run.step):
-                _save(session, run, module, save, optimizer)
+            if stopped_early or (save is not None and save.every):
+                _save_after_failure(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
+            elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
+                _save_final_state(session, run, module, save, optimizer)
             state = lora_state(module)
         finally:
             remove_lora(module)
@@ -131,6 +149,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
 def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
     cfg = session.config
     first = session.step
+    # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
+    scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.compute_dtype == "fp16")
     batches = session.dataset.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
                                       shard=distributed.current().shard)
     while run.step < first + steps:
@@ -140,25 +160,30 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
         with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
-            loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k)
+            loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
-        stats = runtime.end_step()
-        if not math.isfinite(loss):
+        nonfinite = _nonfinite_loss_or_gradients(loss, params, scaler)
+        if nonfinite:
             if cfg.on_nonfinite == "stop":
                 optimizer.zero_grad(set_to_none=True)
                 kept = f"the LoRA of step {run.step} was kept" if run.step else "nothing had been trained yet"
                 raise NonFiniteLossError(
-                    f"the loss became {loss} at step {run.step + 1}: training stopped and {kept}. Lower "
+                    f"{nonfinite} at step {run.step + 1}: training stopped and {kept}. Lower "
                     "learning_rate, use compute_dtype bf16 rather than fp16, or set on_nonfinite='skip'")
             # 'skip': the step counts but changes nothing, so later steps see the data an uninterrupted run would
-            warnings.warn(f"the loss became {loss} at step {run.step + 1}: step skipped (on_nonfinite='skip'), the "
-                          "LoRA is unchanged", stacklevel=2)
+            warnings.warn(f"{nonfinite} at step {run.step + 1}: step skipped (on_nonfinite='skip'), the LoRA is "
+                          "unchanged", stacklevel=2)
         else:
             if cfg.max_grad_norm > 0:
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
+            scaler.update()
+            if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
+                raise NonFiniteWeightsError(_nonfinite_weights_message(run, loss))
         optimizer.zero_grad(set_to_none=True)
+        stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
         run.step += 1
         run.losses.append(loss)
         run.stats.append(stats.to_dict())
@@ -168,7 +193,19 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             _save(session, run, module, save, optimizer)
 
 
-def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int) -> float:
+def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | None:
+    """What went non-finite in this step, if anything. A NaN/inf gradient with a finite loss (a bf16 overflow in
+    backward) would poison the weights as surely as a NaN loss, and is caught before the update, so 'skip' can skip
+    it. Under fp16 loss scaling an overflowed gradient is the scaler's business: it skips that step and lowers the
+    scale."""
+    if not math.isfinite(loss):
+        return f"the loss became {loss}"
+    if not scaler.is_enabled() and not all_finite(p.grad for p in params.values() if p.grad is not None):
+        return f"the gradients became NaN or infinite (the loss was {loss:.4g})"
+    return None
+
+
+def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, scaler) -> float:
     seed = _derive_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
@@ -183,37 +220,100 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int) -> 
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     dev = runtime.device
-    x_t = noised(latents, noise, t).to(dev)
+    # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
+    x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
+        noised(latents, noise, t), t, context, pooled, latents, noise))
     with runtime.autocast():
-        pred = adapter.predict(module, x_t, t.to(dev), context.to(dev), pooled.to(dev), cfg.guidance)
-        loss = flow_matching_loss(pred, latents.to(dev), noise.to(dev))
-    ((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
+        pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
+        loss = flow_matching_loss(pred, latents, noise)
+    scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
     return loss.item() * weight / cfg.grad_accumulation
 
 
 def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
-    """The LoRA file of this step (a new name), then the training state file (replaced), both atomically."""
+    """The LoRA file of this step (a new name), then the training state file (replaced), both atomically; never
+    anything holding NaN/inf (NonFiniteDataError: the files of the last good step stay)."""
     if not distributed.current().is_main:
         return  # under torchrun only rank 0 writes
-    path = save_lora(save.folder, save.filename_prefix, module, session.lora,
-                     metadata=lora_metadata(session, run.step))
-    run.saved.append((str(path), run.step))
-    save_state(state_path(save.folder, save.filename_prefix), session, step=run.step, run_start=run.start,
-               run_end=run.end, lora_state=lora_state(module), optimizer_state=clone_state(optimizer.state_dict()),
-               losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
-               saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints)
+    lora, optimizer_state = lora_state(module), clone_state(optimizer.state_dict())
+    check_finite(lora | _optimizer_tensors(optimizer_state), f"the training state of step {run.step}",
+                 "it was not saved and the files of the last good step stay; lower learning_rate")
+    if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
+        path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
+                               metadata=lora_metadata(session, run.step))
+        run.saved.append((str(path), run.step))
+    try:
+        _save_state(session, run, save, lora, optimizer_state)
+    except FileWriteError as e:  # say what is on disk: this step's LoRA, an earlier step's state
+        raise FileWriteError(e.path, e.errno, e.strerror, kept=f"the LoRA of step {run.step} was saved "
+                             f"({run.saved[-1][0]}), its training state was not") from e
     run.saved_step = run.step
 
 
+def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dict, optimizer_state: dict) -> None:
+    save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
+               lora_state=lora, optimizer_state=optimizer_state, losses=session.losses + tuple(run.losses),
+               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner)
+
+
+def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
+    """The state of a run that ended without a save at its last step, so `--resume` returns it without training;
+    the LoRA is in the session the run returns, so a failing write only warns."""
+    if not distributed.current().is_main:
+        return
+    try:
+        _save_state(session, run, save, lora_state(module), clone_state(optimizer.state_dict()))
+    except Exception as e:
+        warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
+                      f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "
+                      "node again", stacklevel=2)
+
+
 def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
-    """Save the last completed step, if not saved yet; a failing save warns and never hides the original error."""
-    if save is None or run.step <= session.step or run.saved_step == run.step:
+    """Save the last completed step, if not saved yet. Never raises, so the original error (or the stop) goes on: a
+    failing save warns, naming the file that could not be written and what was kept; a LoRA file that cannot be
+    written is kept in a fallback file (lora_rescue)."""
+    if save is None or run.step <= session.step or run.saved_step == run.step \
+            or nonfinite_keys(lora_state(module)):  # a failed update's weights: its error names what was kept
         return
     try:
         _save(session, run, module, save, optimizer)
     except Exception as e:
-        warnings.warn(f"could not save the LoRA of step {run.step} after the failure: {type(e).__name__}: {e}",
-                      stacklevel=2)
+        warnings.warn(_unsaved_message(session, run, module, save, e), stacklevel=2)
+
+
+def _unsaved_message(session: TrainingSession, run: _Run, module, save: SaveTarget, error: Exception) -> str:
+    if isinstance(error, FileWriteError) and error.kept:
+        return str(error)  # it says which file failed and that this step's LoRA was saved
+    if run.saved and run.saved[-1][1] == run.step:
+        return (f"the LoRA of step {run.step} was saved ({run.saved[-1][0]}), its training state was not: "
+                f"{type(error).__name__}: {error}")
+    if isinstance(error, OSError):
+        return str(rescue_lora(error, lora_state(module), session.lora, folder=save.folder,
+                               filename_prefix=save.filename_prefix, metadata=lora_metadata(session, run.step),
+                               step=run.step))
+    return f"could not save the LoRA of step {run.step}: {type(error).__name__}: {error}"
+
+
+def _optimizer_tensors(optimizer_state: dict) -> dict[str, torch.Tensor]:
+    return {f"optimizer.{i}.{k}": v for i, entry in optimizer_state["state"].items() for k, v in entry.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _nonfinite_weights_message(run: _Run, loss: float) -> str:
+    kept = f"the last LoRA saved is {run.saved[-1][0]} (step {run.saved[-1][1]})" if run.saved \
+        else "no LoRA was saved in this run (set save_every to keep intermediate steps)"
+    return (f"the optimizer step of step {run.step + 1} made LoRA weights NaN or infinite although its loss "
+            f"({loss:.4g}) and gradients were finite: training stopped (on_nonfinite='skip' cannot skip an update "
+            f"already applied) and these weights are not saved; {kept}. Lower learning_rate")
+
+
+def _remove_stale_temporaries(save: SaveTarget, started: float) -> None:
+    """Temp files a killed earlier run (kill -9) left in the folders this run writes to."""
+    if distributed.current().is_main:
+        for folder in {safe_output_path(save.folder, save.filename_prefix).parent,
+                       save.state_file.parent}:
+            remove_stale_temporaries(folder, older_than=started)
 
 
 def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save: SaveTarget | None) -> str:
@@ -225,7 +325,7 @@ def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save:
            "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
     fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
     kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
-            f"{state_path(save.folder, save.filename_prefix)})"
+            f"{save.state_file})"
             if save is not None and run.step > session.step and run.saved_step == run.step
             else "no step was completed in this run, so nothing new was saved")
     return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "

@@ -7,8 +7,9 @@ from typing import Any, Callable
 from ..memory.strategy import Strategy
 from .atomic_write import safe_output_path
 from .model_with_lora import model_with_lora
-from .resume_state import resume_session, state_path
+from .resume_state import StateOwner, resume_session, session_digest, state_path
 from .session import TrainingSession
+from .state_lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
 from .trainer import SaveTarget, resolve_device, train
@@ -17,9 +18,12 @@ from .trainer import SaveTarget, resolve_device, train
 def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
                       dataset: Any, lora: Any, strategy: Any, device: str, save_dir: Path, filename_prefix: str,
                       save_every: int, progress: Callable | None, should_stop: Callable[[], bool] | None,
-                      resume: bool = False) -> tuple[TrainingSession, Any, str]:
-    """resume: continue from the training state file of `filename_prefix` if there is one (`tightrope run
-    --resume`), training only the steps this node has left."""
+                      resume: bool = False, state_dir: Path | None = None, node_id: str | None = None,
+                      notify: Callable[[str], None] | None = None) -> tuple[TrainingSession, Any, str]:
+    """One Train node. Its training state file is `state_dir` (default save_dir)/`filename_prefix`, keyed by
+    `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's
+    of this run (`tightrope run --resume`), training only the steps this node has left; a node that had finished
+    returns its saved outputs again, untrained (notify says so)."""
     dev = resolve_device(device)
     safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -36,19 +40,40 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                 raise ConfigError(f"the Train node got both a session and a different {name}: a continued session "
                                   f"keeps its {name}; disconnect the {name} input or start a new session")
         session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False)
-    run_start, state_file = None, state_path(save_dir, filename_prefix)
-    if resume and state_file.is_file():
-        session, run_start = resume_session(state_file, session, strategy_given=strategy is not None)
-        steps = run_start + steps - session.step  # what this node has left
-        if steps < 1:  # this node had finished: its outputs again, no training
-            return session, model_with_lora(session), report(session, max(session.step - run_start, 1))
-    explanation = ""
-    if strategy is not None:
-        chosen, explanation = resolve_strategy(strategy, session, dev)
-        session = session.advanced(strategy=chosen)
-    result = train(session, steps, device=dev, save=SaveTarget(save_dir, filename_prefix, save_every),
-                   progress=progress, should_stop=should_stop, run_start=run_start)
-    return result, model_with_lora(result), report(result, steps, explanation)
+    state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
+    owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
+    with state_lock(state_file):
+        run_start, left = None, steps
+        resumed = resume_session(state_file, session, owner=owner, steps=steps) \
+            if resume and state_file.is_file() else None
+        if resumed is not None:
+            session, state = resumed
+            run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
+            if left < 1:
+                return _finished(session, state, state_file, steps, progress, notify)
+        explanation = ""
+        if strategy is not None:
+            chosen, explanation = resolve_strategy(strategy, session, dev)
+            session = session.advanced(strategy=chosen)
+        save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
+                          owner=StateOwner(node_id, owner.input_step, owner.input, explanation))
+        result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
+                       run_start=run_start)
+    node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
+    return result, model_with_lora(result), report(result, result.step - node_start, explanation)
+
+
+def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int, progress: Callable | None,
+              notify: Callable[[str], None] | None) -> tuple[TrainingSession, Any, str]:
+    """A node that had finished, resumed: the outputs and report it returned then, untrained."""
+    owner = state.info.get("owner") or {}
+    if notify is not None:
+        node = "" if owner.get("node") is None else f" {owner['node']}"
+        notify(f"Train node{node} had finished (step {session.step} in '{state_file}'): nothing to do, its saved "
+               "outputs are used")
+    if progress is not None and session.losses:
+        progress(steps, steps, session.losses[-1])  # its progress bar shows it done
+    return session, model_with_lora(session), report(session, session.step - state.run_start, owner.get("note", ""))
 
 
 def resolve_strategy(choice: Any, session: TrainingSession, device) -> tuple[Strategy, str]:
@@ -61,17 +86,25 @@ def resolve_strategy(choice: Any, session: TrainingSession, device) -> tuple[Str
 
 
 def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
-    run_losses = session.losses[-steps:]
+    run_losses = session.losses[-steps:] if steps > 0 else ()
     head = sum(run_losses[:10]) / max(len(run_losses[:10]), 1)
     tail = sum(run_losses[-10:]) / max(len(run_losses[-10:]), 1)
     stats = session.stats[-1] if session.stats else {}
     lines = [f"step {session.step}" + (" (interrupted)" if session.interrupted else ""),
              f"loss: first-10 mean {head:.4f}, last-10 mean {tail:.4f}"]
     if stats:
-        lines.append(f"last step: {stats['step_time_s']:.3f} s, peak allocated "
-                     f"{stats['peak_allocated_bytes'] / 2**30:.2f} GiB, streamed {stats['h2d_bytes'] / 2**20:.1f} MiB")
+        lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
+                     f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
     if session.last_saved:
         lines.append(f"saved: {session.last_saved}")
     if explanation:
         lines.append(explanation)
     return "\n".join(lines)
+
+
+def _memory(stats: dict) -> str:
+    """Peak allocated / reserved / device used (CUDA); off CUDA the allocator figures are 0: not measured."""
+    if not stats.get("peak_reserved_bytes"):
+        return "peak memory not measured (CPU)"
+    gib = [stats.get(k, 0) / 2**30 for k in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes")]
+    return "peak allocated {:.2f} GiB, reserved {:.2f} GiB, device used {:.2f} GiB".format(*gib)

@@ -92,7 +92,7 @@ def runs(tmp_path_factory):
 
 
 def _loras(out) -> list:
-    return sorted(p for p in out.rglob("*.safetensors") if ".tightrope_cache" not in p.parts)
+    return sorted(p for p in out.rglob("*.safetensors") if not {".tightrope_cache", ".tightrope_state"} & set(p.parts))
 
 
 def _assert_same_losses(got, want):
@@ -157,7 +157,9 @@ def test_only_rank_0_writes_and_reports(runs):
     dp = runs["dp"]
     names = sorted(p.relative_to(dp["out"]).as_posix() for p in dp["out"].rglob("*")
                    if p.is_file() and ".tightrope_cache" not in p.parts and "images" not in p.parts)
-    assert names == ["dist/lora_00001_.safetensors", "dist/plot_loss_00001_.png", "dist/plot_memory_00001_.png"]
+    state = ".tightrope_state/dist/lora_checkpoint.node-7.state.safetensors"  # written by rank 0, locked while training
+    assert names == [state, state + ".lock", "dist/lora_00001_.safetensors", "dist/plot_loss_00001_.png",
+                     "dist/plot_memory_00001_.png"]
     assert not list(dp["tmpdir"].glob("tightrope-rank*"))  # the other rank's scratch output folder is gone
     output = dp["process"].stdout
     assert output.count("ran 9 node(s)") == 1 and output.count("TightropeSaveLora") == 1

@@ -52,6 +52,59 @@ def test_node_failure_exits_1(tmp_path, fake_cli, capsys):
     assert "error: node 2 'Explode' failed: RuntimeError: boom" in capsys.readouterr().err
 
 
+def _failing_graph(tmp_path, mappings, error: Exception) -> str:
+    """Constant -> Fail (raises `error`) -> Record, written as an API-format file."""
+    class Fail:
+        RETURN_TYPES, FUNCTION = ("INT",), "run"
+
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"value": ("INT", {"forceInput": True})}}
+
+        def run(self, value):
+            raise error
+    mappings["Fail"] = Fail
+    return _write(tmp_path, {"1": {"class_type": "Constant", "inputs": {"value": 1}},
+                             "2": {"class_type": "Fail", "inputs": {"value": ["1", 0]}},
+                             "3": {"class_type": "Record", "inputs": {"value": ["2", 0]}}})
+
+
+def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
+    from tightrope.training.image_folder import DatasetError
+    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: None)
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
+    path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
+    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: node 2 'Fail' failed: DatasetError: dataset folder 'x' does not exist: pass the folder" in err
+    assert "Traceback" not in err
+    assert cli.main(["run", path, "--output-dir", str(tmp_path), "--debug"]) == 1  # --debug: the traceback too
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "DatasetError" in err.split("error: node 2")[0]
+
+
+def test_a_bug_still_prints_its_traceback(tmp_path, fake_cli, capsys):
+    path = _write(tmp_path, {"1": {"class_type": "Constant", "inputs": {"value": 1}},
+                             "2": {"class_type": "Explode", "inputs": {"value": ["1", 0]}},
+                             "3": {"class_type": "Record", "inputs": {"value": ["2", 0]}}})
+    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'raise RuntimeError("boom")' in err
+
+
+def test_every_user_error_type_is_a_user_error():
+    from tightrope.memory.strategy import StrategyError
+    from tightrope.training.distributed import DistributedError
+    from tightrope.training.input_checks import OutputPathError
+    from tightrope.training.lora_targets import LoraError
+    from tightrope.training.resume_state import ResumeError
+    from tightrope.training.trainer import NonFiniteLossError, TrainingOutOfMemoryError
+    for kind in (StrategyError, DistributedError, OutputPathError, LoraError, ResumeError, NonFiniteLossError,
+                 TrainingOutOfMemoryError):
+        assert issubclass(kind, cli.user_error_types()), kind
+    assert not issubclass(RuntimeError, cli.user_error_types()) and not issubclass(ValueError, cli.user_error_types())
+
+
 def test_ctrl_c_exits_130(tmp_path, api_workflow, fake_cli, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -10,7 +10,7 @@ from tightrope.memory.strategy import Strategy
 CHECKPOINTS = {"off": {}, "all": {"checkpoint": "all"}, "every2": {"checkpoint": "every_n", "checkpoint_every": 2}}
 
 
-@pytest.mark.parametrize("offload,ckpt,act", itertools.product([0.0, 0.5, 1.0], CHECKPOINTS, [False, True]))
+@pytest.mark.parametrize("offload,ckpt,act", list(itertools.product([0.0, 0.5, 1.0], CHECKPOINTS, [False, True])))
 def test_eager_matrix(offload, ckpt, act):
     s = Strategy(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", **CHECKPOINTS[ckpt])
     result = run_managed(s)
@@ -24,7 +24,7 @@ def test_eager_matrix(offload, ckpt, act):
 COMPILED = {"budget1+ckpt_all": {"checkpoint": "all"}, "budget0.5": {"activation_memory_budget": 0.5}}
 
 
-@pytest.mark.parametrize("offload,variant,act", itertools.product([0.0, 0.5, 1.0], COMPILED, [False, True]))
+@pytest.mark.parametrize("offload,variant,act", list(itertools.product([0.0, 0.5, 1.0], COMPILED, [False, True])))
 def test_compiled_matrix(offload, variant, act):
     s = Strategy(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", compile="per_block",
                  compile_backend="aot_eager_decomp_partition", **COMPILED[variant])

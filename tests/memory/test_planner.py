@@ -1,4 +1,5 @@
 """The probe and the auto memory planner: measured sizes, budgets respected, monotone in the budget, clear errors."""
+import dataclasses
 import functools
 
 import pytest
@@ -11,6 +12,7 @@ from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.memory_model import measure_weight_sizes
 from tightrope.memory.plan_cost import predict
 from tightrope.memory.planner import auto_budget, autotune_batch, candidate_strategies, plan
+from tightrope.memory import probe as probe_module
 from tightrope.memory.probe import measure_h2d_bandwidth, probe_model
 from tightrope.memory.profile import CompileFactors, Profile
 from tightrope.memory.runtime import MemoryRuntime
@@ -186,3 +188,60 @@ def test_candidates_cover_the_grid():
 
 def test_h2d_bandwidth_on_cpu_is_a_memcpy_rate():
     assert 1e8 < measure_h2d_bandwidth("cpu", 8 << 20) < 1e12
+
+
+def test_measured_block_peak_sets_the_transient():
+    """The probe's per-block CUDA peak (e.g. fp32 LoRA casts, attention workspaces) replaces the estimate when it is
+    larger: the transient is that peak less what checkpointing already counts as kept."""
+    prof = _flux_dev_profile()
+    s = Strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True)
+    estimated = predict(prof, s)
+    peak = 6 * GiB
+    measured = predict(dataclasses.replace(prof, block_peak_alloc=[peak] * prof.n_blocks), s)
+    assert measured.breakdown["transient"] == peak - prof.act_ckpt[0] > estimated.breakdown["transient"]
+    assert measured.peak_bytes > estimated.peak_bytes
+    small = predict(dataclasses.replace(prof, block_peak_alloc=[1] * prof.n_blocks), s)
+    assert small.breakdown == estimated.breakdown  # a smaller measurement never lowers the estimate
+    assert prof.at_batch(2).block_peak_alloc is None
+    assert dataclasses.replace(prof, block_peak_alloc=[peak] * prof.n_blocks).at_batch(2).block_peak_alloc[0] == \
+        2 * peak
+    assert _two_stream_profile().block_peak_alloc is None  # CPU: no allocator to ask, the estimate stays
+
+
+def test_unpinned_copies_do_not_overlap_compute():
+    prof = _flux_dev_profile()
+    s = Strategy(offload_fraction=1.0, checkpoint="all")
+    pinned, pageable = predict(prof, s), predict(dataclasses.replace(prof, h2d_pinned=False), s)
+    transfer = sum(prof.block_packed) / prof.h2d_bytes_per_s  # forward pass alone streams every block once
+    assert pageable.step_s >= pageable.compute_s + transfer and pageable.step_s > pinned.step_s
+    # this model streams longer than it computes: pinned copies hide (nearly) all compute, pageable ones none of it
+    assert pageable.step_s - pinned.step_s >= 0.9 * pinned.compute_s
+    text = plan(dataclasses.replace(prof, h2d_pinned=False), 12 * GiB).explanation
+    assert "host memory is not pinned, so the copies are synchronous" in text
+
+
+def test_probe_runs_with_the_bases_activation_offload(monkeypatch):
+    """The probe must fit the budget it plans for: with activation offload in the base it probes with it (and still
+    counts every checkpoint-boundary byte, though the runtime's hooks are then the innermost)."""
+    used = []
+
+    class Spy(MemoryRuntime):
+        def __init__(self, model, strategy, device, **kw):
+            used.append(strategy)
+            super().__init__(model, strategy, device, **kw)
+
+    monkeypatch.setattr(probe_module, "MemoryRuntime", Spy)
+    torch.manual_seed(0)
+    frugal = Strategy(compute_dtype="fp32", offload_fraction=1.0, activation_offload=True)
+    prof = probe_model(make_lora_model(), _inputs, "cpu", frugal, repeats=0)
+    assert [(s.activation_offload, s.checkpoint, s.offload_fraction) for s in used] == [(True, "all", 1.0)]
+    plain = _two_stream_profile(1.0)
+    assert prof.act_ckpt == plain.act_ckpt and prof.act_shared == plain.act_shared and prof.act_full == plain.act_full
+
+
+def test_auto_budget_counts_cached_blocks_as_free(monkeypatch):
+    """After a probe the caching allocator still holds blocks no tensor uses; the driver reports them as used."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * GiB, 16 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * GiB)
+    assert auto_budget(torch.device("cuda", 0), margin_bytes=GiB // 2) == 6 * GiB - GiB // 2

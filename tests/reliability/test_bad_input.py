@@ -116,3 +116,87 @@ def test_docs_bad_input_md_matches_the_tests(tmp_path):
     assert start in text, f"{DOC} lacks its table: run TIGHTROPE_WRITE_DOCS=1 pytest {__file__}"
     assert text.split(start)[1].split(end)[0].strip() == table.strip(), \
         f"{DOC} is out of date: run TIGHTROPE_WRITE_DOCS=1 pytest {__file__}"
+
+
+# --- failfast: a bad value in the last nodes of a chain stops `tightrope run` before the first training step ---
+def _run_chain_cli(tmp_path, monkeypatch, capsys, **changes) -> tuple[int, str, list]:
+    """`tightrope run` (in process) on the tiny two-Train-then-Save chain; returns (exit code, stderr, the training
+    calls made). Host state the CLI sets is restored afterwards."""
+    import json
+
+    from bad_input_cases import chain_prompt
+
+    from tightrope import cli
+    from tightrope.training import training_run
+    for name in ("_headless_output", "_headless_run_dir", "_resume"):
+        monkeypatch.setattr(host, name, getattr(host, name))
+    trained = []
+    real_train = training_run.train
+    monkeypatch.setattr(training_run, "train", lambda *a, **k: trained.append(a) or real_train(*a, **k))
+    path = tmp_path / "chain.json"
+    path.write_text(json.dumps(chain_prompt(**changes)))
+    code = cli.main(["run", str(path), "--output-dir", str(tmp_path / "out")])
+    return code, capsys.readouterr().err, trained
+
+
+def test_the_good_chain_trains_and_saves(tmp_path, monkeypatch, capsys):
+    code, err, trained = _run_chain_cli(tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert len(trained) == 2 and list((tmp_path / "out" / "rt").glob("final_*.safetensors"))
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"save": {"filename_prefix": "../x"}}, ("node 9 'TightropeSaveLora'", "'../x'", "only go down")),
+    ({"save": {"filename_prefix": "lora:v2"}}, ("node 9 'TightropeSaveLora'", "':'", "use letters, digits")),
+    ({"train2": {"learning_rate": float("nan")}}, ("node 8 'TightropeTrain'", "input 'learning_rate' is nan",
+                                                   "use a value in 1e-07..1.0")),
+    ({"strategy_node": {"weight_dtype": "fp16"}}, ("node 6 'TightropeMemoryStrategy'", "weight_dtype='fp16'",
+                                                   "set compute_dtype='fp16'")),
+], ids=["save_dotdot", "save_colon", "train2_lr_nan", "weight_fp16_compute_fp32"])
+def test_a_bad_value_late_in_a_chain_fails_before_any_training(tmp_path, monkeypatch, capsys, changes, words):
+    code, err, trained = _run_chain_cli(tmp_path, monkeypatch, capsys, **changes)
+    assert code == 2 and not trained, err  # 2: a workflow problem, found before any node ran
+    assert not (tmp_path / "out" / "imgs").exists()  # not even the demo images were drawn
+    assert "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_an_unwritable_loras_folder_fails_before_any_training(tmp_path, monkeypatch, capsys):
+    """os.access says the output dir is read-only (as chmod would for a user other than root)."""
+    from tightrope.training import input_checks
+    out_dir, real_access = tmp_path / "out", os.access
+    monkeypatch.setattr(input_checks.os, "access", lambda p, mode, **kw: Path(p) != out_dir and real_access(p, mode))
+    code, err, trained = _run_chain_cli(tmp_path, monkeypatch, capsys)
+    assert code == 2 and not trained, err
+    assert f"needs to write into '{out_dir}', which this user may not write to: make it writable" in err
+
+
+def test_a_read_only_output_dir_fails_before_any_training(tmp_path, monkeypatch, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out_dir.chmod(0o555)
+    try:
+        if os.access(out_dir, os.W_OK):
+            print("running as root: chmod 0555 does not stop root from writing; the os.access test above covers it")
+            pytest.skip("chmod does not make a folder read-only for root")
+        code, err, trained = _run_chain_cli(tmp_path, monkeypatch, capsys)
+    finally:
+        out_dir.chmod(0o755)
+    assert code == 2 and not trained, err
+    assert "which this user may not write to" in err
+
+
+def test_tiny_images_upscaled_a_lot_are_named_in_a_warning(out):
+    folder = out.parent / "tiny"
+    folder.mkdir()
+    for i in range(4):
+        Image.new("RGB", (1, 1), (i * 60, 0, 0)).save(folder / f"dot{i}.png")
+        (folder / f"dot{i}.txt").write_text("a dot")
+    Image.new("RGB", (32, 32)).save(folder / "fine.png")
+    (folder / "fine.txt").write_text("a square")
+    with pytest.warns(UserWarning, match=r"4 image\(s\) are smaller than the training resolution and are upscaled "
+                                         r"more than 2x.*dot0\.png' 32\.0x.*dot3\.png' 32\.0x: use larger images, "
+                                         r"or lower the Load Dataset resolution") as caught:
+        load_dataset(folder)  # resolution 32: each 1x1 dot becomes a 32x32 bucket
+    assert not [w for w in caught if "fine.png" in str(w.message)]

@@ -1,6 +1,10 @@
 """Nothing is lost: a stop request, Ctrl-C, an exception or OOM mid-step, a NaN loss, or a crash while writing leaves
 the last completed step's LoRA and training state on disk, and the model as it was."""
+import errno
 import gc
+import os
+import tempfile
+import time
 import weakref
 
 import pytest
@@ -9,8 +13,11 @@ from demo_setup import demo_session
 from reliability_kit import assert_untouched, snapshot, strategy, train_node, world
 
 from tightrope.nodes import host
+from tightrope.nodes.save_node import TightropeSaveLora
 from tightrope.training import atomic_write
+from tightrope.training.atomic_write import FileWriteError
 from tightrope.training.lora_file import read_lora_file
+from tightrope.training.lora_rescue import LoraNotSavedError
 from tightrope.training.resume_state import load_state, state_path
 from tightrope.training.trainer import NonFiniteLossError, SaveTarget, TrainingOutOfMemoryError, train
 
@@ -29,11 +36,11 @@ def _patch_predict(model, at_call, effect):
     return model
 
 
-def _saved_step(folder, prefix="run"):
+def _saved_step(folder, prefix="run", state_folder=None):
     """(step of the newest LoRA file, step of the state file, the two hold the same LoRA)."""
     newest = max(folder.glob(f"{prefix}_*_.safetensors"))
     tensors, meta = read_lora_file(newest)
-    state, _ = load_state(state_path(folder, prefix))
+    state, _ = load_state(state_path(state_folder or folder, prefix))
     same = all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
                for k, v in state.lora_state.items())
     return int(meta["tightrope.steps"]), state.step, same
@@ -77,7 +84,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_lora(out):
     with pytest.raises(NonFiniteLossError, match="the loss became nan at step 3: training stopped and the LoRA of "
                                                  "step 2 was kept.*on_nonfinite='skip'"):
         train_node(model, dataset, spec, strat, steps=4)
-    assert _saved_step(out / "rt", "lora") == (2, 2, True)
+    assert _saved_step(out / "rt", "lora", host.state_dir() / "rt") == (2, 2, True)
 
 
 def test_nonfinite_loss_skip_skips_only_that_step(out):
@@ -89,25 +96,94 @@ def test_nonfinite_loss_skip_skips_only_that_step(out):
     assert all(torch.isfinite(v).all() for v in session.lora_state.values())
 
 
-def test_a_crash_while_writing_the_state_leaves_the_previous_one(tmp_path, monkeypatch):
+def _disk_full_for(monkeypatch, in_data: bytes):
+    """The disk fills up halfway through writing a file whose bytes contain `in_data` (other writes succeed)."""
+    real = atomic_write._write_all
+
+    def write_all(fd, data):
+        if in_data not in data[:100_000]:
+            return real(fd, data)
+        os.write(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(atomic_write, "_write_all", write_all)
+
+
+def test_disk_full_while_writing_the_state_names_the_file_and_what_was_kept(tmp_path, monkeypatch):
     session = demo_session(tmp_path)
     save = SaveTarget(tmp_path / "out", "run", every=2)
     first = train(session, 2, device=CPU, save=save)
-    real = atomic_write.save_file
-
-    def crash_midway(tensors, path, metadata=None):
-        if "state" not in str(path):
-            return real(tensors, path, metadata=metadata)
-        with open(path, "wb") as f:
-            f.write(b"\x00" * 100)  # half a file, then the "power cut"
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(atomic_write, "save_file", crash_midway)
-    with pytest.warns(UserWarning, match="could not save the LoRA of step 4"), \
-            pytest.raises(OSError, match="No space left"):
+    _disk_full_for(monkeypatch, b"tightrope-training-state")
+    state_file = state_path(save.folder, "run")
+    said = (rf"could not write '{state_file}' \(No space left on device\): free disk space there or choose another "
+            rf"folder; the LoRA of step 4 was saved \({save.folder}/run_00002_.safetensors\), its training state "
+            "was not")
+    with pytest.warns(UserWarning, match=said) as warned, pytest.raises(FileWriteError, match=said):
         train(first, 2, device=CPU, save=save)
-    state, _ = load_state(state_path(save.folder, "run"))  # still the complete file of step 2
+    assert not [w for w in warned if "could not save the LoRA" in str(w.message)]
+    assert read_lora_file(save.folder / "run_00002_.safetensors")[1]["tightrope.steps"] == "4"
+    state, _ = load_state(state_file)  # still the complete file of step 2
     assert state.step == 2 and all(torch.equal(state.lora_state[k], v) for k, v in first.lora_state.items())
-    assert not [p for p in save.folder.iterdir() if p.name.endswith(".tmp")]
+    assert sorted(p.name for p in save.folder.iterdir()) == ["run.state.safetensors", "run_00001_.safetensors",
+                                                              "run_00002_.safetensors"]  # no temp file, no 3rd LoRA
+
+
+def _writes_fail_in(monkeypatch, folder, error=errno.ENOSPC, *, all_but=None):
+    """Writing any file into `folder` (or anywhere but under `all_but`) fails: disk full there, or no permission."""
+    real = atomic_write._create_temp
+
+    def create_temp(path):
+        if path.parent == folder or all_but is not None and all_but not in path.parents:
+            raise OSError(error, os.strerror(error))
+        return real(path)
+    monkeypatch.setattr(atomic_write, "_create_temp", create_temp)
+
+
+def test_a_stop_whose_save_fails_keeps_the_lora_in_a_fallback_file(tmp_path, monkeypatch):
+    session = demo_session(tmp_path)
+    reference = train(session, 2, device=CPU)
+    save = SaveTarget(tmp_path / "out", "sub/run")  # save_every 0: the stop is the only save
+    _writes_fail_in(monkeypatch, save.folder / "sub")
+    rescue = save.folder / "tightrope_rescue_run_step2_00001_.safetensors"
+
+    def ctrl_c(done, total, loss):
+        if done == 2:
+            raise KeyboardInterrupt
+    with pytest.warns(UserWarning, match=rf"could not write the LoRA of step 2 to '{save.folder}/sub/run_00001_"
+                                         rf".safetensors' \(No space left on device\); the trained LoRA was kept in "
+                                         rf"'{rescue}' instead"), pytest.raises(KeyboardInterrupt):
+        train(session, 5, device=CPU, save=save, progress=ctrl_c)
+    tensors, meta = read_lora_file(rescue)
+    assert meta["tightrope.steps"] == "2"
+    assert all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
+               for k, v in reference.lora_state.items())
+
+
+def test_save_lora_node_keeps_the_lora_when_its_folder_is_not_writable(out, monkeypatch):
+    session, _, _ = train_node(*world(out), steps=2)
+    _writes_fail_in(monkeypatch, out / "final", errno.EACCES)
+    with pytest.raises(LoraNotSavedError, match=rf"could not write the LoRA of step 2 to '{out}/final/lora_00001_"
+                                                rf".safetensors' \(Permission denied\); the trained LoRA was kept in "
+                                                rf"'{out}/tightrope_rescue_lora_step2_00001_.safetensors' instead .*"
+                                                "make the folder writable"):
+        TightropeSaveLora().save(session, "final/lora")
+    tensors, _ = read_lora_file(out / "tightrope_rescue_lora_step2_00001_.safetensors")
+    assert all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
+               for k, v in session.lora_state.items())
+
+
+def test_with_the_whole_disk_full_the_fallback_goes_to_the_temp_folder(out, monkeypatch, tmp_path):
+    session, _, _ = train_node(*world(out), steps=1)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systemp"))  # gettempdir(): another file system
+    (tmp_path / "systemp").mkdir()
+    _writes_fail_in(monkeypatch, None, all_but=tmp_path / "systemp")
+    with pytest.raises(LoraNotSavedError, match=rf"to '{out}/final/lora_00001_.safetensors' \(No space left on "
+                                                rf"device\); the trained LoRA was kept in '{tmp_path}/systemp/"
+                                                r"tightrope_rescue_lora_step1_00001_.safetensors'"):
+        TightropeSaveLora().save(session, "final/lora")
+    _writes_fail_in(monkeypatch, None, all_but=tmp_path / "nowhere")
+    with pytest.raises(LoraNotSavedError, match=rf"and no copy could be kept in '{out}' \(No space left on device\)"
+                                                rf" or '{tmp_path}/systemp' \(No space left on device\): free disk"):
+        TightropeSaveLora().save(session, "final/lora")
 
 
 def test_out_of_memory_frees_saves_suggests_a_strategy_and_the_process_goes_on(out, monkeypatch):
@@ -130,10 +206,23 @@ def test_out_of_memory_frees_saves_suggests_a_strategy_and_the_process_goes_on(o
     del caught
     gc.collect()
     assert held[0]() is None  # the failed step's tensors were released
-    assert _saved_step(out / "rt", "lora") == (2, 2, True)
+    assert _saved_step(out / "rt", "lora", host.state_dir() / "rt") == (2, 2, True)
     assert_untouched(model.flux, before)
     model.predict = type(model).predict.__get__(model)  # the "GPU" has room again, with a lighter strategy
     host.set_resume(True)
     session, _, _ = train_node(model, dataset, spec, strategy(offload_fraction=1.0, checkpoint="all"), steps=4)
     assert session.step == 4 and len(session.losses) == 4
     assert_untouched(model.flux, before)
+
+
+def test_a_run_removes_the_temp_files_a_killed_run_left(tmp_path):
+    session = demo_session(tmp_path)
+    save = SaveTarget(tmp_path / "out", "sub/run")
+    (save.folder / "sub").mkdir(parents=True)
+    left = save.folder / "sub" / ".run_00003_.safetensors.k9x2_abc.tmp"  # kill -9 while writing: 0 bytes
+    others = [save.folder / "sub" / "notes.tmp", save.folder / "sub" / ".tmpAbC123"]
+    for path in [left, *others]:
+        path.write_bytes(b"")
+        os.utime(path, (time.time() - 60,) * 2)
+    train(session, 1, device=CPU, save=save)
+    assert not left.exists() and all(p.exists() for p in others)

@@ -37,9 +37,9 @@ def test_train_3_interrupt_resume_3_equals_train_6(tmp_path):
     path = state_path(save.folder, save.filename_prefix)
     state, _ = load_state(path)
     assert (state.step, state.run_start, state.run_end) == (3, 0, 6)
-    resumed, run_start = resume_session(path, session, strategy_given=False)
+    resumed, state = resume_session(path, session)
     assert resumed.step == 3 and resumed.losses == whole.losses[:3]
-    done = train(resumed, 3, device=CPU, run_start=run_start)
+    done = train(resumed, 3, device=CPU, run_start=state.run_start)
     assert done.losses == whole.losses  # exactly: data order, noise, dropout, schedule and Adam state carry over
     assert done.lora_state.keys() == whole.lora_state.keys()
     assert all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())
@@ -58,7 +58,7 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         with pytest.raises(KeyboardInterrupt):  # the node ends the prompt as interrupted, after saving
             train_node(model, dataset, spec, strat, **kw)
         assert calls == [(1, 6), (2, 6), (3, 6)]
-        assert load_state(state_path(out, "rt/lora"))[0].step == 3
+        assert load_state(state_path(host.state_dir(), "rt/lora"))[0].step == 3
         monkeypatch.setattr(host, "interrupt_requested", lambda: False)
         calls.clear()
         host.set_resume(True)
@@ -68,7 +68,7 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
         calls.clear()
         again, _, _ = train_node(model, dataset, spec, strat, **kw)  # finished: same outputs, no training
-        assert calls == [] and again.step == 6 and again.losses == whole.losses
+        assert calls == [(6, 6)] and again.step == 6 and again.losses == whole.losses  # its bar shown full, once
 
 
 def test_resume_refuses_other_lora_settings(out, monkeypatch):
@@ -139,12 +139,12 @@ def test_resume_with_changed_settings_or_data_warns_and_goes_on(tmp_path):
     path = state_path(save.folder, "run")
     changed = session.advanced(config=dataclasses.replace(session.config, learning_rate=2e-3))
     with pytest.warns(UserWarning, match=r"changed training settings \(learning_rate: 0.001 -> 0.002\)"):
-        resumed, start = resume_session(path, changed, strategy_given=False)
-    assert resumed.step == 2 and start == 0
+        resumed, state = resume_session(path, changed)
+    assert resumed.step == 2 and state.run_start == 0
     context, pooled = session.dataset.text(0)
     other_data = TrainingDataset.from_tensors([session.dataset.latent(0)], [context], [pooled])
     with pytest.warns(UserWarning, match="different dataset"):
-        resume_session(path, session.advanced(dataset=other_data), strategy_given=False)
+        resume_session(path, session.advanced(dataset=other_data))
 
 
 def test_resume_with_another_global_batch_is_refused(tmp_path):
@@ -155,5 +155,4 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
     path = state_path(tmp_path / "out", "run")
     assert load_state(path)[0].info["layout"] == {"world_size": 1, "global_batch_size": 2}
     with pytest.raises(ConfigError, match="global batch_size of 2 .* set batch_size=2"):
-        resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)),
-                       strategy_given=False)
+        resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)))

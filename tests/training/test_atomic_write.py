@@ -1,12 +1,16 @@
 """Crash-safe safetensors writes and output names that never overwrite and never leave the output folder."""
+import errno
 import os
+import stat
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tightrope.training import atomic_write
-from tightrope.training.atomic_write import atomic_save_file, next_free_path, safe_output_path
+from tightrope.training.atomic_write import (FileWriteError, atomic_save_file, next_free_path,
+                                             remove_stale_temporaries, safe_output_path)
 
 
 def test_write_and_read_back(tmp_path):
@@ -16,25 +20,79 @@ def test_write_and_read_back(tmp_path):
     assert os.listdir(tmp_path / "d") == ["x.safetensors"]
 
 
-@pytest.mark.parametrize("crash_in", ["os.replace", "save_file"])
+@pytest.mark.parametrize("crash_in", ["os.replace", "write"])
 def test_a_crash_keeps_the_previous_file_and_leaves_no_temp(tmp_path, monkeypatch, crash_in):
     path = tmp_path / "x.safetensors"
     atomic_save_file({"a": torch.ones(3)}, path)
     before = path.read_bytes()
 
     def crash(*args, **kwargs):
-        if crash_in == "save_file":  # a half-written temp file, then the crash
-            with open(args[1], "wb") as f:
-                f.write(b"\x00" * 10)
-        raise OSError("disk full")
-    if crash_in == "os.replace":
-        monkeypatch.setattr(atomic_write.os, "replace", crash)
-    else:
-        monkeypatch.setattr(atomic_write, "save_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+        if crash_in == "write":  # half of the file written, then the disk is full
+            os.write(args[0], args[1][:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(*((atomic_write.os, "replace") if crash_in == "os.replace" else (atomic_write, "_write_all")),
+                        crash)
+    with pytest.raises(FileWriteError, match=rf"could not write '{path}' \(No space left on device\): free disk "
+                                             "space there") as caught:
         atomic_save_file({"a": torch.zeros(3)}, path)
+    assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, OSError)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["x.safetensors"]
+
+
+def test_an_unwritable_folder_names_the_file(tmp_path, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(atomic_write.os, "open", denied)  # as root, chmod cannot make a folder unwritable
+    with pytest.raises(FileWriteError, match=r"could not write '.*x.safetensors' \(Permission denied\): make the "
+                                             "folder writable"):
+        atomic_save_file({"a": torch.ones(1)}, tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_files_get_the_mode_of_the_users_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = atomic_save_file({"a": torch.ones(1)}, tmp_path / "x.safetensors")
+        png = tmp_path / "x.png"
+        png.write_bytes(b"")  # any file the user creates, as PIL writes a PNG
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(png.stat().st_mode) == 0o666 & ~umask
+
+
+def test_stale_temporaries_of_killed_writers_are_removed(tmp_path):
+    fcntl = pytest.importorskip("fcntl", reason="POSIX file locks (on Windows an open file cannot be deleted)")
+
+    def make(name, age_s):
+        p = tmp_path / name
+        p.write_bytes(b"")
+        os.utime(p, (time.time() - age_s,) * 2)
+        return p
+    killed = make(".lora_00003_.safetensors.x7k2_q9z.tmp", 60)  # left by kill -9 (the 0-byte file of mkstemp)
+    recent = make(".lora_00004_.safetensors.0a1b2c3d.tmp", 0)  # written since this run started
+    live = make(".lora.state.safetensors.9f8e7d6c.tmp", 60)   # another run is writing it right now
+    foreign = [make(".tmp9Z0HPn", 60), make("notes.tmp", 60), make(".x.safetensors.tmp", 60),
+               make("lora_00001_.safetensors", 60)]
+    with open(live, "rb") as writer:
+        fcntl.flock(writer.fileno(), fcntl.LOCK_EX)  # what atomic_save_file holds while it writes
+        removed = remove_stale_temporaries(tmp_path, older_than=time.time() - 30)
+    assert removed == [killed]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in [recent, live, *foreign])
+    assert remove_stale_temporaries(tmp_path / "missing", older_than=time.time()) == []
+
+
+def test_a_writer_holds_the_lock_that_protects_its_temp_file(tmp_path, monkeypatch):
+    seen = []
+
+    def write_all(fd, data):
+        (tmp,) = tmp_path.glob(".x.safetensors.*.tmp")
+        os.utime(tmp, (0, 0))  # as old as can be: only the lock protects it
+        seen.append(remove_stale_temporaries(tmp_path, older_than=time.time()))
+        os.write(fd, data)
+    monkeypatch.setattr(atomic_write, "_write_all", write_all)
+    path = atomic_save_file({"a": torch.ones(2)}, tmp_path / "x.safetensors")
+    assert seen == [[]] and torch.equal(load_file(path)["a"], torch.ones(2))
 
 
 def test_no_overwrite_mode(tmp_path):

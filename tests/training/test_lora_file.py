@@ -11,6 +11,7 @@ from tiny_flux import flux_inputs, tiny_flux
 from safetensors.torch import save_file
 
 from tightrope.training import lora_file
+from tightrope.training.finite_check import NonFiniteDataError
 from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, lora_parameters, lora_state,
                                      remove_lora)
 from tightrope.training.lora_file import lora_modules_in_file, merge_lora_into, read_lora_file, save_lora
@@ -136,6 +137,25 @@ def test_read_errors_name_the_file(tmp_path):
     (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(LoraError, match=r"'.*broken\.safetensors' could not be read as safetensors.*again"):
         read_lora_file(tmp_path / "broken.safetensors")
+
+
+def test_nan_weights_are_never_saved_and_refused_when_read(tmp_path):
+    spec = LoraSpec(rank=4)
+    model, _ = trained(spec)
+    state = lora_state(model)
+    state[next(iter(state))][0, 0] = float("nan")
+    with pytest.raises(NonFiniteDataError, match=r"the LoRA to save as 'x' holds NaN or infinite values in 1 of "
+                                                 r"\d+ tensors .*it was not saved"):
+        lora_file.save_lora_state(tmp_path, "x", state, spec, metadata={})
+    assert os.listdir(tmp_path) == []
+    path = save_lora(tmp_path, "y", model, spec, metadata={})
+    tensors = read_lora_file(path)[0]
+    tensors[sorted(tensors)[-1]][0, 0] = float("inf")
+    save_file(tensors, path)  # a file from elsewhere, or a run that diverged before this check
+    with pytest.raises(NonFiniteDataError, match=rf"LoRA file '{path}' holds NaN or infinite values in 1 of "
+                                                 rf"{len(tensors)} tensors \(e.g. {sorted(tensors)[-1]}\): .*pick an "
+                                                 "earlier LoRA file"):
+        inject_lora(tiny_flux(), dataclasses.replace(spec, existing_lora=str(path)), "flux")
 
 
 def test_unsupported_keys_are_named():

@@ -1,0 +1,201 @@
+"""Correctness checks for `tightrope bench gpu-check`: the runtime trains exactly like plain PyTorch on the device.
+
+1. Equivalence matrix: the tiny two-stream model of the test suite (tests/helpers/two_stream.py: double and single
+   blocks, keyword inputs, in-place residuals) trained 2 AdamW steps under every strategy, fp32 with TF32 off and
+   evicted slots poisoned with NaN, with the device spelled without and with an index ("cuda" and "cuda:0"; "cpu"
+   and "cpu:0" in the CPU dry run), against the plain-PyTorch run on the CPU. Both spellings must also move the
+   same bytes (a device compared by its spelling once silently switched activation offload off).
+2. The same matrix with `torch.cuda._sleep` queued on the compute stream (before every matmul and attention, in
+   forward, recompute and backward) and on the side streams (on entering every `torch.cuda.stream` context the
+   runtime opens): a missing wait between the streams then reads a slot before its copy lands, or overwrites it
+   while a queued kernel still needs it, and the gradients show it.
+3. The CUDA leak test of the test suite (tests/reliability/test_leaks.py), in its own process.
+The test helpers are imported from the source checkout's tests/helpers (this is a developer's command).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+from xml.etree import ElementTree
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..memory.runtime import MemoryRuntime
+from ..memory.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = ROOT / "tests" / "helpers"
+STEPS = 2
+# fp32 on both sides with TF32 off: only the summation order differs (cuBLAS/SDPA vs CPU kernels), ~1e-6 relative
+# per op over ~20 ops per pass; 1e-4 relative leaves ~5x above that, while a stale or poisoned weight is off by O(1)
+# or NaN. On the CPU dry run the kernels are the same ones: the test suite's 1e-5.
+TOLERANCE = {"cuda": (1e-4, 1e-5), "cpu": (1e-5, 1e-6)}
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms at H100 clocks: far longer than any copy of the tiny model's blocks
+
+
+def two_stream():
+    """tests/helpers/two_stream.py of the checkout (the test suite's model), imported by path."""
+    if not (HELPERS / "two_stream.py").is_file():
+        raise FileNotFoundError(f"{HELPERS / 'two_stream.py'} is missing: run gpu-check from a source checkout")
+    sys.path.insert(0, str(HELPERS))
+    try:
+        import two_stream as module
+    finally:
+        sys.path.remove(str(HELPERS))
+    return module
+
+
+def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
+    """Eager: offload 0 / 0.5 / 1 x checkpoint off / all x activation offload; plus prefetch depth 2 and every-2nd.
+    tiny: three of them that still cover weight streaming with and without checkpointing and activation offload."""
+    out = []
+    for off, ckpt, act in itertools.product((0.0, 0.5, 1.0), ("off", "all"), (False, True)):
+        if act and ckpt == "off":
+            continue  # activation offload only moves checkpointed blocks' inputs: the same run as without
+        out.append((f"off{off:g} ckpt-{ckpt}" + (" actoff" if act else ""),
+                    Strategy(compute_dtype="fp32", offload_fraction=off, checkpoint=ckpt, activation_offload=act)))
+    out.append(("off0.5 ckpt-every2 actoff depth2", Strategy(compute_dtype="fp32", offload_fraction=0.5,
+                                                            checkpoint="every_n", checkpoint_every=2,
+                                                            activation_offload=True, prefetch_depth=2)))
+    return [out[k] for k in (3, 8, 9)] if tiny else out
+
+
+def compiled_matrix(backend: str) -> list[tuple[str, Strategy]]:
+    return [(f"compile@{b:g} off0.5 actoff", Strategy(compute_dtype="fp32", offload_fraction=0.5, compile="per_block",
+                                                       compile_backend=backend, activation_memory_budget=b,
+                                                       activation_offload=True, **ckpt))
+            for b, ckpt in ((1.0, {"checkpoint": "all"}), (0.5, {}))]
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """TF32 off for matmuls and convolutions, restored afterwards."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class _SlowCompute(TorchDispatchMode):
+    """Queues a sleep on the current (compute) stream before every matmul and attention kernel."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if "mm" in name or "scaled_dot_product" in name:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def slow_side_streams() -> Iterator[None]:
+    """Every `torch.cuda.stream(s)` context begins with a sleep queued on s (the runtime's copy streams)."""
+    real = torch.cuda.stream
+
+    @contextlib.contextmanager
+    def slowed(stream):
+        with real(stream):
+            if stream is not None:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            yield
+
+    torch.cuda.stream = slowed
+    try:
+        yield
+    finally:
+        torch.cuda.stream = real
+
+
+INJECTIONS: dict[str, Callable[[], Any]] = {"none": contextlib.nullcontext, "sleep on compute stream": _SlowCompute,
+                                            "sleep on copy streams": slow_side_streams}
+
+
+def run_matrix(device_type: str, configs: list[tuple[str, Strategy]], *, injections: tuple[str, ...] = ("none",),
+               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """One row per (injection, strategy): passed, the largest differences, and the bytes moved per spelling."""
+    ts = two_stream()
+    with exact_fp32():
+        reference = ts.train_steps(ts.make_lora_model(), steps=STEPS)
+        spellings = (device_type, f"{device_type}:0")
+        rows = []
+        for injection in injections:
+            for name, strategy in configs:
+                if injection != "none" and strategy.compile != "off":
+                    continue  # a dispatch mode or patched stream context under the compiler tests the compiler
+                rows.append(_one(ts, reference, name, strategy, spellings, injection, device_type))
+                log(f"  [{'PASS' if rows[-1]['passed'] else 'FAIL'}] {injection}: {name}")
+    return rows
+
+
+def _one(ts, reference, name, strategy, spellings, injection, device_type) -> dict[str, Any]:
+    row: dict[str, Any] = {"check": "equivalence", "injection": injection, "config": name,
+                           "strategy": strategy.to_dict(), "passed": False}
+    t0 = time.perf_counter()
+    try:
+        counters = {}
+        for spelling in spellings:
+            model = ts.make_lora_model()
+            inject = INJECTIONS[injection] if device_type == "cuda" else contextlib.nullcontext
+            with MemoryRuntime(model, strategy, spelling, poison_slots=True, activation_min_bytes=0) as rt, inject():
+                losses, grads = ts.train_steps(model, steps=STEPS, runtime=rt)
+                counters[spelling] = {k: v for k, v in rt.counters().items() if k != "graphs"}  # graphs: global
+            row[f"max_diff[{spelling}]"] = _compare(losses, grads, reference, *TOLERANCE[device_type])
+        first, second = (counters[s] for s in spellings)
+        row["counters"] = counters
+        if first != second:
+            raise AssertionError(f"'{spellings[0]}' and '{spellings[1]}' moved different bytes: {first} vs {second}")
+        if strategy.offload_fraction and not first["h2d_bytes"]:
+            raise AssertionError("offloaded blocks were never streamed in")
+        if strategy.activation_offload and strategy.checkpoint != "off" and not first["d2h_bytes"]:
+            raise AssertionError("activation offload sent nothing to the host")
+        row["passed"] = True
+    except Exception as exc:  # a failed check is a result: the next one still runs
+        row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:2000]}"
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def _compare(losses, grads, reference, rtol: float, atol: float) -> float:
+    """Largest |difference| over losses and gradients; raises AssertionError beyond the tolerance."""
+    ref_losses, ref_grads = reference
+    worst = 0.0
+    pairs = [(torch.tensor(losses), torch.tensor(ref_losses), "loss")]
+    pairs += [(g[k].cpu(), rg[k], f"step {s} grad {k}") for s, (g, rg) in enumerate(zip(grads, ref_grads)) for k in rg]
+    for got, want, what in pairs:
+        if not torch.isfinite(got).all():
+            raise AssertionError(f"{what} is not finite (a poisoned slot was read)")
+        worst = max(worst, float((got - want).abs().max()))
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, w=what: f"{w}: {m}")
+    return worst
+
+
+def run_leak_test(device_type: str, folder: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """tests/reliability/test_leaks.py's CUDA test in a fresh process (on the CPU dry run: its baseline test). It
+    passes only if the test ran and passed (a skip is a failure here); pytest's junit XML says which."""
+    test = ROOT / "tests" / "reliability" / "test_leaks.py"
+    select = "ten_runs_keep_cuda_memory_flat" if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
+    report = (folder / "leak-test.xml").resolve()  # the test runs from the checkout's root
+    cmd = [sys.executable, "-m", "pytest", str(test), "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
+    t0 = time.perf_counter()
+    counts: dict[str, int] = {}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        out = (proc.stdout + proc.stderr).strip()
+        suite = ElementTree.parse(report).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        passed = proc.returncode == 0 and counts["tests"] == 1 and not any(
+            counts[k] for k in ("failures", "errors", "skipped"))
+    except subprocess.TimeoutExpired:
+        out, passed = f"timed out after {timeout_s:.0f} s", False
+    except (OSError, ElementTree.ParseError) as exc:
+        out, passed = f"no test report ({exc})", False
+    return {"check": "leak test", "config": select, "passed": passed, "counts": counts, "output": out[-3000:],
+            "wall_s": time.perf_counter() - t0}

@@ -1,0 +1,130 @@
+"""`tightrope bench gpu-check` (`make gpu-check`): is the CUDA path correct, and what does the headline run cost?
+
+In order (a section that crashes is recorded and the next one runs; see bench/gpu_run.py for the folder and exit):
+  1. the equivalence matrix on the device against the CPU (bench/cuda_checks.py);
+  2. the same with sleeps injected on the compute stream and on the copy streams (ordering bugs);
+  3. the CUDA leak test;
+  4. the headline: a Flux-dev-shaped model (random bf16 weights made on the machine, rank-16 LoRA) at 2048 px,
+     batch 1: offload 0.9 + activation offload + checkpoint all; offload 1.0 (likewise); and their offload-0 twin,
+     whose compute gives the bound max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others.
+About 5-7 minutes on one H100. `--tiny` runs three strategies of the matrix and 4 on the tiny model at 64 px;
+with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu"/"cpu:0".
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+import torch
+
+from ..memory.probe import measure_h2d_bandwidth
+from ..memory.strategy import Strategy
+from . import cuda_checks
+from .grid import BenchConfig, with_references
+from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse, resolve_device
+from .measure import add_bounds, run_config
+from .models import build_bench_model
+
+HEADLINE = {"model": "flux-dev", "resolution": 2048, "batch": 1, "warmup": 1, "steps": 2}
+TINY = {"model": "tiny", "resolution": 64, "batch": 1, "warmup": 0, "steps": 1}
+PEAK_TARGET = "<= 4.0 GB first, aim 3.0 (Stagehand: 4.15 GB on an RTX 3090)"
+RATIO_TARGET = "<= 1.15"
+
+
+def headline_configs(device_type: str, resolution: int, batch: int) -> list[BenchConfig]:
+    base = Strategy(compute_dtype="bf16" if device_type == "cuda" else "fp32", checkpoint="all",
+                    activation_offload=True)
+    return with_references([BenchConfig(base.replace(offload_fraction=0.9), batch, resolution),
+                            BenchConfig(base.replace(offload_fraction=1.0), batch, resolution)])
+
+
+def main(argv: list[str] | None = None, log=print) -> int:
+    args = parse("gpu-check", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
+    if args.device == "cuda":
+        line = no_cuda_line("gpu-check")
+        if line:
+            log(line)
+            return 0
+    device = resolve_device(args.device)
+    with one_cpu_thread(device):
+        return _run(Run("gpu-check", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
+
+
+def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
+    configs = cuda_checks.matrix(tiny=tiny)
+    compiled = cuda_checks.compiled_matrix("inductor" if device.type == "cuda" else "aot_eager_decomp_partition")
+    compiled = compiled if device.type == "cuda" else []  # CPU dry run: the test suite compiles on CPU already
+    equivalence = run.section("equivalence", lambda: cuda_checks.run_matrix(device.type, configs + compiled, log=log))
+    _summarise_matrix(run, "equivalence matrix vs CPU", equivalence)
+    ordering = run.section("stream_ordering", lambda: cuda_checks.run_matrix(
+        device.type, configs if device.type == "cuda" else configs[:1],
+        injections=("sleep on compute stream", "sleep on copy streams"), log=log))
+    _summarise_matrix(run, "with injected stream sleeps", ordering)
+    leak = run.section("leak_test", lambda: cuda_checks.run_leak_test(device.type, run.folder))
+    if isinstance(leak, dict) and "passed" in leak:
+        run.add(f"leak test ({leak['config']})", "passed" if leak["passed"] else leak["output"][-200:], "flat",
+                leak["passed"])
+    spec = TINY if tiny else HEADLINE
+    headline = run.section("headline", lambda: _headline(device, spec, log))
+    if isinstance(headline, dict) and "configs" in headline:
+        _summarise_headline(run, headline)
+    return run.finish()
+
+
+def _summarise_matrix(run: Run, what: str, rows: Any) -> None:
+    if not isinstance(rows, list):
+        return  # the section crashed: already in the summary
+    failed = [r for r in rows if not r["passed"]]
+    run.add(what, f"{len(rows) - len(failed)}/{len(rows)} configurations match", "all", not failed)
+    for r in failed:
+        run.add(f"  {r['injection']}: {r['config']}", r.get("error", "")[:160], "match", False)
+
+
+def _headline(device: torch.device, spec: dict, log) -> dict[str, Any]:
+    log(f"building {spec['model']} (random weights) ...")
+    bench = build_bench_model(spec["model"])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the build's random draws leave cached blocks behind
+    bandwidth = measure_h2d_bandwidth(device)
+    records = []
+    try:
+        configs = headline_configs(device.type, spec["resolution"], spec["batch"])
+        for cfg in configs:  # the offload-0 twin (the most memory) comes last
+            records.append(run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"]))
+            r = records[-1]
+            log(f"  {cfg.name}: " + ("OOM" if r.get("oom") else f"{r['step_s']:.3g} s/step, peak reserved "
+                                    f"{gib(r['peak_reserved_bytes'])}"))
+        add_bounds(records, bandwidth)
+    finally:
+        del bench
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"model": spec["model"], "resolution": spec["resolution"], "batch": spec["batch"],
+            "h2d_bytes_per_s": bandwidth, "configs": records}
+
+
+def _summarise_headline(run: Run, headline: dict) -> None:
+    px = f"{headline['model']} {headline['resolution']} px"
+    for r in headline["configs"]:
+        off = r["strategy"]["offload_fraction"]
+        if r.get("oom"):
+            run.add(f"{px} {r['label']}", f"out of memory: {r.get('error', '')[:100]}", PEAK_TARGET if off == 0.9
+                    else "")
+            continue
+        memory = (f"reserved {gib(r['peak_reserved_bytes'])} ({r['peak_reserved_bytes'] / 1e9:.2f} GB), allocated "
+                  f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}"
+                  if r["peak_reserved_bytes"] else "not measured (CPU)")
+        run.add(f"{px} {r['label']}: peak", memory, PEAK_TARGET if off == 0.9 else "")
+        if off:
+            ratio = r.get("bound_ratio")
+            run.add(f"{px} {r['label']}: step / bound", f"{r['step_s']:.3g} s / {r['bound_s']:.3g} s = {ratio:.2f}"
+                    if ratio else f"{r['step_s']:.3g} s (no bound)", RATIO_TARGET)
+        else:
+            run.add(f"{px} {r['label']}: compute (offload-0 twin)", f"{r['step_s']:.3g} s/step (fwd {r['fwd_s']:.3g}"
+                    f", bwd {r['bwd_s']:.3g}, optimizer {r['opt_s']:.3g})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Polite stops of `tightrope run` handled like Ctrl-C: the Train node saves the LoRA and training state of the last
+completed step, and the process exits with a message and 128 + the signal's number.
+
+    SIGTERM   docker stop, systemd, Kubernetes, SLURM at the time limit or on preemption        exit 143
+    SIGHUP    the terminal or SSH session closed                                                 exit 129
+    SIGUSR1   SLURM's `--signal=USR1@<seconds>` warning before the time limit (its default
+              action would kill the process with nothing saved)                                  exit 138
+    SIGINT    Ctrl-C: Python's own KeyboardInterrupt                                             exit 130
+
+The handler raises StopSignal (a KeyboardInterrupt) in the main thread, exactly where Ctrl-C would: everything that
+saves on Ctrl-C saves on these. A second polite signal while that save runs is ignored (with a note), so the save is
+not cut short; SIGKILL, which always follows after the grace period, cannot be caught. Handlers are installed only
+by the CLI, for the duration of a run, only from the main thread (Python allows no other), and the previous ones are
+restored after; ComfyUI, which has its own, never gets them.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from typing import Iterator
+
+_POLITE = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, name))
+EXIT_CTRL_C = 128 + signal.SIGINT
+
+
+class StopSignal(KeyboardInterrupt):
+    """A polite stop signal, raised like Ctrl-C's KeyboardInterrupt."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def polite_stops() -> Iterator[None]:
+    """Within this block, SIGTERM/SIGHUP/SIGUSR1 raise StopSignal in the main thread; outside the main thread, a
+    no-op (signal handlers can only be set there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping = []
+
+    def handler(signum, _frame):
+        if stopping:  # the first stop is saving the last completed step: let it finish
+            print(f"\n{signal.Signals(signum).name} again: still saving the last completed step, then exiting",
+                  file=sys.stderr, flush=True)
+            return
+        stopping.append(signum)
+        raise StopSignal(signum)
+
+    previous = {s: signal.signal(s, handler) for s in _POLITE}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def report_stop(stop: KeyboardInterrupt) -> int:
+    """Print what a stop (Ctrl-C or a polite signal) kept and how to go on; returns the exit code, 128 + signal."""
+    how = str(stop) if isinstance(stop, StopSignal) else "interrupted (Ctrl-C)"
+    print(f"\n{how}; Train nodes saved their last completed step: run again with --resume to continue from it",
+          file=sys.stderr)
+    return 128 + stop.signum if isinstance(stop, StopSignal) else EXIT_CTRL_C

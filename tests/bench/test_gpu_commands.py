@@ -1,0 +1,97 @@
+"""`make gpu-check` / `make gpu-bench`: without CUDA one line and exit 0; the CPU dry run (`--device cpu --tiny`)
+runs the same orchestration on tiny models and writes everything the GPU run writes."""
+import json
+
+import pytest
+import torch
+
+from tightrope.bench import gpu_bench, gpu_check
+from tightrope.bench.cli import main as bench_main
+from tightrope.bench.measure import fits
+from tightrope.memory.layer_offload import LayerOffload, in_backward
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real run applies")
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("command", ["gpu-check", "gpu-bench"])
+def test_without_cuda_it_says_so_in_one_line_and_exits_0(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPU_CHECK_OUT", raising=False)
+    assert bench_main([command]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"{command}: no CUDA device here (torch {torch.__version__}")
+    assert not any(tmp_path.iterdir())  # no results folder for a run that did not happen
+
+
+@pytest.mark.parametrize("main", [gpu_check.main, gpu_bench.main])
+def test_cpu_needs_tiny(main, capsys):
+    with pytest.raises(SystemExit) as exit_request:
+        main(["--device", "cpu"])
+    assert exit_request.value.code == 2 and "--device cpu runs only as a dry run: add --tiny" in capsys.readouterr().err
+
+
+def _dry(main, tmp_path):
+    lines = []
+    rc = main(["--device", "cpu", "--tiny", "--out", str(tmp_path)], log=lines.append)
+    name = "gpu-check" if main is gpu_check.main else "gpu-bench"
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    table = (tmp_path / f"{name}.md").read_text()
+    assert lines[-1] == table.rstrip("\n")  # the summary printed is the one written
+    assert {"device", "device_name", "torch", "cuda", "date"} <= set(data["meta"])
+    assert data["meta"]["torch"] == torch.__version__ and data["meta"]["device"] == "cpu"
+    failed = [s for s in data["summary"] if s["passed"] is False]
+    assert rc == (1 if failed else 0) and ("FAILED" in table) == bool(failed)
+    for s in data["summary"]:
+        assert f"| {s['what']} |" in table
+    return rc, data
+
+
+def test_gpu_check_dry_run(tmp_path):
+    rc, data = _dry(gpu_check.main, tmp_path)
+    assert rc == 0, data["summary"]  # every check passes, both device spellings included (defect 1)
+    sections = data["sections"]
+    equivalence, ordering = sections["equivalence"], sections["stream_ordering"]
+    assert [r["config"] for r in equivalence] == ["off0.5 ckpt-off", "off1 ckpt-all actoff",
+                                                  "off0.5 ckpt-every2 actoff depth2"]
+    assert all("max_diff[cpu]" in r for r in equivalence + ordering)  # the plain spelling matched the reference
+    assert [r["injection"] for r in ordering] == ["sleep on compute stream", "sleep on copy streams"]
+    assert sections["leak_test"]["passed"] and sections["leak_test"]["counts"]["tests"] == 1
+    headline = sections["headline"]["configs"]
+    assert [r["strategy"]["offload_fraction"] for r in headline] == [0.9, 1.0, 0.0]
+    assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
+    assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
+
+
+def test_gpu_check_fails_on_a_broken_schedule(tmp_path, monkeypatch):
+    """Negative control: a conductor that forgets to reload blocks in backward fails the check and the exit code."""
+    real_load = LayerOffload.load
+
+    def forgetful_load(self, index):
+        if in_backward() and index in self.layouts and index not in self.resident:
+            return
+        real_load(self, index)
+
+    monkeypatch.setattr(LayerOffload, "load", forgetful_load)
+    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.slots[0].view(ref.dtype).as_strided(
+        ref.shape, ref.stride, ref.offset))  # saved weights read from whatever slot 0 holds
+    monkeypatch.setattr(gpu_check, "_headline", lambda *a: {"skipped": "negative control"})
+    monkeypatch.setattr(gpu_check.cuda_checks, "run_leak_test", lambda *a: {"skipped": "negative control"})
+    lines = []
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)], log=lines.append) == 1
+    rows = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]["equivalence"]
+    broken = next(r for r in rows if r["config"] == "off0.5 ckpt-off")
+    assert not broken["passed"] and "max_diff[cpu]" not in broken  # the plain spelling fails the comparison
+    assert "| FAIL |" in lines[-1]
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    rc, data = _dry(gpu_bench.main, tmp_path)
+    sections = data["sections"]
+    assert sections["bandwidth"]["pinned"] > 0 and sections["bandwidth"]["pageable"] > 0
+    plans = sections["planner"]["plans"]
+    assert len(plans) == 2 and all(p["predicted_peak_bytes"] <= p["budget_bytes"] for p in plans)
+    assert all(p["measured"]["step_s"] > 0 and p["predicted_bound_s"] > 0 for p in plans)
+    compiled = sections["compile"]
+    assert compiled["speedup"] > 0 and compiled["compiled"]["strategy"]["compile"] == "per_block"
+    assert rc == 0

@@ -1,0 +1,78 @@
+"""Per-block compile: stable graphs across steps, no eager fallback, and mode options in the backward too."""
+import torch
+from two_stream import make_lora_model, train_steps
+
+from tightrope.memory import block_compile
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy
+
+
+def _counting_backends(monkeypatch):
+    """Make the runtime's compiled graphs count their forward runs (a fallback to eager would not count)."""
+    calls = [0]
+    real_lookup = torch._dynamo.lookup_backend
+
+    def lookup(name):
+        compiler = real_lookup(name)
+
+        def backend(gm, example_inputs):
+            compiled = compiler(gm, example_inputs)
+
+            def run(*args):
+                calls[0] += 1
+                return compiled(*args)
+            return run
+        return backend
+
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lookup)
+    return calls
+
+
+def test_graphs_stay_put_and_every_block_runs_compiled(monkeypatch):
+    """More blocks of one type than dynamo's recompile limit (8): a per-instance guard would recompile each block
+    and, past the limit, run the rest eagerly; neither may happen, in step 1 or later steps."""
+    calls = _counting_backends(monkeypatch)
+    n_double, n_single = 9, 1
+    assert n_double > torch._dynamo.config.recompile_limit
+    model = make_lora_model(n_double=n_double, n_single=n_single)
+    strategy = Strategy(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                        activation_memory_budget=0.5, offload_fraction=0.5, activation_offload=True)
+    graphs, runs = [], []
+    with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) as rt:
+        for _ in range(2):
+            before = calls[0]
+            train_steps(model, steps=1, runtime=rt)
+            graphs.append(rt.counters()["graphs"])
+            runs.append(calls[0] - before)
+    assert graphs[0] == graphs[1], f"graphs compiled after steps 1 and 2: {graphs}"
+    assert runs == [n_double + n_single] * 2, f"compiled block runs per step: {runs}"
+
+
+def test_compile_mode_options_reach_the_backward(monkeypatch):
+    """AOTAutograd compiles the backward lazily, at the first backward: the mode's inductor options must be in
+    force then too, not only while the forward compiles."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.config as inductor_config
+    seen = []
+    real_inner = compile_fx._compile_fx_inner
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append((kwargs.get("is_backward"), inductor_config.size_asserts))
+        return real_inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    monkeypatch.setattr(compile_fx, "_compile_fx_inner", spy)
+    # a stand-in mode whose one option is cheap to compile and easy to read back (the default is True)
+    monkeypatch.setattr(torch._inductor, "list_mode_options", lambda mode: {"size_asserts": False})
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no worker pool to start: seconds, not a minute
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cache hit would skip the compile we watch
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    model = make_lora_model(n_double=0, n_single=1)
+    strategy = Strategy(compile="per_block", compile_mode="max-autotune-no-cudagraphs", compute_dtype="fp32",
+                        block_lists=("single_blocks",))
+    with MemoryRuntime(model, strategy, "cpu"):
+        train_steps(model, steps=1)
+    assert inductor_config.size_asserts, "the option leaked out of the compile"
+    assert sorted(seen) == [(False, False), (True, False)], f"(is_backward, size_asserts) per compile: {seen}"

@@ -1,0 +1,223 @@
+"""Resume of chained Train nodes, as in workflows/demo.json (node 7 trains, its session feeds node 8, both with one
+filename_prefix): a stop at any step of either node, then --resume, gives the uninterrupted run's LoRA bit for bit
+(CPU fp32); a finished run resumes to "nothing to do"; each node's state file names its node and run."""
+import contextlib
+import json
+import shutil
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from reliability_kit import dataset_inputs, train_node, widgets, world
+from safetensors.torch import load_file
+
+from tightrope import cli
+from tightrope.nodes import host
+from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+from tightrope.training import trainer, training_run
+from tightrope.training.resume_state import ResumeError, load_state, session_digest, state_path
+
+A, B = 3, 3  # steps of nodes 7 and 8; save_every=2: node 7 saves at step 2 and ends at 3, node 8 saves at 4 and 6
+SHARED = dict(save_every=2, filename_prefix="rt/chain")
+NODE_7 = dict(steps=A, schedule="constant", warmup_steps=2, unique_id="7")
+NODE_8 = dict(steps=B, schedule="cosine", learning_rate=2e-3, unique_id="8")  # another schedule and rate than 7
+
+
+def _chain(model, dataset, spec, strat, node_7=NODE_7, node_8=NODE_8):
+    with torch.inference_mode():  # as ComfyUI and the headless runner call nodes
+        first = train_node(model, dataset, spec, strat, **SHARED, **node_7)
+        second = train_node(session=first[0], **SHARED, **node_8)
+    return first, second
+
+
+def _state(node):
+    path = state_path(host.state_dir(), SHARED["filename_prefix"], node)
+    return load_state(path)[0] if path.is_file() else None
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@contextlib.contextmanager
+def _no_resume_warnings():
+    """Nothing changed between the runs: no "changed training settings", "another run" or other state warning."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        yield
+    assert [str(w.message) for w in seen if "state" in str(w.message) or "resum" in str(w.message)] == []
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The demo world and the uninterrupted chain's outputs, state files kept in `states`."""
+    out = tmp_path_factory.mktemp("whole")
+    host.set_headless_output_dir(out)
+    try:
+        parts = world(out)
+        first, second = _chain(*parts)
+    finally:
+        host._headless_output = None
+    return parts, first, second, out / ".tightrope_state"
+
+
+def _stop_at(monkeypatch, step: int, kill: bool) -> None:
+    """Ctrl-C after global step `step` (the trainer saves it), or a kill -9 there (nothing saved at the stop)."""
+    offsets = iter([0, A])  # the global step each node's progress bar starts from; the nodes run in order
+
+    def reporter(total):
+        offset = next(offsets)
+
+        def progress(done, _total, _loss):
+            if offset + done == step:
+                raise KeyboardInterrupt
+        return progress
+    monkeypatch.setattr(host, "progress_reporter", reporter)
+    if kill:
+        monkeypatch.setattr(trainer, "_save_after_failure", lambda *args: None)
+
+
+# (how, global step of the stop, step of node 7's and node 8's state file left on disk)
+STOPS = [("ctrl_c", 2, 2, None),   # in node 7, at one of its saves
+         ("ctrl_c", 5, A, 5),      # in node 8, between its saves
+         ("kill", 3, 2, None),     # in node 7 one step after its save: its state is older than the stop
+         ("kill", 4, A, None),     # node 8's first step: it has no state, node 7's is of its finished run
+         ("kill", 5, A, 4)]        # in node 8 right after its save
+
+
+@pytest.mark.parametrize("how, step, state_7, state_8", STOPS, ids=[f"{s[0]}-at-{s[1]}" for s in STOPS])
+def test_a_stop_at_any_step_of_a_chain_resumes_to_the_uninterrupted_lora(built, out, monkeypatch, how, step,
+                                                                         state_7, state_8):
+    parts, _, (whole, _, _), _ = built
+    with monkeypatch.context() as m:
+        _stop_at(m, step, kill=how == "kill")
+        with pytest.raises(KeyboardInterrupt):
+            _chain(*parts)
+    assert (_state("7").step, getattr(_state("8"), "step", None)) == (state_7, state_8)
+    host.set_resume(True)
+    with _no_resume_warnings():
+        _, (resumed, _, _) = _chain(*parts)
+    assert resumed.step == A + B and resumed.losses == whole.losses  # exactly: every step's loss
+    assert _equal(resumed.lora_state, whole.lora_state)
+    for k, v in whole.optimizer_state["state"].items():
+        assert _equal(resumed.optimizer_state["state"][k], v)
+
+
+def test_a_finished_chain_resumes_to_its_outputs_without_training(built, out, monkeypatch, capsys):
+    parts, first, second, states = built
+    shutil.copytree(states, host.state_dir())
+    calls = []
+    monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
+    host.set_resume(True)
+    with _no_resume_warnings():
+        again_first, again_second = _chain(*parts)
+    assert calls == []  # no step trained
+    for was, now in ((first, again_first), (second, again_second)):
+        assert now[2] == was[2]  # the same report
+        session, original = now[0], was[0]
+        assert (session.step, session.losses, session.stats, session.saved, session.strategy) == \
+            (original.step, original.losses, original.stats, original.saved, original.strategy)
+        assert _equal(session.lora_state, original.lora_state)
+    err = capsys.readouterr().err
+    assert "Train node 7 had finished (step 3" in err and "Train node 8 had finished (step 6" in err
+    assert err.count("nothing to do") == 2
+
+
+def test_each_state_file_names_its_node_and_the_session_it_started_from(built):
+    _, (first, _, _), _, states = built
+    owner_7 = load_state(state_path(states, "rt/chain", "7"))[0].info["owner"]
+    owner_8 = load_state(state_path(states, "rt/chain", "8"))[0].info["owner"]
+    new_lora = session_digest(SimpleNamespace(step=0, lora_state=None))
+    assert owner_7 == {"node": "7", "input_step": 0, "input": new_lora, "note": ""}
+    assert owner_8 == {"node": "8", "input_step": A, "input": session_digest(first), "note": ""}
+
+
+def test_a_state_file_of_another_node_is_refused(built, out):
+    parts, _, _, states = built
+    (host.state_dir() / "rt").mkdir(parents=True)
+    shutil.copy(state_path(states, "rt/chain", "7"), state_path(host.state_dir(), "rt/chain", "7"))
+    shutil.copy(state_path(states, "rt/chain", "7"), state_path(host.state_dir(), "rt/chain", "8"))  # renamed
+    host.set_resume(True)
+    with pytest.raises(ResumeError, match=r"chain\.node-8\.state\.safetensors' belongs to node 7, not to this node "
+                                          r"8: it must not be resumed here; delete it"):
+        _chain(*parts)
+
+
+def test_a_state_file_of_another_run_of_the_node_is_ignored_with_a_warning(built, out):
+    """Node 8's state is of a run whose node 7 trained other weights (here: another learning rate): node 8 must
+    train from what node 7 gives now, not go on from the old run."""
+    parts, _, (whole, _, _), states = built
+    (host.state_dir() / "rt").mkdir(parents=True)
+    shutil.copy(state_path(states, "rt/chain", "8"), state_path(host.state_dir(), "rt/chain", "8"))
+    host.set_resume(True)
+    with pytest.warns(UserWarning, match=r"chain\.node-8\.state\.safetensors' was saved by another run of this node: "
+                                         r"it went on from a session of step 3 with other LoRA weights, not from the "
+                                         r"session of step 3 this node gets now .*: it is ignored; this node trains "
+                                         r"from its input"):
+        (first, _, _), (second, _, _) = _chain(*parts, node_7=NODE_7 | {"learning_rate": 3e-3})
+    assert second.step == A + B and second.losses[:A] == first.losses and second.losses != whole.losses
+    assert _state("8").info["owner"]["input"] == session_digest(first)
+
+
+def test_resume_with_a_changed_setting_warns_for_that_node_only(built, out, monkeypatch):
+    parts, _, _, _ = built
+    with monkeypatch.context() as m:
+        _stop_at(m, 5, kill=False)
+        with pytest.raises(KeyboardInterrupt):
+            _chain(*parts)
+    host.set_resume(True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _chain(*parts, node_8=NODE_8 | {"learning_rate": 3e-3})
+    changed = [str(w.message) for w in seen if "changed training settings" in str(w.message)]
+    assert len(changed) == 1 and "chain.node-8.state" in changed[0] and "(learning_rate: 0.002 -> 0.003)" in changed[0]
+
+
+def _api_chain() -> dict:
+    d = {k: v for k, v in dataset_inputs(folder="x").items() if k not in ("vae", "clip", "folder")}
+    strat = {k: v[1]["default"] for k, v in TightropeMemoryStrategy.INPUT_TYPES()["required"].items()}
+    train = widgets(**SHARED)
+    return {
+        "1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}},
+        "2": {"class_type": "TightropeDemoEncoders", "inputs": {"seed": 0}},
+        "3": {"class_type": "TightropeDemoImages", "inputs": {"subfolder": "imgs", "count": 4, "size": 32, "seed": 0}},
+        "4": {"class_type": "TightropeLoadDataset", "inputs": d | {"folder": ["3", 0], "vae": ["2", 0],
+                                                                   "clip": ["2", 1]}},
+        "5": {"class_type": "TightropeLoraSetup", "inputs": {"rank": 4, "alpha": 4.0, "rslora": False, "dropout": 0.0,
+                                                             "targets": "attention", "init": "default"}},
+        "6": {"class_type": "TightropeMemoryStrategy", "inputs": strat | {"compute_dtype": "fp32"}},
+        "7": {"class_type": "TightropeTrain", "inputs": train | {k: v for k, v in NODE_7.items() if k != "unique_id"}
+              | {"model": ["1", 0], "dataset": ["4", 0], "lora": ["5", 0], "strategy": ["6", 0]}},
+        "8": {"class_type": "TightropeTrain", "inputs": train | {k: v for k, v in NODE_8.items() if k != "unique_id"}
+              | {"session": ["7", 0]}},
+        "9": {"class_type": "TightropeSaveLora", "inputs": {"session": ["8", 0], "filename_prefix": "rt/final"}},
+    }
+
+
+def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, capsys):
+    """Through `tightrope run`, which gives each Train node its id: exact after a stop in node 8, then "nothing to
+    do" on a finished run (no step trained, the same LoRA saved again)."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_chain()))
+
+    def run(folder, *extra):
+        return cli.main(["run", str(path), "--output-dir", str(tmp_path / folder), *extra])
+    try:
+        assert run("whole") == 0
+        with monkeypatch.context() as m:
+            _stop_at(m, 5, kill=False)
+            assert run("cut") == 130
+        with _no_resume_warnings():
+            assert run("cut", "--resume") == 0
+        capsys.readouterr()
+        calls = []
+        monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
+        assert run("cut", "--resume") == 0 and calls == []
+        assert capsys.readouterr().err.count("nothing to do") == 2
+    finally:
+        host._headless_output = None
+        host.set_resume(False)
+    whole = load_file(tmp_path / "whole" / "rt" / "final_00001_.safetensors")
+    for name in ("final_00001_", "final_00002_"):  # after the resume, and after the resume of the finished run
+        assert _equal(load_file(tmp_path / "cut" / "rt" / f"{name}.safetensors"), whole)

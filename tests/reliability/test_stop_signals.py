@@ -1,0 +1,117 @@
+"""SIGTERM (docker stop, systemd, Kubernetes, SLURM), SIGHUP and SIGUSR1 stop `tightrope run` like Ctrl-C: the Train
+node saves the LoRA and training state of the last completed step, and the process exits with 128 + the signal."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tightrope.headless.stop_signals import StopSignal, polite_stops, report_stop
+from tightrope.training.lora_file import read_lora_file
+from tightrope.training.resume_state import load_state
+
+WORKFLOW = {  # the embedded demo, far more steps than the test waits for, no periodic save
+    "1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}},
+    "2": {"class_type": "TightropeDemoEncoders", "inputs": {"seed": 0}},
+    "3": {"class_type": "TightropeDemoImages", "inputs": {"subfolder": "images", "count": 4, "size": 32, "seed": 0}},
+    "4": {"class_type": "TightropeLoadDataset",
+          "inputs": {"folder": ["3", 0], "vae": ["2", 0], "clip": ["2", 1], "resolution": 32, "caption_dropout": 0.0,
+                     "use_repeats": True, "strict": True}},
+    "5": {"class_type": "TightropeLoraSetup",
+          "inputs": {"rank": 4, "alpha": 4.0, "rslora": False, "dropout": 0.0, "targets": "attention",
+                     "init": "default", "target_regex": "", "existing_lora": ""}},
+    "6": {"class_type": "TightropeTrain",
+          "inputs": {"steps": 100_000, "learning_rate": 1e-3, "optimizer": "adamw", "schedule": "constant",
+                     "warmup_steps": 0, "batch_size": 2, "grad_accumulation": 1, "seed": 0,
+                     "timestep_sampling": "logit_normal", "timestep_shift": 1.0, "guidance": 1.0, "save_every": 0,
+                     "filename_prefix": "sig/lora", "device": "cpu", "on_nonfinite": "stop", "model": ["1", 0],
+                     "dataset": ["4", 0], "lora": ["5", 0]}},
+    "7": {"class_type": "TightropeSaveLora", "inputs": {"session": ["6", 0], "filename_prefix": "sig/final"}},
+}
+
+
+def _stderr_reader(proc):
+    """All of the process's stderr so far (tqdm redraws its bar with '\\r', so read bytes, not lines)."""
+    chunks = []
+
+    def read():
+        while data := os.read(proc.stderr.fileno(), 4096):
+            chunks.append(data)
+    threading.Thread(target=read, daemon=True).start()
+    return lambda: b"".join(chunks).decode(errors="replace")
+
+
+def test_sigterm_mid_training_saves_the_last_completed_step_and_exits_143(tmp_path):
+    workflow, out = tmp_path / "w.json", tmp_path / "out"
+    workflow.write_text(json.dumps(WORKFLOW))
+    proc = subprocess.Popen([sys.executable, "-m", "tightrope", "run", str(workflow), "--output-dir", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, umask=0o022,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    try:
+        stderr = _stderr_reader(proc)
+        deadline = time.monotonic() + 120
+        while max(map(int, re.findall(r"(\d+)/100000", stderr())), default=0) < 2:  # two steps done
+            assert proc.poll() is None and time.monotonic() < deadline, stderr()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 143, stderr()
+    assert "stopped by SIGTERM; Train nodes saved their last completed step: run again with --resume" in stderr()
+    assert "Traceback" not in stderr()
+    (lora_file,) = (out / "sig").glob("lora_*_.safetensors")
+    (state_file,) = out.rglob("*.state.safetensors")
+    tensors, meta = read_lora_file(lora_file)
+    state, _ = load_state(state_file)
+    assert int(meta["tightrope.steps"]) == state.step >= 2
+    assert all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
+               for k, v in state.lora_state.items())
+    for path in (lora_file, state_file):  # the user's umask, like every other file they create
+        assert path.stat().st_mode & 0o777 == 0o644
+    assert not list(out.rglob("*.tmp")) and not (out / "sig" / "final_00001_.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGUSR1"])
+def test_each_polite_signal_raises_a_stop_and_the_handlers_are_restored(name):
+    signum = getattr(signal, name)
+    before = signal.getsignal(signum)
+    with pytest.raises(StopSignal, match=f"stopped by {name}") as caught, polite_stops():
+        signal.raise_signal(signum)
+        time.sleep(1)  # the handler runs at the next bytecode; never reached
+    assert isinstance(caught.value, KeyboardInterrupt) and signal.getsignal(signum) is before
+    assert report_stop(caught.value) == 128 + signum
+
+
+def test_a_second_signal_does_not_cut_the_save_short(capsys):
+    saved = []
+    with pytest.raises(StopSignal), polite_stops():
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        finally:  # the Train node saving after the first stop: a second SIGTERM arrives meanwhile
+            signal.raise_signal(signal.SIGTERM)
+            saved.append(True)
+    assert saved == [True] and "SIGTERM again: still saving the last completed step" in capsys.readouterr().err
+
+
+def test_no_handlers_outside_the_main_thread():
+    before, seen = signal.getsignal(signal.SIGTERM), []
+
+    def run():
+        with polite_stops():
+            seen.append(signal.getsignal(signal.SIGTERM))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [before]
+
+
+def test_ctrl_c_still_exits_130():
+    assert report_stop(KeyboardInterrupt()) == 130

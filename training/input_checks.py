@@ -1,0 +1,63 @@
+"""Checks of node inputs that need no training: output file names and folders, a LoRA to continue from.
+
+Each raises the error the node would raise when it runs, naming the input and the fix. The nodes' VALIDATE_INPUTS
+call them before anything runs (at queue time in ComfyUI, before the first node headless), and the nodes call them
+again when they run, so a problem in the last node of a chain is found before the first training step.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+
+from .atomic_write import safe_output_path
+from .lora import resolve_existing_lora
+from .lora_targets import LoraError
+from .train_config import ConfigError
+
+
+class OutputPathError(ConfigError):
+    """A file name or output folder cannot be written; the message names the input and the fix."""
+
+
+def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:
+    """`folder`/`filename_prefix` (see safe_output_path), once its folder is known to be creatable and writable."""
+    try:
+        target = safe_output_path(folder, filename_prefix)
+    except ValueError as e:
+        raise OutputPathError(str(e)) from None
+    check_writable_folder(target.parent, f"filename_prefix={filename_prefix!r}")
+    return target
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
+    """`folder` exists and is writable, or its nearest existing parent is a folder this user may create it in."""
+    folder = Path(folder)
+    existing = folder
+    while not os.path.exists(existing) and existing.parent != existing:  # os.path: False, not raising, if unsearchable
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputPathError(f"{what} needs the folder '{folder}', but '{existing}' is a file: move or rename that "
+                              "file, or choose another filename_prefix")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{what} needs to write into '{existing}', which this user may not write to: make it "
+                              "writable (chmod u+w), or save elsewhere (tightrope run --output-dir DIR; in ComfyUI, "
+                              "a writable loras folder in extra_model_paths.yaml)")
+
+
+def check_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
+    """The full path of a LoRA to continue from (a path, or a name in the loras folder), once its safetensors header
+    has been read: it exists, is .safetensors, is readable and holds tensors. Raises LoraError."""
+    path = resolve_existing_lora(name, loras_dir)
+    where = "" if path == name else f" ({path})"
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            keys = list(f.keys())
+    except Exception as e:  # safetensors raises several types for a damaged header; PermissionError for mode 000
+        raise LoraError(f"existing_lora={name!r}{where} could not be read as safetensors ({e}): it is damaged, "
+                        "incomplete or unreadable; save or download it again, or leave existing_lora empty") from None
+    if not keys:
+        raise LoraError(f"existing_lora={name!r}{where} holds no tensors: pick a LoRA file, or leave "
+                        "existing_lora empty to start a new LoRA")
+    return path
