@@ -1,6 +1,6 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
-    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug]
+    tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug] [--comfyui DIR] [--models-dir DIR]
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
     return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp,
-                       debug=args.debug)
+                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,18 +53,24 @@ def build_parser() -> argparse.ArgumentParser:
                           "processes (FSDP2), for models too big for one GPU (docs/distributed.md)")
     run.add_argument("--debug", action="store_true",
                      help="print the Python traceback of every error, not only of bugs")
+    run.add_argument("--comfyui", metavar="DIR", help="run ComfyUI's own nodes too (loaders, samplers, SaveImage), "
+                     "in this process, from the ComfyUI in DIR (default: $COMFYUI_DIR when the workflow needs them); "
+                     "run with the python ComfyUI runs in")
+    run.add_argument("--models-dir", metavar="DIR", help="with ComfyUI: also look for model files in DIR, laid "
+                     "out like ComfyUI's models/ folder (diffusion_models/, text_encoders/, vae/, loras/ ...)")
     commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
     return parser
 
 
-def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False) -> int:
+def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False,
+                comfyui: str | None = None, models_dir: str | None = None) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
     from .headless.stop_signals import polite_stops, report_stop
     from .training.distributed import DistributedError, launched
     try:
         with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
-            return _run(workflow_path, os.path.abspath(output_dir), resume)
+            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir)
     except (WorkflowError, DistributedError) as exc:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
@@ -99,27 +105,37 @@ def user_error_types() -> tuple[type[Exception], ...]:
             NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, TrainingOutOfMemoryError)
 
 
-def _run(workflow_path: str, output_dir: str, resume: bool) -> int:
+def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,
+         models_dir: str | None = None) -> int:
+    from .headless.comfyui_library import comfyui_dir, load_comfyui
     from .headless.executor import run_workflow
     from .headless.graph import WorkflowError
     from .headless.run_summary import summary_lines
-    from .headless.workflow_format import UI_FORMAT, load_workflow, read_workflow_json, workflow_format
+    from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .training.distributed import current
 
     data = read_workflow_json(workflow_path)
-    node_mappings = load_node_mappings()
+    comfy_dir = comfyui_dir(comfyui, data, load_node_mappings())
+    library = load_comfyui(comfy_dir) if comfy_dir else None
+    node_mappings = load_node_mappings(library)
     try:
         os.makedirs(output_dir, exist_ok=True)
     except OSError as exc:
         raise WorkflowError(f"cannot create output dir {output_dir!r} ({exc.strerror}): pass --output-dir "
                             f"a folder you can write to") from None
     configure_host(output_dir, resume)
-    graph = load_workflow(data, node_mappings)
-    extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
-    started = time.monotonic()
-    main_rank = current().is_main  # under torchrun only rank 0 reports
-    results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
-                           extra_pnginfo=extra_pnginfo)
+    with _comfyui_folders(library, models_dir):
+        try:
+            graph = load_workflow(data, node_mappings)
+        except WorkflowError as exc:  # with ComfyUI, a missing model file is named with the folders searched
+            if library is None:
+                raise
+            raise library.explain_model_files(exc, parse_workflow(data, node_mappings)) from None
+        extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
+        started = time.monotonic()
+        main_rank = current().is_main  # under torchrun only rank 0 reports
+        results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
+                               extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None)
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):
             print(line)
@@ -127,11 +143,26 @@ def _run(workflow_path: str, output_dir: str, resume: bool) -> int:
     return EXIT_OK
 
 
-def load_node_mappings() -> dict:
-    """The pack's nodes plus ComfyUI's trivial Primitive* nodes. Imported lazily: `--help` stays instant."""
+def load_node_mappings(library=None) -> dict:
+    """The pack's nodes plus ComfyUI's trivial Primitive* nodes, and with a loaded ComfyUI (headless/comfyui_library.py)
+    all its core and comfy_extras nodes. Imported lazily: `--help` stays instant."""
     from . import NODE_CLASS_MAPPINGS
     from .headless.core_primitives import with_core_primitives
-    return with_core_primitives(NODE_CLASS_MAPPINGS)
+    return with_core_primitives({**(library.node_mappings if library else {}), **NODE_CLASS_MAPPINGS})
+
+
+def _comfyui_folders(library, models_dir: str | None):
+    """ComfyUI's folders for this run (outputs into ours, LoRAs from ours, --models-dir), restored afterwards."""
+    import contextlib
+
+    from .headless.graph import WorkflowError
+    from .nodes import host
+    if library is None:
+        if models_dir is not None:
+            raise WorkflowError("--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI "
+                                "(--comfyui DIR or COMFYUI_DIR)")
+        return contextlib.nullcontext()
+    return library.run_folders(host.output_dir(), host.loras_dir(), models_dir)
 
 
 def configure_host(output_dir: str, resume: bool) -> None:

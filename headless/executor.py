@@ -13,12 +13,16 @@ from typing import Callable
 
 from .api_format import to_api_prompt
 from .execution_order import execution_order
-from .graph import Graph, Link, NodeSpec, describe_node
+from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node
 from .input_spec import hidden_inputs
 from .validation import validate_graph
 
 # on_node(node_id, class_type, position, total) is called just before each node runs (position from 1).
 OnNode = Callable[[str, str, int, int], None]
+# call_node(node_id, node, node_class, results, context) runs one node and returns what its FUNCTION returned (a
+# tuple, or {"ui": ..., "result": tuple}); links in node.inputs point into `results`. The default calls FUNCTION
+# directly; with ComfyUI loaded (`--comfyui`), comfyui_library.ComfyUILibrary.call_node uses ComfyUI's own helpers.
+CallNode = Callable[[str, NodeSpec, type, dict, dict], object]
 
 
 class NodeOutputs(tuple):
@@ -39,12 +43,14 @@ class NodeExecutionError(RuntimeError):
 
 
 def run_workflow(graph: Graph, node_mappings: dict, *, on_node: OnNode | None = None,
-                 extra_pnginfo: dict | None = None, inference_mode: bool = True) -> dict[str, NodeOutputs]:
+                 extra_pnginfo: dict | None = None, inference_mode: bool = True,
+                 call_node: CallNode | None = None) -> dict[str, NodeOutputs]:
     """Validate `graph`, then run the nodes that lead to an output node; returns {node_id: NodeOutputs}.
 
     `extra_pnginfo` is what nodes declaring the hidden EXTRA_PNGINFO input receive (ComfyUI passes
     {"workflow": <UI-format workflow>}). `inference_mode` runs the nodes under torch.inference_mode() as
     ComfyUI does, so a node that trains here also trains there (it must open inference_mode(False) itself).
+    `call_node` runs one node (default: its FUNCTION, called directly; see CallNode).
     Raises WorkflowError before running anything if the graph is wrong.
     """
     graph = validate_graph(graph, node_mappings)
@@ -56,11 +62,25 @@ def run_workflow(graph: Graph, node_mappings: dict, *, on_node: OnNode | None = 
             node = graph[node_id]
             if on_node is not None:
                 on_node(node_id, node.class_type, position, len(order))
-            results[node_id] = _run_node(node_id, node, node_mappings[node.class_type], results, context)
+            results[node_id] = _run_node(node_id, node, node_mappings[node.class_type], results, context,
+                                         call_node or call_function)
     return results
 
 
-def _run_node(node_id: str, node: NodeSpec, node_class, results: dict, context: dict) -> NodeOutputs:
+def _run_node(node_id: str, node: NodeSpec, node_class, results: dict, context: dict,
+              call_node: CallNode) -> NodeOutputs:
+    try:
+        returned = call_node(node_id, node, node_class, results, context)
+    except NodeExecutionError:
+        raise
+    except Exception as exc:
+        detail = str(exc) if isinstance(exc, WorkflowError) else f"{type(exc).__name__}: {exc}"
+        raise NodeExecutionError(node_id, node.class_type, f"failed: {detail}") from exc
+    return _as_outputs(node_id, node.class_type, returned)
+
+
+def call_function(node_id: str, node: NodeSpec, node_class, results: dict, context: dict):
+    """The default CallNode: the node's FUNCTION with its literal and linked inputs plus its hidden inputs."""
     arguments = {name: _input_value(node_id, node, name, value, results) for name, value in node.inputs.items()}
     for name, kind in hidden_inputs(node_class).items():
         arguments[name] = node_id if kind == "UNIQUE_ID" else context.get(kind)
@@ -68,13 +88,8 @@ def _run_node(node_id: str, node: NodeSpec, node_class, results: dict, context: 
     if not function_name or not callable(getattr(node_class, function_name, None)):
         raise NodeExecutionError(node_id, node.class_type,
                                  f"has no callable FUNCTION ({function_name!r}): a bug in the node class")
-    try:
-        returned = getattr(node_class(), function_name)(**arguments)
-        if inspect.isawaitable(returned):
-            returned = asyncio.run(_awaited(returned))
-    except Exception as exc:
-        raise NodeExecutionError(node_id, node.class_type, f"failed: {type(exc).__name__}: {exc}") from exc
-    return _as_outputs(node_id, node.class_type, returned)
+    returned = getattr(node_class(), function_name)(**arguments)
+    return asyncio.run(_awaited(returned)) if inspect.isawaitable(returned) else returned
 
 
 def _input_value(node_id: str, node: NodeSpec, name: str, value, results: dict):

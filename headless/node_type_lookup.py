@@ -1,7 +1,8 @@
 """Turning a workflow's node type name into a node class, and explaining why one isn't there.
 
-Headless runs have only Tightrope's nodes. A workflow that also uses ComfyUI's own nodes (a sampler, an
-image saver) must run inside ComfyUI, so the message says so instead of a bare "unknown node".
+Headless runs have Tightrope's nodes, plus ComfyUI's core and comfy_extras nodes when ComfyUI is loaded as a library
+(`--comfyui DIR` / COMFYUI_DIR; headless/comfyui_library.py). A workflow using ComfyUI's own nodes (a loader, a sampler)
+without it gets a message naming that option instead of a bare "unknown node"; nodes of other packs need ComfyUI.
 """
 from __future__ import annotations
 
@@ -28,16 +29,24 @@ CLIPTextEncodeFlux FluxGuidance EmptySD3LatentImage ModelSamplingFlux ModelSampl
 PrimitiveString PrimitiveStringMultiline PrimitiveInt PrimitiveFloat PrimitiveBoolean PreviewAny
 """.split())
 CORE_PACKAGE_ID = "comfy-core"  # the `properties.cnr_id` the frontend stamps on core nodes
+CORE_MARKER_NODE = "KSampler"  # in the node mappings: ComfyUI's core nodes are loaded
 
 
 def unknown_node_type_problem(node_id: str, class_type: str, node_mappings: dict, *, package: str | None = None) -> str:
     """The message for a node type that `node_mappings` lacks; `package` is the UI format's `cnr_id`, if any."""
     node = describe_node(node_id, class_type)
     inside_comfyui = "run this workflow inside ComfyUI (load it in the UI, or POST it to /prompt)"
-    if package == CORE_PACKAGE_ID or (package is None and class_type in KNOWN_CORE_NODE_TYPES):
-        return f"{node} is a ComfyUI core node, not a Tightrope node: {inside_comfyui}"
+    core_loaded = CORE_MARKER_NODE in node_mappings
+    if not core_loaded and (package == CORE_PACKAGE_ID or (package is None and class_type in KNOWN_CORE_NODE_TYPES)):
+        return (f"{node} is a ComfyUI core node, not a Tightrope node: run it with ComfyUI's nodes: pass --comfyui "
+                f"DIR (or set COMFYUI_DIR) to your ComfyUI folder, in the python ComfyUI runs in; or {inside_comfyui}")
+    if package == CORE_PACKAGE_ID:
+        return (f"{node} is not among the core nodes of the loaded ComfyUI: update ComfyUI (the workflow was saved "
+                f"by a newer one), or {inside_comfyui}")
     if package:
-        return f"{node} comes from the '{package}' node pack, not Tightrope: {inside_comfyui} with that pack installed"
+        loaded = "Tightrope or ComfyUI's core" if core_loaded else "Tightrope"
+        return (f"{node} comes from the '{package}' node pack, not {loaded}: headless runs load no other packs; "
+                f"{inside_comfyui} with that pack installed")
     close = difflib.get_close_matches(class_type, list(node_mappings), n=1, cutoff=0.8)
     if close:
         return f"{node} is not a Tightrope node type: did you mean '{close[0]}'? Fix the type name in the workflow"

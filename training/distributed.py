@@ -334,12 +334,22 @@ def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[
                 sub._parameters[name] = fresh[id(p)]
         fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy,
                     ignored_params={p for p in block.parameters() if id(p) in trainable})
+        block.register_forward_pre_hook(_own_inputs, with_kwargs=True)  # runs after FSDP's own pre-forward hook
         fresh.clear()  # the full copies of this block are freed once FSDP holds its shard
     _link_blocks(clone, blocks, mesh, policy)
     try:
         yield clone
     finally:
         del clone, fresh
+
+
+def _own_inputs(_block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block's tensor inputs as fresh tensors. FSDP2's pre-forward hook passes them through one autograd function
+    that returns several views, and autograd forbids in-place ops on those; ComfyUI's blocks add into their inputs in
+    place (Flux's DoubleStreamBlock: `img += ...`). One copy of the block's activations per call, only under --fsdp."""
+    def own(value):
+        return value.clone() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
 
 
 def _link_blocks(root: nn.Module, blocks: list[nn.Module], mesh, policy) -> None:

@@ -13,7 +13,8 @@ from tightrope import cli
 def fake_cli(monkeypatch, mappings):
     """main() with the fake nodes and a recorder instead of tightrope.nodes.host."""
     host_calls = []
-    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
     monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: host_calls.append((output_dir, resume)))
     return host_calls
 
@@ -71,7 +72,7 @@ def _failing_graph(tmp_path, mappings, error: Exception) -> str:
 def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
     from tightrope.training.image_folder import DatasetError
     monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: None)
-    monkeypatch.setattr(cli, "load_node_mappings", lambda: mappings)
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
     assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
@@ -131,7 +132,8 @@ def test_run_configures_the_real_host(tmp_path, api_workflow, mappings, monkeypa
     host = pytest.importorskip("tightrope.nodes.host")
     monkeypatch.setattr(host, "_headless_output", None)  # restored after the test: host state is module-level
     monkeypatch.setattr(host, "_resume", False)
-    monkeypatch.setattr(cli, "load_node_mappings", lambda: dict(mappings))
+    monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
     assert cli.main(["run", _write(tmp_path, api_workflow), "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
     assert host.output_dir() == tmp_path / "o" and host.resume_requested()
 

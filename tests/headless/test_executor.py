@@ -133,3 +133,24 @@ def test_core_primitive_nodes_work_headless(mappings, fake_nodes):
     ], [(1, 1, 0, 2, 0, "INT")])
     nodes = with_core_primitives(mappings)
     assert run_workflow(load_workflow(workflow, nodes), nodes)["2"].ui == {"text": ["n=41"]}
+
+
+def test_call_node_runs_every_node_and_its_errors_are_named(mappings, fake_nodes):
+    """`call_node` (what `--comfyui` swaps in: ComfyUI's own calling helpers) runs each node; what it raises is
+    reported against the node, a WorkflowError by its message alone (a ComfyUI node's failure, CoreNodeFailed)."""
+    graph = {"1": NodeSpec("Constant", {"value": 2}), "2": NodeSpec("Record", {"value": Link("1", 0)})}
+    calls = []
+
+    def call_node(node_id, node, node_class, results, context):
+        calls.append((node_id, node.class_type, dict(results)))
+        return (40 + len(calls),) if node.class_type == "Constant" else {"ui": {"text": ["seen"]}, "result": ()}
+
+    results = run_workflow(graph, mappings, call_node=call_node)
+    assert [c[:2] for c in calls] == [("1", "Constant"), ("2", "Record")] and tuple(calls[1][2]["1"]) == (41,)
+    assert results["2"].ui == {"text": ["seen"]} and fake_nodes.EXECUTED == []
+
+    def failing(node_id, node, node_class, results, context):
+        raise WorkflowError("SafetensorError: invalid header")
+
+    with pytest.raises(NodeExecutionError, match=r"^node 1 'Constant' failed: SafetensorError: invalid header$"):
+        run_workflow(graph, mappings, call_node=failing)

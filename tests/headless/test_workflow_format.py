@@ -142,11 +142,12 @@ def test_subgraph_nodes_are_rejected_with_the_unpack_fix(mappings):
 
 # --- unknown node types -------------------------------------------------------------------------------------
 
-def test_core_node_type_says_run_it_inside_comfyui(mappings):
+def test_core_node_type_names_the_comfyui_option(mappings):
     workflow = ui_workflow([ui_node(7, "KSampler", [1, "fixed", 20, 8, "euler", "normal", 1.0])])
     assert _problems(workflow, mappings) == [
-        "node 7 'KSampler' is a ComfyUI core node, not a Tightrope node: run this workflow inside ComfyUI "
-        "(load it in the UI, or POST it to /prompt)"]
+        "node 7 'KSampler' is a ComfyUI core node, not a Tightrope node: run it with ComfyUI's nodes: pass --comfyui "
+        "DIR (or set COMFYUI_DIR) to your ComfyUI folder, in the python ComfyUI runs in; or run this workflow inside "
+        "ComfyUI (load it in the UI, or POST it to /prompt)"]
     api = {"7": {"class_type": "KSampler", "inputs": {}}}
     assert _problems(api, mappings)[0].startswith("node 7 'KSampler' is a ComfyUI core node")
 

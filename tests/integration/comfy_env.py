@@ -18,3 +18,14 @@ def comfy_python() -> str:
     if not os.path.exists(py):
         pytest.fail(f"ComfyUI's python not found at {py}; set COMFYUI_PYTHON")
     return py
+
+
+def tightrope_env(tmp_path: Path) -> dict:
+    """The environment of a `python -m tightrope` subprocess in ComfyUI's python: this checkout importable as
+    `tightrope` (a link in tmp_path/pythonpath), ComfyUI named by COMFYUI_DIR."""
+    pythonpath = tmp_path / "pythonpath"
+    if not pythonpath.exists():
+        pythonpath.mkdir()
+        (pythonpath / "tightrope").symlink_to(REPO, target_is_directory=True)
+    return {**os.environ, "PYTHONPATH": str(pythonpath), "COMFYUI_DIR": os.path.abspath(COMFYUI_DIR),
+            "PYTHONUNBUFFERED": "1"}

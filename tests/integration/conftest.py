@@ -62,3 +62,13 @@ def checkpoint(comfy_server):
             os.replace(path.with_suffix(".tmp"), path)
         return name, weight_dtype
     return ensure
+
+
+@pytest.fixture(scope="session")
+def comfyui_python():
+    """ComfyUI's python, with Tightrope's requirements (for `python -m tightrope run --comfyui` subprocesses)."""
+    if not COMFYUI_DIR:
+        pytest.skip(SKIP_REASON)
+    py = comfy_python()
+    _ensure_requirements(py)
+    return py

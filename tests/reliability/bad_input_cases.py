@@ -15,6 +15,7 @@ from reliability_kit import dataset_inputs, load_dataset, lora, strategy, train_
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from tightrope.headless.comfyui_library import load_comfyui
 from tightrope.memory.strategy import Strategy
 from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
@@ -207,6 +208,13 @@ CASES = [
     Case("host_ram_too_small", "auto strategy with a host-RAM budget smaller than the model", TRAIN,
          "StrategyError", ("host_ram_budget_gb", "8-bit weights"),
          lambda c: train_with(c, strat=strategy(mode="auto", vram_budget_gb=1.0, host_ram_budget_gb=0.001))),
+    # --- headlesscomfy ---
+    Case("comfyui_dir_missing", "--comfyui DIR that does not exist", "tightrope run", "ComfyUIUnavailable",
+         ("'<tmp>/nope'", "pass --comfyui DIR"), lambda c: load_comfyui(c.tmp / "nope")),
+    Case("comfyui_not_comfyui", "--comfyui DIR that is not a ComfyUI", "tightrope run", "ComfyUIUnavailable",
+         ("is not a ComfyUI", "main.py and nodes.py"), lambda c: load_comfyui(c.tmp)),
+    Case("comfyui_too_old", "--comfyui DIR holding a ComfyUI older than 0.33", "tightrope run", "ComfyUIUnavailable",
+         ("version 0.3.10", "0.33 and newer"), lambda c: load_comfyui(fake_comfyui(c.tmp / "old", "0.3.10"))),
 ]
 
 
@@ -395,3 +403,13 @@ CASES += [
          ("readonly/my_lora_00001_.safetensors", "Permission denied", "was kept in", "tightrope_rescue_my_lora_step1"),
          unwritable_save_folder),
 ]
+
+
+# --- headlesscomfy ---
+def fake_comfyui(folder, version: str):
+    """A folder shaped like a ComfyUI checkout of `version` (files only: it is refused before anything is imported)."""
+    (folder / "comfy").mkdir(parents=True)
+    for name in ("nodes.py", "folder_paths.py", "execution.py"):
+        (folder / name).write_text("")
+    (folder / "comfyui_version.py").write_text(f'__version__ = "{version}"\n')
+    return folder

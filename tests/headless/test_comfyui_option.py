@@ -1,0 +1,43 @@
+"""Choosing ComfyUI for a headless run (--comfyui DIR, or $COMFYUI_DIR only when the workflow needs ComfyUI's nodes),
+and the errors when it cannot be used. Runs without ComfyUI (tests/integration/test_headless_comfyui.py runs with it)."""
+import json
+
+from tightrope import cli
+from tightrope.headless.comfyui_library import comfyui_dir
+
+TIGHTROPE_ONLY = {"1": {"class_type": "TightropeLoraSetup", "inputs": {}}}
+WITH_CORE = {**TIGHTROPE_ONLY, "2": {"class_type": "KSampler", "inputs": {}}}
+MAPPINGS = {"TightropeLoraSetup": object}
+
+
+def test_the_option_wins_and_the_environment_is_used_only_for_core_nodes():
+    env = {"COMFYUI_DIR": "/env/ComfyUI"}
+    assert comfyui_dir("/opt/ComfyUI", TIGHTROPE_ONLY, MAPPINGS, env) == "/opt/ComfyUI"
+    assert comfyui_dir(None, TIGHTROPE_ONLY, MAPPINGS, env) is None  # runs as without ComfyUI
+    assert comfyui_dir(None, WITH_CORE, MAPPINGS, env) == "/env/ComfyUI"
+    assert comfyui_dir(None, WITH_CORE, MAPPINGS, {}) is None
+
+
+def test_ui_format_counts_only_nodes_that_run():
+    ui = {"nodes": [{"id": 1, "type": "TightropeLoraSetup"}, {"id": 2, "type": "KSampler", "mode": 2},
+                    {"id": 3, "type": "Note"}, {"id": 4, "type": "Reroute"}], "links": []}
+    assert comfyui_dir(None, ui, MAPPINGS, {"COMFYUI_DIR": "/c"}) is None  # KSampler is muted
+    ui["nodes"][1]["mode"] = 0
+    assert comfyui_dir(None, ui, MAPPINGS, {"COMFYUI_DIR": "/c"}) == "/c"
+
+
+def test_missing_comfyui_dir_exits_2_naming_the_option(tmp_path, capsys):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(WITH_CORE))
+    assert cli.main(["run", str(path), "--comfyui", str(tmp_path / "nope"), "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: ComfyUI dir '{tmp_path / 'nope'}' does not exist: pass --comfyui DIR (or set COMFYUI_DIR)" in err
+    assert "Traceback" not in err
+
+
+def test_models_dir_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(TIGHTROPE_ONLY))
+    assert cli.main(["run", str(path), "--models-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI" in capsys.readouterr().err
