@@ -134,7 +134,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 optimizer_state = clone_state(optimizer.state_dict())
             stopped_early = run.step < session.step + steps
             if stopped_early or (save is not None and save.every):
-                _save_after_failure(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
+                _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
             elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
                 _save_final_state(session, run, module, save, optimizer)
             state = lora_state(module)
@@ -270,6 +270,11 @@ def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTar
 
 
 def _save_after_failure(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
+    """An error or a stop (Ctrl-C, a signal) ended the run: keep its last completed step (never raises)."""
+    _save_last_step(session, run, module, save, optimizer)
+
+
+def _save_last_step(session: TrainingSession, run: _Run, module, save: SaveTarget | None, optimizer) -> None:
     """Save the last completed step, if not saved yet. Never raises, so the original error (or the stop) goes on: a
     failing save warns, naming the file that could not be written and what was kept; a LoRA file that cannot be
     written is kept in a fallback file (lora_rescue)."""
