@@ -7,7 +7,7 @@ import os
 import subprocess
 import textwrap
 
-from comfy_env import COMFYUI_DIR, REPO, comfy_python, needs_comfyui
+from comfy_env import COMFYUI_DIR, REPO, needs_comfyui
 
 pytestmark = needs_comfyui
 
@@ -84,13 +84,13 @@ RUNNER = textwrap.dedent("""
 """)
 
 
-def test_adapter_in_comfyui(tmp_path):
+def test_adapter_in_comfyui(tmp_path, comfyui_python):
     from tightrope.training.tiny_checkpoint import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
     (tmp_path / "packages").mkdir()
     (tmp_path / "packages" / "tightrope").symlink_to(REPO, target_is_directory=True)
     (tmp_path / "runner.py").write_text(RUNNER)
-    proc = subprocess.run([comfy_python(), str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR),
+    proc = subprocess.run([comfyui_python, str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR),
                            str(tmp_path / "packages"), ckpt, str(tmp_path / "loras")],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
