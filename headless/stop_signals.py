@@ -5,10 +5,11 @@ completed step, and the process exits with a message and 128 + the signal's numb
     SIGHUP    the terminal or SSH session closed                                                 exit 129
     SIGUSR1   SLURM's `--signal=USR1@<seconds>` warning before the time limit (its default
               action would kill the process with nothing saved)                                  exit 138
-    SIGINT    Ctrl-C: Python's own KeyboardInterrupt                                             exit 130
+    SIGINT    Ctrl-C: a KeyboardInterrupt, as Python's own handler raises                        exit 130
 
 The handler raises StopSignal (a KeyboardInterrupt) in the main thread, exactly where Ctrl-C would: everything that
-saves on Ctrl-C saves on these. A second polite signal while that save runs is ignored (with a note), so the save is
+saves on Ctrl-C saves on these. While the trainer applies an optimizer step the stop is held back until the step is
+wholly done (training/held_stops.py), so the saved LoRA is exactly the step it is labelled with. A second polite signal while that save runs is ignored (with a note), so the save is
 not cut short; SIGKILL, which always follows after the grace period, cannot be caught. Handlers are installed only
 by the CLI, for the duration of a run, only from the main thread (Python allows no other), and the previous ones are
 restored after; ComfyUI, which has its own, never gets them.
@@ -20,6 +21,8 @@ import signal
 import sys
 import threading
 from typing import Iterator
+
+from ..training.held_stops import hold
 
 _POLITE = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, name))
 EXIT_CTRL_C = 128 + signal.SIGINT
@@ -35,8 +38,9 @@ class StopSignal(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def polite_stops() -> Iterator[None]:
-    """Within this block, SIGTERM/SIGHUP/SIGUSR1 raise StopSignal in the main thread; outside the main thread, a
-    no-op (signal handlers can only be set there)."""
+    """Within this block, SIGTERM/SIGHUP/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt in the main thread,
+    held back while an optimizer step is applied; outside the main thread, a no-op (signal handlers can only be set
+    there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -48,9 +52,11 @@ def polite_stops() -> Iterator[None]:
                   file=sys.stderr, flush=True)
             return
         stopping.append(signum)
-        raise StopSignal(signum)
+        stop = KeyboardInterrupt() if signum == signal.SIGINT else StopSignal(signum)
+        if not hold(stop):
+            raise stop
 
-    previous = {s: signal.signal(s, handler) for s in _POLITE}
+    previous = {s: signal.signal(s, handler) for s in (*_POLITE, signal.SIGINT)}
     try:
         yield
     finally:

@@ -23,6 +23,7 @@ from . import distributed
 from .atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
+from .held_stops import held_stops
 from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora_file import save_lora_state
 from .lora_rescue import rescue_lora
@@ -163,34 +164,40 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
-        nonfinite = _nonfinite_loss_or_gradients(loss, params, scaler)
-        if nonfinite:
-            if cfg.on_nonfinite == "stop":
-                optimizer.zero_grad(set_to_none=True)
-                kept = f"the LoRA of step {run.step} was kept" if run.step else "nothing had been trained yet"
-                raise NonFiniteLossError(
-                    f"{nonfinite} at step {run.step + 1}: training stopped and {kept}. Lower "
-                    "learning_rate, use compute_dtype bf16 rather than fp16, or set on_nonfinite='skip'")
-            # 'skip': the step counts but changes nothing, so later steps see the data an uninterrupted run would
-            warnings.warn(f"{nonfinite} at step {run.step + 1}: step skipped (on_nonfinite='skip'), the LoRA is "
-                          "unchanged", stacklevel=2)
-        else:
-            if cfg.max_grad_norm > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
-            scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
-            scaler.update()
-            if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
-                raise NonFiniteWeightsError(_nonfinite_weights_message(run, loss))
-        optimizer.zero_grad(set_to_none=True)
-        stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
-        run.step += 1
-        run.losses.append(loss)
-        run.stats.append(stats.to_dict())
+        with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
+            _update(cfg, run, optimizer, params, scaler, loss)
+            optimizer.zero_grad(set_to_none=True)
+            stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
+            run.step += 1
+            run.losses.append(loss)
+            run.stats.append(stats.to_dict())
         if progress is not None:
             progress(run.step - run.start, run.end - run.start, loss)
         if save is not None and save.every and run.step % save.every == 0:
             _save(session, run, module, save, optimizer)
+
+
+def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> None:
+    """The optimizer step of a finished forward/backward, or its refusal when something went non-finite."""
+    nonfinite = _nonfinite_loss_or_gradients(loss, params, scaler)
+    if nonfinite:
+        if cfg.on_nonfinite == "stop":
+            optimizer.zero_grad(set_to_none=True)
+            kept = f"the LoRA of step {run.step} was kept" if run.step else "nothing had been trained yet"
+            raise NonFiniteLossError(
+                f"{nonfinite} at step {run.step + 1}: training stopped and {kept}. Lower "
+                "learning_rate, use compute_dtype bf16 rather than fp16, or set on_nonfinite='skip'")
+        # 'skip': the step counts but changes nothing, so later steps see the data an uninterrupted run would
+        warnings.warn(f"{nonfinite} at step {run.step + 1}: step skipped (on_nonfinite='skip'), the LoRA is "
+                      "unchanged", stacklevel=3)
+        return
+    if cfg.max_grad_norm > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
+    scaler.update()
+    if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
+        raise NonFiniteWeightsError(_nonfinite_weights_message(run, loss))
 
 
 def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | None:

@@ -3,7 +3,9 @@ filename_prefix): a stop at any step of either node, then --resume, gives the un
 (CPU fp32); a finished run resumes to "nothing to do"; each node's state file names its node and run."""
 import contextlib
 import json
+import os
 import shutil
+import signal
 import warnings
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ from reliability_kit import dataset_inputs, train_node, widgets, world
 from safetensors.torch import load_file
 
 from tightrope import cli
+from tightrope.headless.stop_signals import polite_stops
 from tightrope.nodes import host
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.training import trainer, training_run
@@ -221,3 +224,28 @@ def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, 
     whole = load_file(tmp_path / "whole" / "rt" / "final_00001_.safetensors")
     for name in ("final_00001_", "final_00002_"):  # after the resume, and after the resume of the finished run
         assert _equal(load_file(tmp_path / "cut" / "rt" / f"{name}.safetensors"), whole)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_during_the_optimizer_step_waits_for_the_step_to_complete(built, out, monkeypatch, signum):
+    """The signal arrives right after AdamW has changed the weights of global step 5, before the step is counted:
+    without held_stops the save labels the updated weights step 4 and the resume applies step 5's update twice."""
+    parts, _, (whole, _, _), _ = built
+    real_step, updates = torch.optim.AdamW.step, []
+
+    def step_then_signal(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        updates.append(1)
+        if len(updates) == 5:
+            os.kill(os.getpid(), signum)  # Python runs the handler at the next bytecode, still inside the update
+        return result
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", step_then_signal)
+        with polite_stops(), pytest.raises(KeyboardInterrupt):
+            _chain(*parts)
+    assert _state("8").step == 5  # the whole of step 5, labelled 5
+    host.set_resume(True)
+    with _no_resume_warnings():
+        _, (resumed, _, _) = _chain(*parts)
+    assert resumed.step == A + B and resumed.losses == whole.losses
+    assert _equal(resumed.lora_state, whole.lora_state)
