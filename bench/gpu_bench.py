@@ -25,7 +25,7 @@ from ..memory.planner import plan
 from ..memory.probe import measure_h2d_bandwidth, probe_model
 from ..memory.strategy import Strategy, StrategyError
 from .grid import BenchConfig, strategy_label
-from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse, resolve_device
+from .gpu_run import Run, gib, run_main
 from .measure import fits, run_config
 from .models import build_bench_model
 
@@ -39,15 +39,7 @@ TINY_COMPILE = {"model": "tiny", "resolution": 64, "batch": 1, "warmup": 1, "ste
 
 
 def main(argv: list[str] | None = None, log=print) -> int:
-    args = parse("gpu-bench", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
-    if args.device == "cuda":
-        line = no_cuda_line("gpu-bench")
-        if line:
-            log(line)
-            return 0
-    device = resolve_device(args.device)
-    with one_cpu_thread(device):
-        return _run(Run("gpu-bench", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
+    return run_main("gpu-bench", argv, __doc__.splitlines()[0], _run, log)
 
 
 def _run(run: Run, device: torch.device, tiny: bool, log) -> int:

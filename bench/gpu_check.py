@@ -22,7 +22,7 @@ from ..memory.probe import measure_h2d_bandwidth
 from ..memory.strategy import Strategy
 from . import cuda_checks
 from .grid import BenchConfig, with_references
-from .gpu_run import Run, gib, no_cuda_line, one_cpu_thread, out_dir, parse, resolve_device
+from .gpu_run import Run, gib, run_main
 from .measure import add_bounds, run_config
 from .models import build_bench_model
 
@@ -40,15 +40,7 @@ def headline_configs(device_type: str, resolution: int, batch: int) -> list[Benc
 
 
 def main(argv: list[str] | None = None, log=print) -> int:
-    args = parse("gpu-check", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
-    if args.device == "cuda":
-        line = no_cuda_line("gpu-check")
-        if line:
-            log(line)
-            return 0
-    device = resolve_device(args.device)
-    with one_cpu_thread(device):
-        return _run(Run("gpu-check", device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
+    return run_main("gpu-check", argv, __doc__.splitlines()[0], _run, log)
 
 
 def _run(run: Run, device: torch.device, tiny: bool, log) -> int:

@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -154,6 +155,19 @@ class Run:
         self.write()
         self.log(self.table())
         return 1 if self.failed() else 0
+
+
+def run_main(name: str, argv: list[str] | None, description: str, run: Callable[..., int], log) -> int:
+    """gpu-check / gpu-bench's command line: one line and exit 0 without CUDA, else `run(Run, device, tiny, log)`."""
+    args = parse(name, list(sys.argv[1:] if argv is None else argv), description)
+    if args.device == "cuda":
+        line = no_cuda_line(name)
+        if line:
+            log(line)
+            return 0
+    device = resolve_device(args.device)
+    with one_cpu_thread(device):
+        return run(Run(name, device, args.tiny, out_dir(args.out, device), log), device, args.tiny, log)
 
 
 def gib(n: float | None) -> str:

@@ -28,6 +28,7 @@ from ..memory.strategy import Strategy
 from ..training.reference_flux import FluxParams
 from .models import build_bench_model
 from .runtime_overhead import CHILD_ENV
+from .report import save_cpu_result
 
 # ~170 MB of fp32 weights, activations kept small (one 128 px sample, 16 text tokens): the weights dominate
 MODEL = dict(params=FluxParams(vec_in_dim=64, context_in_dim=64, hidden_size=512, num_heads=4, depth=2,
@@ -118,15 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "device": "cpu", "rows": measure()}
-    out = args.out or os.path.join("benchmarks", "results", f"cpu-{date}")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "host_memory.json"), "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-    text = markdown(result)
-    with open(os.path.join(out, "host_memory.md"), "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written: {os.path.join(out, 'host_memory.json')} and .md")
+    save_cpu_result("host_memory", result, markdown(result), args.out)
     return 0
 
 

@@ -103,6 +103,18 @@ def _unit(largest: float) -> tuple[str, float]:
     return ("GiB", GiB) if largest >= GiB else ("MiB", float(1 << 20))
 
 
+def save_cpu_result(name: str, result: dict[str, Any], text: str, out: str | None) -> None:
+    """`<out>/<name>.json` and `.md` (default out: benchmarks/results/cpu-<date>/), and the markdown printed."""
+    out = out or os.path.join("benchmarks", "results", f"cpu-{result['date']}")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(text)
+    print(f"written: {os.path.join(out, name + '.json')} and .md")
+
+
 def write(result: dict[str, Any], out_dir: str) -> dict[str, str]:
     """Files written, by kind."""
     os.makedirs(out_dir, exist_ok=True)

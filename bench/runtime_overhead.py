@@ -33,6 +33,7 @@ from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
 from ..training.reference_flux import FluxParams
 from .models import build_bench_model
+from .report import save_cpu_result
 
 # step ~0.1 s on one thread: long enough to time, short enough for many repetitions
 OVERHEAD_MODEL = dict(params=FluxParams(vec_in_dim=64, context_in_dim=128, hidden_size=256, num_heads=2, depth=2,
@@ -176,15 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "overhead": measure_overhead(args.reps, args.steps),
               "rss": measure_rss()}
-    out = args.out or os.path.join("benchmarks", "results", f"cpu-{date}")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "runtime_overhead.json"), "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-    text = markdown(result)
-    with open(os.path.join(out, "runtime_overhead.md"), "w") as f:
-        f.write(text)
-    print(text)
-    print(f"written: {os.path.join(out, 'runtime_overhead.json')} and .md")
+    save_cpu_result("runtime_overhead", result, markdown(result), args.out)
     return 0
 
 
