@@ -80,6 +80,7 @@ def test_only_rank_0_writes(runs):
     dp = runs["dp"]
     written = sorted(p.relative_to(dp["out"]).as_posix() for p in dp["out"].rglob("*")
                      if p.is_file() and ".tightrope_cache" not in p.parts)
-    assert written == ["dist/lora_00001_.safetensors"]
+    assert written == [".tightrope_state/dist/checkpoint.node-7.state.safetensors",  # the finished node's state
+                       ".tightrope_state/dist/checkpoint.node-7.state.safetensors.lock", "dist/lora_00001_.safetensors"]
     assert not list(dp["tmpdir"].glob("tightrope-rank*"))  # rank 1's scratch output folder is gone
     assert dp["process"].stdout.count("ran 8 node(s)") == 1
