@@ -3,7 +3,8 @@ import pytest
 import torch
 from demo_setup import demo_session
 
-from tightrope.memory.strategy import Strategy
+from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.training.image_folder import DatasetError
 from tightrope.training.lora_file import read_lora_file
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import SaveTarget, train
@@ -77,12 +78,12 @@ def test_bad_steps(tmp_path, steps):
 
 
 def test_batch_larger_than_dataset(tmp_path):
-    with pytest.raises(Exception, match="batch_size"):
+    with pytest.raises(DatasetError, match="batch_size=64 is larger than the dataset"):
         train(demo_session(tmp_path, batch_size=64), 1, device=CPU)
 
 
 def test_strategy_that_does_not_match_the_model(tmp_path):
-    with pytest.raises(Exception, match="offload_blocks has indices \\[40\\]"):
+    with pytest.raises(StrategyError, match="offload_blocks has indices \\[40\\]"):
         train(demo_session(tmp_path, strategy=Strategy(offload_blocks=(40,))), 1, device=CPU)
-    with pytest.raises(Exception, match="Strategy.block_lists names 'blocks'"):
+    with pytest.raises(StrategyError, match="Strategy.block_lists names 'blocks'"):
         train(demo_session(tmp_path, strategy=Strategy(block_lists=("blocks",))), 1, device=CPU)
