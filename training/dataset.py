@@ -53,7 +53,7 @@ def _sha256(*parts: str | bytes) -> str:
     return h.hexdigest()
 
 
-def _derive_seed(*parts) -> int:
+def _epoch_stream_seed(*parts) -> int:
     """A 63-bit seed from (seed, purpose, epoch): independent streams that a resumed run can rebuild."""
     return int(_sha256(*(str(p) for p in parts))[:16], 16) >> 1
 
@@ -322,7 +322,7 @@ class TrainingDataset:
     def epoch_plan(self, batch_size: int, seed: int, epoch: int) -> list[list[tuple[int, bool]]]:
         """The epoch's batches as lists of (item, caption dropped); a pure function of its arguments."""
         self._check_batch_size(batch_size)
-        g = torch.Generator().manual_seed(_derive_seed(seed, "order", epoch))
+        g = torch.Generator().manual_seed(_epoch_stream_seed(seed, "order", epoch))
         batches = []
         for items in self._buckets.values():  # sorted by shape, so the draw order is fixed
             shuffled = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
@@ -330,7 +330,7 @@ class TrainingDataset:
         batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
         # Dropout draws use their own stream, so changing the rate never changes the order.
-        g = torch.Generator().manual_seed(_derive_seed(seed, "caption_dropout", epoch))
+        g = torch.Generator().manual_seed(_epoch_stream_seed(seed, "caption_dropout", epoch))
         draws = iter(torch.rand(len(self), generator=g, dtype=torch.float64).tolist())
         return [[(item, next(draws) < self.caption_dropout) for item in batch] for batch in batches]
 

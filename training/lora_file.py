@@ -84,13 +84,13 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
                     metadata: dict[str, str], dtype: str = "fp32") -> Path:
     """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
 
-    `metadata`: the run's facts as strings (trainer.lora_metadata gives tightrope.base_model, .family, .steps,
+    `metadata`: the run's facts as strings (trainer.run_metadata gives tightrope.base_model, .family, .steps,
     .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here. A LoRA
     holding NaN or inf is never written (NonFiniteDataError)."""
     check_finite(state, f"the LoRA to save as {filename_prefix!r}", "it was not saved; the training diverged: lower "
                  "learning_rate and train again from the last saved LoRA")
     tensors = lora_file_tensors(state, spec, dtype)
-    meta = {**metadata, **lora_metadata(spec, dtype)}
+    meta = {**metadata, **lora_settings_metadata(spec, dtype)}
     for _ in range(100):  # another writer may take the same counter between choosing it and writing
         try:
             return atomic_save_file(tensors, next_free_path(folder, filename_prefix), meta, overwrite=False)
@@ -100,7 +100,7 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
                     "choose another filename_prefix")
 
 
-def lora_metadata(spec: LoraSpec, dtype: str = "fp32") -> dict[str, str]:
+def lora_settings_metadata(spec: LoraSpec, dtype: str = "fp32") -> dict[str, str]:
     return {"tightrope.version": tightrope_version(), "tightrope.lora": json.dumps(spec.to_dict()),
             "tightrope.rank": str(spec.rank), "tightrope.alpha": repr(spec.alpha),
             "tightrope.rslora": str(spec.rslora).lower(), "tightrope.targets": spec.target_regex or spec.targets,

@@ -8,13 +8,13 @@ from .lora_file import save_lora_state
 from .lora_rescue import rescue_lora
 from .session import TrainingSession
 from .train_config import ConfigError
-from .trainer import lora_metadata
+from .trainer import run_metadata
 
 
 def save_session_lora(session: TrainingSession, folder: Path, filename_prefix: str) -> Path:
     if session.lora_state is None:
         raise ConfigError("the session has not trained a step yet: run a Train node before saving")
-    metadata = lora_metadata(session, session.step)
+    metadata = run_metadata(session, session.step)
     try:
         return save_lora_state(folder, filename_prefix, session.lora_state, session.lora, metadata=metadata)
     except OSError as e:

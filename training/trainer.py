@@ -103,7 +103,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
             run.fingerprints = fingerprints(module, adapter.family, session.dataset)
             _remove_stale_temporaries(save, started)
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
-            torch.manual_seed(_derive_seed(cfg.seed, "lora-init"))
+            torch.manual_seed(_training_stream_seed(cfg.seed, "lora-init"))
             inject_lora(module, session.lora, adapter.family)
         try:
             if session.lora_state is not None:
@@ -213,10 +213,10 @@ def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | Non
 
 
 def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, scaler) -> float:
-    seed = _derive_seed(cfg.seed, step, micro)
+    seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
-    torch.manual_seed(_derive_seed(seed, "rank", par.rank) if par.distributed else seed)
+    torch.manual_seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed)
     gen = torch.Generator().manual_seed(seed)
     # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
@@ -247,7 +247,7 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
                  "it was not saved and the files of the last good step stay; lower learning_rate")
     if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
         path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
-                               metadata=lora_metadata(session, run.step))
+                               metadata=run_metadata(session, run.step))
         run.saved.append((str(path), run.step))
     try:
         _save_state(session, run, save, lora, optimizer_state)
@@ -302,7 +302,7 @@ def _unsaved_message(session: TrainingSession, run: _Run, module, save: SaveTarg
                 f"{type(error).__name__}: {error}")
     if isinstance(error, OSError):
         return str(rescue_lora(error, lora_state(module), session.lora, folder=save.folder,
-                               filename_prefix=save.filename_prefix, metadata=lora_metadata(session, run.step),
+                               filename_prefix=save.filename_prefix, metadata=run_metadata(session, run.step),
                                step=run.step))
     return f"could not save the LoRA of step {run.step}: {type(error).__name__}: {error}"
 
@@ -344,12 +344,12 @@ def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save:
             f"memory: {fix}; then run again (headless: `tightrope run --resume` continues from the saved step)")
 
 
-def lora_metadata(session: TrainingSession, step: int) -> dict[str, str]:
+def run_metadata(session: TrainingSession, step: int) -> dict[str, str]:
     adapter = adapter_for(session.model)
     return {"tightrope.base_model": adapter.base_name, "tightrope.family": adapter.family,
             "tightrope.steps": str(step), "tightrope.strategy": session.strategy.to_json()}
 
 
-def _derive_seed(*parts: int) -> int:
+def _training_stream_seed(*parts: int) -> int:
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
