@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..training.input_checks import check_existing_lora
-from ..training.lora import LoraSpec
+from ..training.lora import INITS, LoraSpec
+from ..training.lora_targets import PRESETS
 from . import host
 from .input_validation import validation_result
 
@@ -25,10 +26,9 @@ class TightropeLoraSetup:
             "rslora": ("BOOLEAN", {"default": False, "tooltip": "Rank-stabilised scaling alpha/sqrt(r)."}),
             "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01,
                                   "tooltip": "Dropout on the LoRA input during training."}),
-            "targets": (["attention", "attention_mlp", "all_linear"],
-                        {"default": "attention", "tooltip": "Which layers get a LoRA (per model family)."}),
-            "init": (["default", "gaussian"], {"default": "default",
-                                               "tooltip": "default: A random, B zero (the LoRA starts as a no-op)."}),
+            "targets": (list(PRESETS), {"default": "attention", "tooltip": "Which layers get a LoRA (per model family)."}),
+            "init": (list(INITS), {"default": "default",
+                                   "tooltip": "default: A random, B zero (the LoRA starts as a no-op)."}),
         }, "optional": {
             "target_regex": ("STRING", {"default": "", "tooltip": "Overrides the preset: a regex matched against "
                                                                    "full module names, e.g. .*img_attn\\.qkv"}),

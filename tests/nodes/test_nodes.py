@@ -9,6 +9,8 @@ from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImage
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.nodes.train_node import TightropeTrain
+from tightrope.training.lora import INITS
+from tightrope.training.lora_targets import PRESETS
 from tightrope.training.train_config import ConfigError
 
 
@@ -57,6 +59,16 @@ def test_lora_setup_errors_name_the_input():
         TightropeLoraSetup().setup(4, 0.0, False, 0.0, "attention", "default")
     with pytest.raises(ValueError, match="safetensors"):
         TightropeLoraSetup().setup(4, 4.0, False, 0.0, "attention", "default", existing_lora="/tmp/x.ckpt")
+
+
+def test_lora_setup_offers_the_lora_modules_presets_and_inits():
+    spec = TightropeLoraSetup.INPUT_TYPES()["required"]
+    assert spec["targets"][0] == list(PRESETS) == ["attention", "attention_mlp", "all_linear"]  # saved values stay
+    assert spec["init"][0] == list(INITS) == ["default", "gaussian"]
+    for targets in spec["targets"][0]:
+        for init in spec["init"][0]:
+            (lora,) = TightropeLoraSetup().setup(4, 4.0, False, 0.0, targets, init)
+            assert (lora.targets, lora.init) == (targets, init)
 
 
 def _strategy_inputs(**kw):
