@@ -26,7 +26,8 @@ class TightropeLoraSetup:
             "rslora": ("BOOLEAN", {"default": False, "tooltip": "Rank-stabilised scaling alpha/sqrt(r)."}),
             "dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 0.9, "step": 0.01,
                                   "tooltip": "Dropout on the LoRA input during training."}),
-            "targets": (list(PRESETS), {"default": "attention", "tooltip": "Which layers get a LoRA (per model family)."}),
+            "targets": (list(PRESETS), {"default": "attention",
+                                        "tooltip": "Which layers get a LoRA (per model family)."}),
             "init": (list(INITS), {"default": "default",
                                    "tooltip": "default: A random, B zero (the LoRA starts as a no-op)."}),
         }, "optional": {
