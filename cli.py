@@ -99,10 +99,12 @@ def user_error_types() -> tuple[type[Exception], ...]:
     from .training.image_folder import DatasetError
     from .training.lora_rescue import LoraNotSavedError
     from .training.resume_state import ResumeError
+    from .training.state_lock import StateLockedError
     from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
     from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
     return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,
-            NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, TrainingOutOfMemoryError)
+            NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, StateLockedError,
+            TrainingOutOfMemoryError)
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,

@@ -21,6 +21,12 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from safetensors.torch import save
 from torch import Tensor
 
+from .train_config import ConfigError
+
+
+class OutputPathError(ConfigError):
+    """A file name or output folder cannot be written; the message names the input and the fix."""
+
 try:
     import fcntl
 except ImportError:  # Windows: an open file cannot be deleted there, so a live writer's temp file is safe anyway
@@ -194,27 +200,27 @@ def safe_output_path(root: str | os.PathLike, prefix: str) -> Path:
     """`root`/`prefix` for a user-given filename_prefix (subfolders allowed), refusing anything that could land
     outside `root`: '..', absolute paths, drives, NUL/control and Windows-forbidden characters."""
     if not isinstance(prefix, str) or not prefix.strip():
-        raise ValueError(f"filename_prefix={prefix!r} is empty: give a file name such as 'tightrope/my_lora'")
+        raise OutputPathError(f"filename_prefix={prefix!r} is empty: give a file name such as 'tightrope/my_lora'")
     bad = sorted({c for c in prefix if c in _FORBIDDEN_CHARS or ord(c) < 32})
     if bad:
-        raise ValueError(f"filename_prefix={prefix!r} contains {', '.join(map(repr, bad))}: use letters, digits, "
+        raise OutputPathError(f"filename_prefix={prefix!r} contains {', '.join(map(repr, bad))}: use letters, digits, "
                          "'_', '-', '.', and '/' for subfolders")
     if PurePosixPath(prefix).is_absolute() or PureWindowsPath(prefix).is_absolute() \
             or PureWindowsPath(prefix).drive or prefix.startswith(("/", "\\")):
-        raise ValueError(f"filename_prefix={prefix!r} is an absolute path: give a name relative to the output "
+        raise OutputPathError(f"filename_prefix={prefix!r} is an absolute path: give a name relative to the output "
                          f"folder, e.g. 'tightrope/my_lora' (files go under {os.fspath(root)})")
     parts = re.split(r"[/\\]", prefix)
     # '..' and also '...'/'.. ', which Windows trims to '..'
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
-        raise ValueError(f"filename_prefix={prefix!r} contains '..': subfolders may only go down, e.g. "
+        raise OutputPathError(f"filename_prefix={prefix!r} contains '..': subfolders may only go down, e.g. "
                          "'tightrope/my_lora'")
     if not parts[-1] or parts[-1] == ".":
-        raise ValueError(f"filename_prefix={prefix!r} ends in a folder, not a file name: add one, e.g. "
+        raise OutputPathError(f"filename_prefix={prefix!r} ends in a folder, not a file name: add one, e.g. "
                          f"'{prefix.rstrip('/.')}/my_lora'")
     root_norm = os.path.normpath(os.path.abspath(root))
     target = os.path.normpath(os.path.join(root_norm, *[p for p in parts if p not in ("", ".")]))
     if os.path.commonpath([root_norm, target]) != root_norm:  # belt and braces after the checks above
-        raise ValueError(f"filename_prefix={prefix!r} would write outside {root_norm}: use a relative name")
+        raise OutputPathError(f"filename_prefix={prefix!r} would write outside {root_norm}: use a relative name")
     return Path(target)
 
 

@@ -11,14 +11,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .atomic_write import safe_output_path
+from .atomic_write import OutputPathError, safe_output_path
 from .lora import resolve_existing_lora
 from .lora_targets import LoraError
 from .train_config import ConfigError
-
-
-class OutputPathError(ConfigError):
-    """A file name or output folder cannot be written; the message names the input and the fix."""
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:

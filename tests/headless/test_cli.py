@@ -98,9 +98,14 @@ def test_every_user_error_type_is_a_user_error():
     from tightrope.training.input_checks import OutputPathError
     from tightrope.training.lora_targets import LoraError
     from tightrope.training.resume_state import ResumeError
-    from tightrope.training.trainer import NonFiniteLossError, TrainingOutOfMemoryError
+    from tightrope.training.atomic_write import FileWriteError
+    from tightrope.training.finite_check import NonFiniteDataError
+    from tightrope.training.lora_rescue import LoraNotSavedError
+    from tightrope.training.state_lock import StateLockedError
+    from tightrope.training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
     for kind in (StrategyError, DistributedError, OutputPathError, LoraError, ResumeError, NonFiniteLossError,
-                 TrainingOutOfMemoryError):
+                 TrainingOutOfMemoryError, NonFiniteWeightsError, NonFiniteDataError, FileWriteError,
+                 LoraNotSavedError, StateLockedError):
         assert issubclass(kind, cli.user_error_types()), kind
     assert not issubclass(RuntimeError, cli.user_error_types()) and not issubclass(ValueError, cli.user_error_types())
 
