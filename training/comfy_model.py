@@ -34,6 +34,7 @@ import comfy.utils
 
 from ..memory.blocks import discover_blocks
 from .lora_targets import LoraError
+from .model_adapter import ordinary_alias
 from .train_config import ConfigError
 
 PREFIX = "diffusion_model."
@@ -65,18 +66,6 @@ def _check_flow(name: str, sampling) -> None:
     kind = {"EPS": "an eps-prediction", "V_PREDICTION": "a v-prediction"}.get(kind, f"a {kind} (not flow-matching)")
     raise ConfigError(f"{name} is {kind} model, which Tightrope does not support: it trains flow-matching models "
                       "(Flux, SD3.5, Lumina 2, Wan, Qwen-Image); load one of those")
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """An ordinary tensor sharing `t`'s storage (also when `t` is an inference tensor); a copy for tensor subclasses
-    (quantized weights), whose storage cannot be aliased."""
-    data = t.data
-    if type(data) is torch.Tensor and data.device.type != "meta":
-        out = torch.empty(0, dtype=data.dtype, device=data.device)
-        out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
-    else:
-        out = data.clone()
-    return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
 
 
 def _guard_in_place_residuals(module: nn.Module) -> None:
@@ -155,7 +144,7 @@ class ComfyModelAdapter:
         source = patcher.get_model_object("diffusion_model")
         memo = {id(patcher.model): patcher.model}
         for t in itertools.chain(source.parameters(), source.buffers()):
-            memo.setdefault(id(t), _alias(t))
+            memo.setdefault(id(t), ordinary_alias(t))
         module = copy.deepcopy(source, memo)
         module.requires_grad_(False)
         _guard_in_place_residuals(module)

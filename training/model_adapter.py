@@ -67,10 +67,14 @@ class ReferenceFluxModel:
 
 def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
     """An ordinary (non-inference) tensor sharing `t`'s storage, a Parameter if `t` is one. Made outside inference
-    mode, it can be saved for backward; it costs no memory."""
+    mode, it can be saved for backward; it costs no memory. Tensor subclasses (ComfyUI's quantized weights) and meta
+    tensors cannot be aliased that way and are copied."""
     data = t.data
-    out = torch.empty(0, dtype=data.dtype, device=data.device)
-    out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
+    if type(data) is torch.Tensor and data.device.type != "meta":
+        out = torch.empty(0, dtype=data.dtype, device=data.device)
+        out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
+    else:
+        out = data.clone()
     return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
 
 
