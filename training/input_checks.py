@@ -14,7 +14,6 @@ from safetensors import safe_open
 from .atomic_write import OutputPathError, safe_output_path
 from .lora import resolve_existing_lora
 from .lora_targets import LoraError
-from .train_config import ConfigError
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:

@@ -95,3 +95,14 @@ def test_gpu_bench_dry_run(tmp_path):
     compiled = sections["compile"]
     assert compiled["speedup"] > 0 and compiled["compiled"]["strategy"]["compile"] == "per_block"
     assert rc == 0
+
+
+def test_fits_counts_what_the_allocator_reserved_and_the_device_lost():
+    """Allocated alone leaves out the cache and fragmentation: a run whose reserved memory or device use exceeds the
+    budget does not fit, though its allocated peak is under it."""
+    GiB = 2**30
+    under = {"peak_allocated_bytes": 1 * GiB, "peak_reserved_bytes": 1.5 * GiB, "device_used_bytes": 1.8 * GiB}
+    assert fits(under, 2 * GiB)
+    assert not fits(under | {"peak_reserved_bytes": 3 * GiB}, 2 * GiB)
+    assert not fits(under | {"device_used_bytes": 2.5 * GiB}, 2 * GiB)
+    assert not fits(under | {"oom": True}, 2 * GiB)

@@ -10,7 +10,6 @@ from tightrope import NODE_CLASS_MAPPINGS
 from tightrope.headless import load_workflow, run_workflow
 from tightrope.nodes import host
 from tightrope.training.lora_file import read_lora_file
-from tightrope.training.model_with_lora import model_with_lora
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))
