@@ -94,12 +94,12 @@ def user_error_types() -> tuple[type[Exception], ...]:
     prints it without a traceback (unless --debug)."""
     from .headless.graph import WorkflowError
     from .memory.strategy import StrategyError
-    from .training.atomic_write import FileWriteError
+    from .training.state.atomic_write import FileWriteError
     from .training.finite_check import NonFiniteDataError
-    from .training.image_folder import DatasetError
-    from .training.lora_rescue import LoraNotSavedError
-    from .training.resume_state import ResumeError
-    from .training.state_lock import StateLockedError
+    from .training.data.image_folder import DatasetError
+    from .training.lora.rescue import LoraNotSavedError
+    from .training.state.resume import ResumeError
+    from .training.state.lock import StateLockedError
     from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
     from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
     return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,

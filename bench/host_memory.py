@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
-from ..training.reference_flux import FluxParams
+from ..training.models.reference_flux import FluxParams
 from .models import build_bench_model
 from .runtime_overhead import CHILD_ENV
 from .report import save_cpu_result

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
-from ..training.lora import keep_inputs_in_compute_dtype
-from ..training.reference_flux import Flux, FluxParams
+from ..training.lora.layers import keep_inputs_in_compute_dtype
+from ..training.models.reference_flux import Flux, FluxParams
 
 LORA_TARGETS = r"(double_blocks\.\d+\.(img|txt)_attn\.(qkv|proj)|single_blocks\.\d+\.linear(1|2))"
 LATENT_CHANNELS = 16

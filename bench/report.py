@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..memory.planner import format_bytes
-from ..training.plots import line_chart, scatter_chart
+from ..training.charts import line_chart, scatter_chart
 
 GiB = float(1 << 30)
 

@@ -1,8 +1,8 @@
 """Dataset nodes: a folder of captioned images, or ComfyUI's own LATENT + CONDITIONING."""
 from __future__ import annotations
 
-from ..training.dataset_builder import dataset_from_conditioning, dataset_from_folder
-from ..training.image_folder import check_dataset_folder
+from ..training.data.builder import dataset_from_conditioning, dataset_from_folder
+from ..training.data.image_folder import check_dataset_folder
 from . import host
 from .input_validation import validation_result
 

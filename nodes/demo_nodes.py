@@ -1,9 +1,9 @@
 """Nodes of the embedded default: a tiny Flux, stand-in encoders, and a generated image folder (no download)."""
 from __future__ import annotations
 
-from ..training.demo import demo_encoders, demo_model
-from ..training.demo_conditioning import demo_conditioning
-from ..training.demo_data import make_demo_dataset
+from ..demo.model import demo_encoders, demo_model
+from ..demo.conditioning import demo_conditioning
+from ..demo.data import make_demo_dataset
 from . import host
 
 
@@ -57,7 +57,7 @@ class TightropeDemoImages:
         }}
 
     def make(self, subfolder, count, size, seed):
-        from ..training.atomic_write import safe_output_path
+        from ..training.state.atomic_write import safe_output_path
         folder = safe_output_path(host.output_dir(), subfolder)
         return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed)),)
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ..training.input_checks import check_existing_lora
-from ..training.lora import INITS, LoraSpec
-from ..training.lora_targets import PRESETS
+from ..training.lora.layers import INITS, LoraSpec
+from ..training.lora.targets import PRESETS
 from . import host
 from .input_validation import validation_result
 

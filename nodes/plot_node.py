@@ -1,9 +1,9 @@
 """Plots node: the loss curve and the memory/transfer chart, previewed on the node."""
 from __future__ import annotations
 
-from ..training.atomic_write import next_free_path
+from ..training.state.atomic_write import next_free_path
 from ..training.input_checks import check_output_target
-from ..training.plots import image_to_comfy
+from ..training.charts import image_to_comfy
 from ..training.session_plots import loss_chart, memory_chart
 from . import host
 from .input_validation import validation_result

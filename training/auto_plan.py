@@ -15,8 +15,8 @@ from ..memory.planner import plan
 from ..memory.probe import probe_model
 from ..memory.strategy import Strategy
 from .flow_loss import flow_matching_loss, noised
-from .lora import inject_lora, remove_lora
-from .model_adapter import adapter_for
+from .lora.layers import inject_lora, remove_lora
+from .models.adapter import adapter_for
 from .session import TrainingSession
 from .strategy_choice import AutoStrategy
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .atomic_write import OutputPathError, safe_output_path
-from .lora import resolve_existing_lora
-from .lora_targets import LoraError
+from .state.atomic_write import OutputPathError, safe_output_path
+from .lora.layers import resolve_existing_lora
+from .lora.targets import LoraError
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .lora_file import save_lora_state
-from .lora_rescue import rescue_lora
+from .lora.files import save_lora_state
+from .lora.rescue import rescue_lora
 from .session import TrainingSession
 from .train_config import ConfigError
 from .trainer import run_metadata

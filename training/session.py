@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..memory.strategy import Strategy
-from .lora import LoraSpec
+from .lora.layers import LoraSpec
 from .train_config import TrainConfig
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from .plots import line_chart
+from .charts import line_chart
 from .session import TrainingSession
 
 

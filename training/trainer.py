@@ -20,16 +20,16 @@ import torch
 
 from ..memory.runtime import MemoryRuntime
 from . import distributed
-from .atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
+from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .held_stops import held_stops
-from .lora import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
-from .lora_file import save_lora_state
-from .lora_rescue import rescue_lora
-from .model_adapter import adapter_for
+from .lora.layers import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
+from .lora.files import save_lora_state
+from .lora.rescue import rescue_lora
+from .models.adapter import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
-from .resume_state import StateOwner, fingerprints, save_state, state_path
+from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError

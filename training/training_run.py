@@ -5,11 +5,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..memory.strategy import Strategy
-from .atomic_write import safe_output_path
-from .model_with_lora import model_with_lora
-from .resume_state import StateOwner, resume_session, session_digest, state_path
+from .state.atomic_write import safe_output_path
+from .models.model_with_lora import model_with_lora
+from .state.resume import StateOwner, resume_session, session_digest, state_path
 from .session import TrainingSession
-from .state_lock import state_lock
+from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
 from .trainer import SaveTarget, resolve_device, train

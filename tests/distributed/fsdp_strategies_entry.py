@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
 from tightrope.training import distributed
-from tightrope.training.demo import demo_model
-from tightrope.training.lora import LoraSpec, inject_lora, lora_parameters
+from tightrope.demo.model import demo_model
+from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
 
 STRATEGIES = {
     "checkpoint_all+activation_offload": Strategy(checkpoint="all", activation_offload=True, compute_dtype="fp32",

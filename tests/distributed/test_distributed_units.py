@@ -9,7 +9,7 @@ from tightrope import cli
 from tightrope.memory.strategy import Strategy
 from tightrope.nodes import host
 from tightrope.training import distributed
-from tightrope.training.dataset import TrainingDataset
+from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.distributed import (DistributedError, Parallel, check_batch_size, check_fsdp_strategy,
                                             check_resume, shard_bounds, this_rank_part, torchrun_env)
 from tightrope.training.train_config import ConfigError

@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from dist_workflow import workflow
-from tightrope.training.demo import demo_model
-from tightrope.training.lora_file import read_lora_file
+from tightrope.demo.model import demo_model
+from tightrope.training.lora.files import read_lora_file
 
 HERE = os.path.dirname(__file__)
 LOSS_RTOL = 1e-6

@@ -70,7 +70,7 @@ def _failing_graph(tmp_path, mappings, error: Exception) -> str:
 
 
 def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
-    from tightrope.training.image_folder import DatasetError
+    from tightrope.training.data.image_folder import DatasetError
     monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: None)
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
@@ -96,12 +96,12 @@ def test_every_user_error_type_is_a_user_error():
     from tightrope.memory.strategy import StrategyError
     from tightrope.training.distributed import DistributedError
     from tightrope.training.input_checks import OutputPathError
-    from tightrope.training.lora_targets import LoraError
-    from tightrope.training.resume_state import ResumeError
-    from tightrope.training.atomic_write import FileWriteError
+    from tightrope.training.lora.targets import LoraError
+    from tightrope.training.state.resume import ResumeError
+    from tightrope.training.state.atomic_write import FileWriteError
     from tightrope.training.finite_check import NonFiniteDataError
-    from tightrope.training.lora_rescue import LoraNotSavedError
-    from tightrope.training.state_lock import StateLockedError
+    from tightrope.training.lora.rescue import LoraNotSavedError
+    from tightrope.training.state.lock import StateLockedError
     from tightrope.training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
     for kind in (StrategyError, DistributedError, OutputPathError, LoraError, ResumeError, NonFiniteLossError,
                  TrainingOutOfMemoryError, NonFiniteWeightsError, NonFiniteDataError, FileWriteError,

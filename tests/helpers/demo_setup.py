@@ -1,9 +1,9 @@
 """A small demo session for trainer tests: 8 generated 32 px images, the tiny Flux, LoRA rank 4."""
 from tightrope.memory.strategy import Strategy
-from tightrope.training.dataset import TrainingDataset
-from tightrope.training.demo import demo_encoders, demo_model
-from tightrope.training.demo_data import make_demo_dataset
-from tightrope.training.lora import LoraSpec
+from tightrope.training.data.dataset import TrainingDataset
+from tightrope.demo.model import demo_encoders, demo_model
+from tightrope.demo.data import make_demo_dataset
+from tightrope.training.lora.layers import LoraSpec
 from tightrope.training.session import TrainingSession
 from tightrope.training.train_config import TrainConfig
 

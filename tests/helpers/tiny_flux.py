@@ -3,8 +3,8 @@ import copy
 
 import torch
 
-from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.tiny_checkpoint import init_tiny_weights_
+from tightrope.training.models.reference_flux import Flux, FluxParams
+from tightrope.demo.tiny_checkpoint import init_tiny_weights_
 
 _TINY = {}
 

@@ -20,10 +20,10 @@ RUNNER = textwrap.dedent("""
     args.cpu = True
     import comfy.model_management as mm, comfy.model_sampling, comfy.sd
     from pathlib import Path
-    from tightrope.training.comfy_model import ComfyModelAdapter, _check_flow
-    from tightrope.training.dataset_builder import dataset_from_conditioning
-    from tightrope.training.demo_conditioning import demo_conditioning
-    from tightrope.training.lora import LoraSpec
+    from tightrope.training.models.comfy import ComfyModelAdapter, _check_flow
+    from tightrope.training.data.builder import dataset_from_conditioning
+    from tightrope.demo.conditioning import demo_conditioning
+    from tightrope.training.lora.layers import LoraSpec
     from tightrope.training.train_config import ConfigError, TrainConfig
     from tightrope.training.training_run import run_training_node
     out = {}
@@ -85,7 +85,7 @@ RUNNER = textwrap.dedent("""
 
 
 def test_adapter_in_comfyui(tmp_path, comfyui_python):
-    from tightrope.training.tiny_checkpoint import make_tiny_checkpoint
+    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
     (tmp_path / "packages").mkdir()
     (tmp_path / "packages" / "tightrope").symlink_to(REPO, target_is_directory=True)

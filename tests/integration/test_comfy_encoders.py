@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from tightrope.training.comfy_encoders import ComfyClipEncoder, ComfyVaeEncoder
-from tightrope.training.dataset import DatasetError
-from tightrope.training.demo import demo_model
-from tightrope.training.demo_conditioning import demo_conditioning
-from tightrope.training.encoders import ImageEncoder, TextEncoder
+from tightrope.training.data.comfy_encoders import ComfyClipEncoder, ComfyVaeEncoder
+from tightrope.training.data.dataset import DatasetError
+from tightrope.demo.model import demo_model
+from tightrope.demo.conditioning import demo_conditioning
+from tightrope.training.data.encoders import ImageEncoder, TextEncoder
 
 
 class FakeVae:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from api_graph import Graph, saved_latent
 
-from tightrope.training.lora_file import read_lora_file
+from tightrope.training.lora.files import read_lora_file
 
 
 @pytest.mark.parametrize("family", ["sd3", "lumina2", "wan", "qwen_image"])

@@ -10,7 +10,7 @@ import torch
 from api_graph import Graph, saved_latent
 from comfy_server import WebSocket
 
-from tightrope.training.lora_file import read_lora_file
+from tightrope.training.lora.files import read_lora_file
 
 STEPS = 4
 

@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from tiny_models import CHECKPOINTS, write_taef1
 
-from tightrope.training.lora_file import read_lora_file
+from tightrope.training.lora.files import read_lora_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FLUX, SD3 = CHECKPOINTS["flux"][0], CHECKPOINTS["sd3"][0]

@@ -13,7 +13,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from tightrope.training.tiny_checkpoint import make_tiny_checkpoint
+from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
 
 Shapes = dict[str, tuple[int, ...]]
 

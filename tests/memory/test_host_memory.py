@@ -181,7 +181,7 @@ def test_pinning_without_a_cuda_runtime_is_a_note_not_a_crash(monkeypatch):
 
 
 def test_inference_mode_model_trains_on_aliases_not_a_copy():
-    from tightrope.training.demo import demo_model
+    from tightrope.demo.model import demo_model
     with torch.inference_mode():  # as ComfyUI builds models
         model = demo_model(0)
         model.flux = type(model.flux)(model.flux.params)

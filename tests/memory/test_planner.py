@@ -17,7 +17,7 @@ from tightrope.memory.probe import measure_h2d_bandwidth, probe_model
 from tightrope.memory.profile import CompileFactors, Profile
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy, StrategyError
-from tightrope.training.reference_flux import Flux, FluxParams
+from tightrope.training.models.reference_flux import Flux, FluxParams
 
 GiB = 1 << 30
 

@@ -9,8 +9,8 @@ from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImage
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.nodes.train_node import TightropeTrain
-from tightrope.training.lora import INITS
-from tightrope.training.lora_targets import PRESETS
+from tightrope.training.lora.layers import INITS
+from tightrope.training.lora.targets import PRESETS
 from tightrope.training.train_config import ConfigError
 
 

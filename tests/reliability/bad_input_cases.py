@@ -21,8 +21,8 @@ from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoModel
 from tightrope.nodes.save_node import TightropeSaveLora
-from tightrope.training.resume_state import state_path
-from tightrope.training.state_lock import state_lock
+from tightrope.training.state.resume import state_path
+from tightrope.training.state.lock import state_lock
 
 
 @dataclass
@@ -360,7 +360,7 @@ def nan_cached_latent(ctx):
 
 
 def disk_full(ctx):
-    from tightrope.training import atomic_write
+    from tightrope.training.state import atomic_write
     real = atomic_write._write_all
 
     def write_all(fd, data):
@@ -375,7 +375,7 @@ def disk_full(ctx):
 
 
 def unwritable_save_folder(ctx):
-    from tightrope.training import atomic_write
+    from tightrope.training.state import atomic_write
     session = train_node(*world(ctx.out), steps=1)[0]
     real = atomic_write._create_temp
 

@@ -8,7 +8,7 @@ from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImage
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.nodes.train_node import TightropeTrain
-from tightrope.training.lora import lora_layers
+from tightrope.training.lora.layers import lora_layers
 
 
 def dataset_inputs(folder=None, **kw):

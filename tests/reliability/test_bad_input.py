@@ -18,8 +18,8 @@ from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoImages
 from tightrope.training.input_checks import OutputPathError
-from tightrope.training.lora_targets import LoraError
-from tightrope.training.state_lock import StateLockedError
+from tightrope.training.lora.targets import LoraError
+from tightrope.training.state.lock import StateLockedError
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "bad_input.md"
 SEEN: dict[str, str] = {}  # case id -> "ErrorType: message" as the user sees it, paths made generic

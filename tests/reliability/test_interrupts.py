@@ -14,11 +14,11 @@ from reliability_kit import assert_untouched, snapshot, strategy, train_node, wo
 
 from tightrope.nodes import host
 from tightrope.nodes.save_node import TightropeSaveLora
-from tightrope.training import atomic_write
-from tightrope.training.atomic_write import FileWriteError
-from tightrope.training.lora_file import read_lora_file
-from tightrope.training.lora_rescue import LoraNotSavedError
-from tightrope.training.resume_state import load_state, state_path
+from tightrope.training.state import atomic_write
+from tightrope.training.state.atomic_write import FileWriteError
+from tightrope.training.lora.files import read_lora_file
+from tightrope.training.lora.rescue import LoraNotSavedError
+from tightrope.training.state.resume import load_state, state_path
 from tightrope.training.trainer import NonFiniteLossError, SaveTarget, TrainingOutOfMemoryError, train
 
 CPU = torch.device("cpu")

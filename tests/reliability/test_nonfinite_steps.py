@@ -6,8 +6,8 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.training import distributed, trainer
-from tightrope.training.lora_file import read_lora_file
-from tightrope.training.resume_state import load_state
+from tightrope.training.lora.files import read_lora_file
+from tightrope.training.state.resume import load_state
 from tightrope.training.trainer import NonFiniteLossError, NonFiniteWeightsError, SaveTarget, train
 
 CPU = torch.device("cpu")

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 
 from tightrope import cli
 from tightrope.nodes import host
-from tightrope.training.dataset import TrainingDataset
-from tightrope.training.lora import LoraError, LoraSpec
-from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.resume_state import _model_mismatch, load_state, model_fingerprint, resume_session, state_path
+from tightrope.training.data.dataset import TrainingDataset
+from tightrope.training.lora.layers import LoraError, LoraSpec
+from tightrope.training.models.reference_flux import Flux, FluxParams
+from tightrope.training.state.resume import _model_mismatch, load_state, model_fingerprint, resume_session, state_path
 from tightrope.training.trainer import SaveTarget, train
 
 CPU = torch.device("cpu")

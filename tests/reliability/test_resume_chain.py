@@ -19,7 +19,7 @@ from tightrope.headless.stop_signals import polite_stops
 from tightrope.nodes import host
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.training import trainer, training_run
-from tightrope.training.resume_state import ResumeError, load_state, session_digest, state_path
+from tightrope.training.state.resume import ResumeError, load_state, session_digest, state_path
 
 A, B = 3, 3  # steps of nodes 7 and 8; save_every=2: node 7 saves at step 2 and ends at 3, node 8 saves at 4 and 6
 SHARED = dict(save_every=2, filename_prefix="rt/chain")

@@ -10,8 +10,8 @@ import torch
 from reliability_kit import train_node, world
 
 from tightrope.nodes import host
-from tightrope.training.state_lock import StateLockedError, state_lock
-from tightrope.training.resume_state import load_state, state_path
+from tightrope.training.state.lock import StateLockedError, state_lock
+from tightrope.training.state.resume import load_state, state_path
 
 
 @pytest.fixture

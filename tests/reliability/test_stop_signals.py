@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tightrope.headless.stop_signals import StopSignal, polite_stops, report_stop
-from tightrope.training.lora_file import read_lora_file
-from tightrope.training.resume_state import load_state
+from tightrope.training.lora.files import read_lora_file
+from tightrope.training.state.resume import load_state
 
 WORKFLOW = {  # the embedded demo, far more steps than the test waits for, no periodic save
     "1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}},

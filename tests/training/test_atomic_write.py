@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tightrope.training import atomic_write
-from tightrope.training.atomic_write import (FileWriteError, atomic_save_file, next_free_path,
+from tightrope.training.state import atomic_write
+from tightrope.training.state.atomic_write import (FileWriteError, atomic_save_file, next_free_path,
                                              remove_stale_temporaries, safe_output_path)
 
 

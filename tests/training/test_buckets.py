@@ -3,7 +3,7 @@ import math
 import pytest
 from PIL import Image
 
-from tightrope.training.buckets import choose_bucket, fit_to_bucket
+from tightrope.training.data.buckets import choose_bucket, fit_to_bucket
 
 SIZES = [(512, 512), (1024, 768), (768, 1024), (1920, 1080), (1080, 1920), (3000, 1000), (100, 50), (4000, 4001)]
 BUDGETS = [(512 * 512, 16), (1024 * 1024, 16), (64 * 64, 4), (300_000, 64)]

@@ -4,10 +4,10 @@ import pytest
 import torch
 from PIL import Image
 
-from tightrope.training.dataset import TrainingDataset, image_to_tensor
-from tightrope.training.demo_data import make_demo_dataset
-from tightrope.training.demo_encoders import DemoCaptionEmbedder, DemoLatentCodec
-from tightrope.training.image_folder import DatasetError
+from tightrope.training.data.dataset import TrainingDataset, image_to_tensor
+from tightrope.demo.data import make_demo_dataset
+from tightrope.demo.encoders import DemoCaptionEmbedder, DemoLatentCodec
+from tightrope.training.data.image_folder import DatasetError
 
 
 class Counting:

@@ -1,6 +1,6 @@
 from PIL import Image
 
-from tightrope.training.demo_data import make_demo_dataset
+from tightrope.demo.data import make_demo_dataset
 
 
 def _contents(folder):

@@ -4,8 +4,8 @@ import sys
 
 import torch
 
-from tightrope.training.demo_encoders import DemoCaptionEmbedder, DemoLatentCodec
-from tightrope.training.encoders import ImageEncoder, TextEncoder
+from tightrope.demo.encoders import DemoCaptionEmbedder, DemoLatentCodec
+from tightrope.training.data.encoders import ImageEncoder, TextEncoder
 
 
 def test_codec_is_exactly_invertible_with_the_documented_shapes():
@@ -53,7 +53,7 @@ def test_embedder_is_deterministic_across_instances_and_processes():
     here = scope["digest"](DemoCaptionEmbedder())
     assert here == scope["digest"](DemoCaptionEmbedder())
     # A fresh interpreter with a different hash salt must agree (no Python hash() inside).
-    code = DIGEST + "from tightrope.training.demo_encoders import DemoCaptionEmbedder\nprint(digest(DemoCaptionEmbedder()))"
+    code = DIGEST + "from tightrope.demo.encoders import DemoCaptionEmbedder\nprint(digest(DemoCaptionEmbedder()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == here

@@ -5,7 +5,7 @@ import warnings
 import pytest
 from PIL import Image
 
-from tightrope.training.image_folder import (DatasetError, load_image, read_caption, read_image_size,
+from tightrope.training.data.image_folder import (DatasetError, load_image, read_caption, read_image_size,
                                              scan_folder)
 
 

@@ -8,11 +8,11 @@ import torch
 from tiny_flux import flux_inputs, tiny_flux
 from torch import nn
 
-from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, load_lora_state, lora_layers,
+from tightrope.training.lora.layers import (LoraError, LoraSpec, inject_lora, load_lora_state, lora_layers,
                                      lora_parameters, lora_state, merge_and_remove_lora, remove_lora,
                                      resolve_existing_lora, targeted_layers)
-from tightrope.training.lora_targets import TARGET_PRESETS
-from tightrope.training.reference_flux import Flux, FluxParams
+from tightrope.training.lora.targets import TARGET_PRESETS
+from tightrope.training.models.reference_flux import Flux, FluxParams
 
 
 

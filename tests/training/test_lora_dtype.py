@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from tightrope.bench.models import build_bench_model
-from tightrope.training.lora import LoraSpec, inject_lora, lora_layers, lora_parameters, remove_lora
-from tightrope.training.reference_flux import Flux, FluxParams
+from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_layers, lora_parameters, remove_lora
+from tightrope.training.models.reference_flux import Flux, FluxParams
 
 
 def _lora_input_dtypes(model, run):

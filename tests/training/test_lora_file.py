@@ -10,13 +10,13 @@ import torch
 from tiny_flux import flux_inputs, tiny_flux
 from safetensors.torch import save_file
 
-from tightrope.training import lora_file
+from tightrope.training.lora import files as lora_file
 from tightrope.training.finite_check import NonFiniteDataError
-from tightrope.training.lora import (LoraError, LoraSpec, inject_lora, lora_parameters, lora_state,
+from tightrope.training.lora.layers import (LoraError, LoraSpec, inject_lora, lora_parameters, lora_state,
                                      remove_lora)
-from tightrope.training.lora_file import lora_modules_in_file, merge_lora_into, read_lora_file, save_lora
-from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.tiny_checkpoint import init_tiny_weights_
+from tightrope.training.lora.files import lora_modules_in_file, merge_lora_into, read_lora_file, save_lora
+from tightrope.training.models.reference_flux import Flux, FluxParams
+from tightrope.demo.tiny_checkpoint import init_tiny_weights_
 
 RUN_METADATA = {"tightrope.base_model": "tiny-flux", "tightrope.family": "flux", "tightrope.steps": "7",
                 "tightrope.strategy": '{"offload_fraction": 0.0}'}

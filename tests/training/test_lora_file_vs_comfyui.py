@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tightrope.training.lora import LoraSpec, inject_lora, lora_parameters
-from tightrope.training.lora_file import merge_lora_into, read_lora_file, save_lora
-from tightrope.training.reference_flux import FluxParams
-from tightrope.training.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
+from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
+from tightrope.training.lora.files import merge_lora_into, read_lora_file, save_lora
+from tightrope.training.models.reference_flux import FluxParams
+from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:

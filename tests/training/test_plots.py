@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tightrope.training.plots import (image_to_comfy, line_chart, nice_ticks, pareto_front, scatter_chart)
+from tightrope.training.charts import (image_to_comfy, line_chart, nice_ticks, pareto_front, scatter_chart)
 
 
 def _colours(img: Image.Image) -> int:

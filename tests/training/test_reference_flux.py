@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint, read_params
+from tightrope.training.models.reference_flux import Flux, FluxParams
+from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint, read_params
 
 H = 3072  # Flux-dev hidden size
 # A representative slice of the original flux1-dev.safetensors layout: key -> shape
@@ -104,7 +104,7 @@ def test_forward_latent_matches_token_forward(tiny_path):
 
 
 def test_checkpoint_round_trip_identical(tiny_path, tmp_path):
-    from tightrope.training.tiny_checkpoint import init_tiny_weights_
+    from tightrope.demo.tiny_checkpoint import init_tiny_weights_
     fresh = init_tiny_weights_(Flux(FluxParams.tiny()), seed=0)
     loaded = load_reference_flux(tiny_path, FluxParams.tiny())
     assert read_params(tiny_path) == FluxParams.tiny()

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tightrope.training.reference_flux import FluxParams
-from tightrope.training.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
+from tightrope.training.models.reference_flux import FluxParams
+from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
 
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:

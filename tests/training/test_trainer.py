@@ -4,8 +4,8 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.memory.strategy import Strategy, StrategyError
-from tightrope.training.image_folder import DatasetError
-from tightrope.training.lora_file import read_lora_file
+from tightrope.training.data.image_folder import DatasetError
+from tightrope.training.lora.files import read_lora_file
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import SaveTarget, train
 

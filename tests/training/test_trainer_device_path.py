@@ -6,7 +6,7 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.memory.strategy import Strategy
-from tightrope.training import model_adapter
+from tightrope.training.models import adapter as model_adapter
 from tightrope.training.trainer import train
 
 CPU = torch.device("cpu")

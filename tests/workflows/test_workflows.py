@@ -9,7 +9,7 @@ import torch
 from tightrope import NODE_CLASS_MAPPINGS
 from tightrope.headless import load_workflow, run_workflow
 from tightrope.nodes import host
-from tightrope.training.lora_file import read_lora_file
+from tightrope.training.lora.files import read_lora_file
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((ROOT / "workflows").glob("*.json"))

@@ -11,7 +11,7 @@ import re
 
 from torch import nn
 
-from .train_config import ConfigError
+from ..train_config import ConfigError
 
 
 class LoraError(ConfigError):

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..memory.strategy import Strategy
-from . import distributed
+from ...memory.strategy import Strategy
+from .. import distributed
 from .atomic_write import atomic_save_file, safe_output_path
-from .finite_check import check_finite
-from .lora_targets import LoraError
+from ..finite_check import check_finite
+from ..lora.targets import LoraError
 
 STATE_SUFFIX = ".state.safetensors"
 FORMAT = "tightrope-training-state-v1"
@@ -208,7 +208,7 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     and LoRA settings, and the state; restores the RNG states and the strategy the state was trained with.
     owner: this node (None: not checked); a state of another node is refused, one of another run of this node
     (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed)."""
-    from .model_adapter import adapter_for
+    from ..models.adapter import adapter_for
     state, rng = load_state(path)
     info = state.info
     if owner is not None and _other_run(path, info.get("owner"), owner):

@@ -21,7 +21,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
-from .lora_targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
+from .targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
 
 __all__ = ["LoraSpec", "LoraError", "inject_lora", "remove_lora", "merge_and_remove_lora", "lora_layers",
            "lora_parameters", "lora_state", "load_lora_state", "resolve_existing_lora", "targeted_layers",
@@ -169,7 +169,7 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
             p.requires_grad_(True)
         keep_inputs_in_compute_dtype(module)
         if spec.existing_lora:
-            from .lora_file import load_lora_file_into  # lora_file builds on this module
+            from .files import load_lora_file_into  # lora_file builds on this module
             load_lora_file_into(module, spec.existing_lora)
     except BaseException:
         remove_lora(module)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import copy
 
-from .lora import inject_lora, load_lora_state, merge_and_remove_lora
-from .model_adapter import ReferenceFluxModel, adapter_for
-from .session import TrainingSession
+from ..lora.layers import inject_lora, load_lora_state, merge_and_remove_lora
+from .adapter import ReferenceFluxModel, adapter_for
+from ..session import TrainingSession
 
 
 def model_with_lora(session: TrainingSession, strength: float = 1.0):

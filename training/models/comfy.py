@@ -32,10 +32,10 @@ import comfy.model_sampling
 import comfy.sd
 import comfy.utils
 
-from ..memory.blocks import discover_blocks
-from .lora_targets import LoraError
-from .model_adapter import ordinary_alias
-from .train_config import ConfigError
+from ...memory.blocks import discover_blocks
+from ..lora.targets import LoraError
+from .adapter import ordinary_alias
+from ..train_config import ConfigError
 
 PREFIX = "diffusion_model."
 # family -> (where the text context enters, where the pooled text embedding enters); "" = the model has none
@@ -198,7 +198,7 @@ class ComfyModelAdapter:
     def with_lora_state(self, spec, state: dict[str, torch.Tensor], strength: float = 1.0):
         """A clone of the MODEL with the LoRA patched in by ComfyUI's own LoRA loading (LoraLoaderModelOnly's
         code path), so it samples exactly as the saved file through the core loader does."""
-        from .lora_file import lora_file_tensors
+        from ..lora.files import lora_file_tensors
         if strength == 0:
             return self.patcher
         tensors = lora_file_tensors(state, spec)

@@ -24,10 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
-from .atomic_write import atomic_save_file
+from ..state.atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
-from .finite_check import check_finite
+from ..finite_check import check_finite
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, load_image,
                            no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
 
@@ -353,7 +353,7 @@ class TrainingDataset:
             epoch, offset = epoch + 1, 0
 
     def _collate_part(self, batch: list[tuple[int, bool]], rank: int, world: int) -> dict:
-        from .distributed import shard_bounds
+        from ..distributed import shard_bounds
         lo, hi = shard_bounds(len(batch), rank, world)
         part = self._collate(batch[lo:hi] or batch[:1])  # an empty part: a stand-in sample, weighted 0 in training
         part["shard"] = (lo, hi, len(batch))

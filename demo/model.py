@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .demo_encoders import DemoCaptionEmbedder, DemoLatentCodec
-from .model_adapter import ReferenceFluxModel
-from .reference_flux import Flux, FluxParams
+from .encoders import DemoCaptionEmbedder, DemoLatentCodec
+from ..training.models.adapter import ReferenceFluxModel
+from ..training.models.reference_flux import Flux, FluxParams
 from .tiny_checkpoint import init_tiny_weights_
 
 

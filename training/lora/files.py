@@ -26,10 +26,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from .atomic_write import atomic_save_file, next_free_path
-from .finite_check import check_finite
-from .lora import ADAPTER, LoraSpec, lora_layers, lora_state
-from .lora_targets import LoraError
+from ..state.atomic_write import atomic_save_file, next_free_path
+from ..finite_check import check_finite
+from .layers import ADAPTER, LoraSpec, lora_layers, lora_state
+from .targets import LoraError
 
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
 LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from safetensors.torch import save
 from torch import Tensor
 
-from .train_config import ConfigError
+from ..train_config import ConfigError
 
 
 class OutputPathError(ConfigError):

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Iterator
 
-from . import distributed
+from .. import distributed
 
 LOCK_SUFFIX = ".lock"
 # errnos meaning "another process holds it" (msvcrt reports EACCES or EDEADLK)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from .atomic_write import FileWriteError, safe_output_path
-from .lora import LoraSpec
-from .lora_file import save_lora_state
+from ..state.atomic_write import FileWriteError, safe_output_path
+from .layers import LoraSpec
+from .files import save_lora_state
 
 RESCUE_PREFIX = "tightrope_rescue_"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .demo_encoders import DemoCaptionEmbedder
-from .model_adapter import ReferenceFluxModel, adapter_for
+from .encoders import DemoCaptionEmbedder
+from ..training.models.adapter import ReferenceFluxModel, adapter_for
 
 
 def conditioning_dims(model: Any) -> tuple[int, int]:

@@ -59,7 +59,7 @@ class ReferenceFluxModel:
 
     def with_lora(self, path: str, strength: float = 1.0) -> "ReferenceFluxModel":
         """A copy with a saved LoRA merged in (this object is left as it is)."""
-        from .lora_file import merge_lora_into
+        from ..lora.files import merge_lora_into
         flux = copy.deepcopy(self.flux)
         merge_lora_into(flux, path, strength)
         return ReferenceFluxModel(flux, self.base_name)
@@ -82,7 +82,7 @@ def adapter_for(model: Any) -> ModelAdapter:
     if isinstance(model, ModelAdapter):
         return model
     if hasattr(model, "model") and hasattr(model, "clone") and hasattr(model, "model_options"):
-        from .comfy_model import ComfyModelAdapter  # ComfyUI imports live there only
+        from .comfy import ComfyModelAdapter  # ComfyUI imports live there only
         return ComfyModelAdapter(model)
     raise TypeError(f"the MODEL input is a {type(model).__name__}, which Tightrope cannot train: connect a "
                     "diffusion model loader (ComfyUI's Load Diffusion Model, or Tightrope's demo model)")

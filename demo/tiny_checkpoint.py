@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .reference_flux import Flux, FluxParams
+from ..training.models.reference_flux import Flux, FluxParams
 
 PARAMS_METADATA_KEY = "tightrope.flux_params"
 

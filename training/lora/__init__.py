@@ -1,0 +1,1 @@
+"""LoRA: settings and peft layers in a transformer, target presets, LoRA files, rescue of an unsaved LoRA."""
