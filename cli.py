@@ -112,7 +112,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     from .headless.comfyui_library import comfyui_dir, load_comfyui
     from .headless.executor import run_workflow
     from .headless.graph import WorkflowError
-    from .headless.run_summary import summary_lines
+    from .headless.executor import summary_lines
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .training.distributed import current
 
@@ -149,7 +149,7 @@ def load_node_mappings(library=None) -> dict:
     """The pack's nodes plus ComfyUI's trivial Primitive* nodes, and with a loaded ComfyUI (headless/comfyui_library.py)
     all its core and comfy_extras nodes. Imported lazily: `--help` stays instant."""
     from . import NODE_CLASS_MAPPINGS
-    from .headless.core_primitives import with_core_primitives
+    from .headless.comfyui_library import with_core_primitives
     return with_core_primitives({**(library.node_mappings if library else {}), **NODE_CLASS_MAPPINGS})
 
 

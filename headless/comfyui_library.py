@@ -12,6 +12,10 @@ and PreviewImage write there), the LoRA folder the run writes into and `--models
 and extra_model_paths.yaml is read the way main.py reads it; everything is put back on exit. Nodes (ComfyUI's and
 Tightrope's alike) are called through ComfyUI's own execution helpers (get_input_data, _async_map_node_over_list,
 get_output_from_returns), so V3 (comfy_api) nodes, hidden inputs and async nodes behave as in the server.
+
+Without ComfyUI, its Primitive* value nodes (Int, Float, Text, Boolean) are re-declared here so headless runs accept
+them: core nodes, but trivial (value in, same value out), and workflows use them to share one seed or prompt between
+nodes. Same type names and widgets as comfy_extras/nodes_primitive.py, so a saved workflow's widgets_values line up.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Iterator
 
 from .graph import Link, NodeSpec, WorkflowError, describe_node
 from .input_spec import node_input_specs
+
 
 COMFYUI_DIR_ENV = "COMFYUI_DIR"
 OLDEST_SUPPORTED = (0, 33)  # execution.get_input_data(..., extra_data) and the V3 node API; tested: 0.33.0
@@ -198,11 +203,11 @@ def comfyui_dir(option: str | None, workflow: dict, node_mappings: dict, environ
 
 def _node_types(workflow: dict) -> set[str]:
     """The node types a workflow file runs (UI format: not muted, bypassed or frontend-only; API format: all)."""
-    from .ui_format import COMMENT_NODE_TYPES, PASS_THROUGH_NODE_TYPES
-    from .ui_links import MODE_BYPASSED, MODE_MUTED
+    from .ui_format import COMMENT_NODE_TYPES, MODE_BYPASSED, MODE_MUTED, PASS_THROUGH_NODE_TYPES
     if isinstance(workflow, dict) and isinstance(workflow.get("nodes"), list):
-        return {str(node.get("type")) for node in workflow["nodes"] if isinstance(node, dict)
-                and node.get("mode", 0) not in (MODE_MUTED, MODE_BYPASSED)} - COMMENT_NODE_TYPES - PASS_THROUGH_NODE_TYPES
+        run = {str(node.get("type")) for node in workflow["nodes"] if isinstance(node, dict)
+               and node.get("mode", 0) not in (MODE_MUTED, MODE_BYPASSED)}
+        return run - COMMENT_NODE_TYPES - PASS_THROUGH_NODE_TYPES
     prompt = workflow.get("prompt", workflow) if isinstance(workflow, dict) else None
     if not isinstance(prompt, dict):
         return set()  # not a workflow: workflow_format() says so
@@ -276,3 +281,33 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def _supported_text() -> str:
     oldest = ".".join(map(str, OLDEST_SUPPORTED))
     return f"Tightrope's headless runner supports ComfyUI {oldest} and newer; update ComfyUI (git pull)"
+
+
+class _Primitive:
+    CATEGORY = "utilities/primitive"
+    FUNCTION = "execute"
+
+    def execute(self, value):
+        return (value,)
+
+
+def _primitive(type_name: str, value_type: str, options: dict):
+    return type(type_name, (_Primitive,), {
+        "RETURN_TYPES": (value_type,),
+        "INPUT_TYPES": classmethod(lambda cls: {"required": {"value": (value_type, dict(options))}}),
+    })
+
+
+CORE_PRIMITIVE_NODES = {
+    "PrimitiveInt": _primitive("PrimitiveInt", "INT",
+                               {"min": -sys.maxsize, "max": sys.maxsize, "control_after_generate": "fixed"}),
+    "PrimitiveFloat": _primitive("PrimitiveFloat", "FLOAT", {"min": -sys.maxsize, "max": sys.maxsize, "step": 0.1}),
+    "PrimitiveString": _primitive("PrimitiveString", "STRING", {}),
+    "PrimitiveStringMultiline": _primitive("PrimitiveStringMultiline", "STRING", {"multiline": True}),
+    "PrimitiveBoolean": _primitive("PrimitiveBoolean", "BOOLEAN", {}),
+}
+
+
+def with_core_primitives(node_mappings: dict) -> dict:
+    """`node_mappings` plus the primitives (the pack's own classes win on a name clash)."""
+    return {**CORE_PRIMITIVE_NODES, **node_mappings}

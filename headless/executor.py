@@ -1,4 +1,5 @@
-"""Running a graph through the node classes, the way ComfyUI's executor calls them.
+"""Running a graph through the node classes, the way ComfyUI's executor calls them, and the short report
+`tightrope run` prints at the end (what each output node showed or wrote).
 
 Each node class is instantiated and its FUNCTION called with its literal and linked inputs (plus any
 hidden inputs it declares); it returns a tuple of outputs or {"ui": ..., "result": tuple}. The whole
@@ -9,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 from typing import Callable
 
-from .api_format import to_api_prompt
-from .execution_order import execution_order
-from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node
+from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node, execution_order
 from .input_spec import hidden_inputs
 from .validation import validate_graph
+from .workflow_format import to_api_prompt
+
 
 # on_node(node_id, class_type, position, total) is called just before each node runs (position from 1).
 OnNode = Callable[[str, str, int, int], None]
@@ -130,3 +132,35 @@ def _comfyui_grad_mode():
     except ImportError:
         return contextlib.nullcontext()
     return torch.inference_mode()
+
+
+_MAX_TEXT = 300  # a loss curve dump or a long prompt should not flood the terminal
+
+
+def summary_lines(results: dict[str, NodeOutputs], graph: Graph, node_mappings: dict, output_dir: str) -> list[str]:
+    """One heading per output node (or, if none is declared, per node that returned `ui`), then its items."""
+    reported = [node_id for node_id in results
+                if getattr(node_mappings[graph[node_id].class_type], "OUTPUT_NODE", False) is True]
+    if not reported:
+        reported = [node_id for node_id, outputs in results.items() if outputs.ui]
+    lines = []
+    for node_id in reported:
+        node = graph[node_id]
+        title = f" ({node.title})" if node.title and node.title != node.class_type else ""
+        items = [line for key, values in results[node_id].ui.items() for line in _item_lines(key, values, output_dir)]
+        lines.append(f"{describe_node(node_id, node.class_type)}{title}:" + ("" if items else " done"))
+        lines.extend(f"  {item}" for item in items)
+    return lines
+
+
+def _item_lines(key: str, values, output_dir: str) -> list[str]:
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return [f"{key}: {_describe(value, output_dir)}" for value in values]
+
+
+def _describe(value, output_dir: str) -> str:
+    if isinstance(value, dict) and "filename" in value:  # ComfyUI's file result: {filename, subfolder, type}
+        relative = os.path.join(value.get("subfolder") or "", value["filename"])
+        return os.path.join(output_dir, relative) if value.get("type", "output") == "output" else relative
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + f"... ({len(text)} characters)"

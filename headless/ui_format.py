@@ -5,14 +5,29 @@
 
 Nodes are turned into the same graph the API format gives: widget values named by the node class's
 INPUT_TYPES, links followed through Reroute/bypassed/Primitive nodes, muted nodes dropped.
+
+Links: a link is followed back to the node output (or value) that really feeds the input, as the frontend does
+when it turns the canvas into an API prompt (graphToPrompt and ExecutableNodeDTO.resolveOutput): a muted source
+feeds nothing; a bypassed node hands over the input whose type matches the output; a Reroute passes its input
+through; a PrimitiveNode supplies its value.
+
+Widget values: the frontend saves them as a plain list in widget order: the class's widget inputs, required then
+optional, in declaration order, each followed by the values of its control widgets (an INT seed's "randomize"; a
+combo's control mode and filter text). Frontends since 1.4x also save `widgets_values_named` ({widget name:
+value}); some node packs save `widgets_values` as a dict. All three are read here. A count mismatch means the file
+was saved with a different version of the node. Like the frontend, a list that stops early is accepted when only
+optional widgets are left without a value (a node that gained an optional input keeps loading old files; those
+widgets take their defaults). Anything else would silently train with shifted settings, so it is an error.
 """
 from __future__ import annotations
 
-from .graph import Graph, NodeSpec, WorkflowError, describe_node, sorted_node_ids
-from .input_spec import node_input_specs
-from .node_type_lookup import unknown_node_type_problem
-from .ui_links import MODE_BYPASSED, MODE_MUTED, Disconnected, LinkResolver, Value, parse_links
-from .ui_widget_values import widget_values_by_name
+from dataclasses import dataclass
+from typing import Any
+
+from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node, sorted_node_ids
+from .input_spec import CONTROL_MODE, CONTROL_MODES, InputSpec, node_input_specs, widget_specs
+from .validation import unknown_node_type_problem
+
 
 COMMENT_NODE_TYPES = frozenset({"Note", "MarkdownNote"})  # frontend-only: no inputs, no outputs
 PASS_THROUGH_NODE_TYPES = frozenset({"Reroute", "PrimitiveNode"})  # frontend-only: resolved by LinkResolver
@@ -91,3 +106,183 @@ def _is_group_node(class_type, group_node_names: set) -> bool:
         if prefix == "workflow" and name in group_node_names:
             return True
     return False
+
+
+MODE_MUTED = 2  # LGraphEventMode.NEVER
+MODE_BYPASSED = 4  # LGraphEventMode.BYPASS
+
+
+@dataclass(frozen=True)
+class UiLink:
+    from_id: str
+    from_slot: int
+    to_id: str
+    to_slot: int
+    type: Any
+
+
+@dataclass(frozen=True)
+class Value:
+    """A literal that arrives over a link (from a PrimitiveNode)."""
+    value: Any
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """Nothing arrives; `reason` says why, for the message if the input was required."""
+    reason: str
+
+
+def parse_links(raw_links) -> dict[int, UiLink]:
+    """Links as saved: `[id, from_node, from_slot, to_node, to_slot, type]`, or objects (schema version 1)."""
+    links = {}
+    for raw in raw_links or []:
+        if isinstance(raw, dict):
+            link = UiLink(str(raw["origin_id"]), raw["origin_slot"], str(raw["target_id"]), raw["target_slot"],
+                          raw.get("type"))
+            links[raw["id"]] = link
+        elif isinstance(raw, (list, tuple)) and len(raw) >= 6:
+            links[raw[0]] = UiLink(str(raw[1]), raw[2], str(raw[3]), raw[4], raw[5])
+        else:
+            raise WorkflowError(f"link {raw!r} is not [id, from_node, from_slot, to_node, to_slot, type]: "
+                                f"the file is damaged; re-save it from ComfyUI")
+    return links
+
+
+class LinkResolver:
+    def __init__(self, nodes_by_id: dict[str, dict], links: dict[int, UiLink]):
+        self.nodes_by_id = nodes_by_id
+        self.links = links
+
+    def resolve(self, link_id) -> Link | Value | Disconnected:
+        return self._resolve(link_id, set())
+
+    def _resolve(self, link_id, seen: set) -> Link | Value | Disconnected:
+        if link_id in seen:
+            raise WorkflowError(f"links {sorted(seen)} loop through Reroute or bypassed nodes: break the loop")
+        seen.add(link_id)
+        link = self.links.get(link_id)
+        if link is None:
+            raise WorkflowError(f"link {link_id} is used by a node but missing from the workflow's links: "
+                                f"the file is damaged; re-save it from ComfyUI")
+        source = self.nodes_by_id.get(link.from_id)
+        if source is None:
+            raise WorkflowError(f"link {link_id} comes from node {link.from_id}, which the workflow lacks: "
+                                f"the file is damaged; re-save it from ComfyUI")
+        label = describe_node(link.from_id, source.get("type", "?"))
+        mode = source.get("mode", 0)
+        if mode == MODE_MUTED:
+            return Disconnected(f"it comes from {label}, which is muted")
+        if mode == MODE_BYPASSED:
+            slot = bypass_input_slot(source, link.from_slot, link.type)
+            if slot < 0:
+                return Disconnected(f"it comes from {label}, which is bypassed and has no input of type {link.type}")
+            return self._follow_input(source, slot, label, seen)
+        if source.get("type") == "Reroute":
+            return self._follow_input(source, 0, label, seen)
+        if source.get("type") == "PrimitiveNode":
+            saved = source.get("widgets_values") or []
+            return Value(saved[0]) if saved else Disconnected(f"{label} has no saved value")
+        return Link(link.from_id, link.from_slot)
+
+    def _follow_input(self, node: dict, slot: int, label: str, seen: set):
+        inputs = node.get("inputs") or []
+        upstream = inputs[slot].get("link") if slot < len(inputs) else None
+        if upstream is None:
+            return Disconnected(f"it passes through {label}, whose input is not connected")
+        return self._resolve(upstream, seen)
+
+
+def bypass_input_slot(node: dict, slot: int, target_type) -> int:
+    """Which input a bypassed node forwards for output `slot`; -1 if none fits (the frontend's rule)."""
+    inputs = node.get("inputs") or []
+    if target_type in ("*", "", None, 0):
+        return slot if slot < len(inputs) else (0 if inputs else -1)
+    outputs = node.get("outputs") or []
+    output_type = outputs[slot].get("type") if slot < len(outputs) else target_type
+    if slot < len(inputs):
+        same_slot = inputs[slot].get("type")
+        if types_compatible(same_slot, output_type) and types_compatible(same_slot, target_type):
+            return slot
+    for index, entry in enumerate(inputs):
+        if entry.get("type") == target_type:
+            return index
+    for index, entry in enumerate(inputs):
+        if types_compatible(entry.get("type"), output_type) and types_compatible(entry.get("type"), target_type):
+            return index
+    return -1
+
+
+def types_compatible(a, b) -> bool:
+    """LiteGraph.isValidConnection: "*" / "" match anything; "A,B" unions match any member; case-insensitive."""
+    if a in ("*", "", None, 0) or b in ("*", "", None, 0) or a == b:
+        return True
+    a_types = {t.strip().lower() for t in str(a).split(",")}
+    b_types = {t.strip().lower() for t in str(b).split(",")}
+    return bool(a_types & b_types) or "*" in a_types or "*" in b_types
+
+
+def widget_values_by_name(node: dict, node_class, node_id: str, problems: list[str]) -> dict:
+    """`{input name: saved value}` for `node`'s widgets; appends what is wrong to `problems`."""
+    specs = widget_specs(node_class)
+    label = describe_node(node_id, node.get("type", "?"))
+    saved = node.get("widgets_values")
+    named = node.get("widgets_values_named")
+    if isinstance(saved, dict):
+        return _from_names(saved, specs, label, problems)
+    if saved is None and isinstance(named, dict):
+        return _from_names(named, specs, label, problems)
+    saved = list(saved or [])
+    expected = sum(1 + len(spec.saved_extras) for spec in specs)
+    if len(saved) != expected and isinstance(named, dict):
+        return _from_names(named, specs, label, problems)  # names survive a node gaining or losing a widget
+    if len(saved) < expected and _only_optional_widgets_unsaved(saved, specs):
+        return _from_list(saved, specs, label, problems)
+    if len(saved) != expected:
+        problems.append(f"{label} has {len(saved)} widgets_values but its widgets need {expected} "
+                        f"({_layout(specs)}): the workflow was saved with a different version of this node; "
+                        f"open it in ComfyUI, check the node's values, and save it again")
+        return {}
+    return _from_list(saved, specs, label, problems)
+
+
+def _only_optional_widgets_unsaved(saved: list, specs: list[InputSpec]) -> bool:
+    """True when `saved` ends exactly after some widget and every widget after that one is optional."""
+    position = 0
+    for index, spec in enumerate(specs):
+        if position == len(saved):
+            return all(not later.required for later in specs[index:])
+        position += 1 + len(spec.saved_extras)
+    return position == len(saved)
+
+
+def _from_list(saved: list, specs: list[InputSpec], label: str, problems: list[str]) -> dict:
+    values, position = {}, 0
+    for spec in specs:
+        if position >= len(saved):
+            break  # the rest are optional widgets saved before the node had them: they take their defaults
+        values[spec.name] = saved[position]
+        if CONTROL_MODE in spec.saved_extras:
+            mode = saved[position + 1 + spec.saved_extras.index(CONTROL_MODE)]
+            if mode not in CONTROL_MODES:  # the cheapest sign that the list is shifted
+                problems.append(f"{label} widgets_values[{position + 1}] should be the control_after_generate mode "
+                                f"of '{spec.name}' (one of {', '.join(CONTROL_MODES)}) but is {mode!r}: the values "
+                                f"are out of step with the node's widgets ({_layout(specs)}); re-save the workflow "
+                                f"from ComfyUI")
+                return {}
+        position += 1 + len(spec.saved_extras)
+    return values
+
+
+def _from_names(saved: dict, specs: list[InputSpec], label: str, problems: list[str]) -> dict:
+    names = {spec.name for spec in specs}
+    # control widgets are named "control_after_generate"/"control_filter_list" (or a prefixed variant)
+    unknown = sorted(k for k in saved if k not in names and "control_" not in k)
+    if unknown:
+        problems.append(f"{label} saves values for {', '.join(map(repr, unknown))}, which the node has no widget "
+                        f"for (its widgets: {', '.join(sorted(names)) or 'none'}): remove them or fix the names")
+    return {name: value for name, value in saved.items() if name in names}
+
+
+def _layout(specs: list[InputSpec]) -> str:
+    return ", ".join(" + ".join((spec.name,) + spec.saved_extras) for spec in specs) or "no widgets"

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..headless.input_spec import node_input_specs
-from ..headless.literal_values import checked_value
+from ..headless.input_spec import checked_value, node_input_specs
 
 
 def validation_result(node_class, inputs: dict, *checks: Callable[[], object]) -> bool | str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from headless_ui_builder import ui_node, ui_workflow
 
-from tightrope.headless.core_primitives import with_core_primitives
+from tightrope.headless.comfyui_library import with_core_primitives
 from tightrope.headless.executor import NodeExecutionError, run_workflow
 from tightrope.headless.graph import Link, NodeSpec, WorkflowError
 from tightrope.headless.workflow_format import load_workflow
