@@ -110,9 +110,8 @@ def user_error_types() -> tuple[type[Exception], ...]:
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,
          models_dir: str | None = None) -> int:
     from .headless.comfyui_library import comfyui_dir, load_comfyui
-    from .headless.executor import run_workflow
+    from .headless.executor import run_workflow, summary_lines
     from .headless.graph import WorkflowError
-    from .headless.executor import summary_lines
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .training.distributed import current
 
@@ -125,8 +124,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     except OSError as exc:
         raise WorkflowError(f"cannot create output dir {output_dir!r} ({exc.strerror}): pass --output-dir "
                             f"a folder you can write to") from None
-    configure_host(output_dir, resume)
-    with _comfyui_folders(library, models_dir):
+    with headless_host(output_dir, resume), _comfyui_folders(library, models_dir):
         try:
             graph = load_workflow(data, node_mappings)
         except WorkflowError as exc:  # with ComfyUI, a missing model file is named with the folders searched
@@ -167,14 +165,12 @@ def _comfyui_folders(library, models_dir: str | None):
     return library.run_folders(host.output_dir(), host.loras_dir(), models_dir)
 
 
-def configure_host(output_dir: str, resume: bool) -> None:
-    """Tell the nodes they run headless: where to write, and whether to resume."""
+def headless_host(output_dir: str, resume: bool):
+    """The nodes run headless inside this block: where to write, and whether to resume; restored on exit."""
     from .nodes import host
     from .training.distributed import current
     scratch = current().scratch_dir  # torchrun ranks other than 0 write only into a private folder
-    host.set_headless_output_dir(output_dir if scratch is None else scratch)
-    host.set_headless_run_dir(output_dir)
-    host.set_resume(resume)  # always set: a second in-process main() must not inherit the first one's --resume
+    return host.headless(output_dir if scratch is None else scratch, run_dir=output_dir, resume=resume)
 
 
 def run_bench(argv: list[str]) -> int:

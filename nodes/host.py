@@ -1,37 +1,49 @@
 """Where the nodes run: inside ComfyUI (folders, progress bar and interrupt from ComfyUI) or headless (`tightrope run`).
 
 ComfyUI has imported `folder_paths` before it loads any custom node, so its presence in sys.modules tells the two
-apart; ComfyUI modules are only imported inside these functions, and only when ComfyUI is running.
+apart; ComfyUI modules are only imported inside these functions, and only when ComfyUI is running. A headless run
+happens inside `with headless(...)` (the CLI enters it): the nodes see its folders and --resume flag for the block
+only, and whatever was there before (ComfyUI, or an outer block) is back when it exits.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-_headless_output: Path | None = None
-_headless_run_dir: Path | None = None
-_resume = False
+from typing import Callable, Iterator
 
 
-def set_headless_output_dir(path: str | Path) -> None:
-    global _headless_output, _headless_run_dir
-    _headless_output = Path(path)
-    _headless_run_dir = None  # the run dir is the output dir unless set_headless_run_dir says otherwise
-    _headless_output.mkdir(parents=True, exist_ok=True)
+@dataclass(frozen=True)
+class HeadlessRun:
+    """What the nodes of one headless run need to know about it."""
+    output: Path   # this process's outputs: --output-dir (on other torchrun ranks a private scratch folder)
+    run_dir: Path  # the run's --output-dir, the same on every rank: LoRAs, the cache and resume state are read here
+    resume: bool   # --resume: go on from the training state files in run_dir
 
 
-def set_headless_run_dir(path: str | Path | None) -> None:
-    """Headless, after set_headless_output_dir: the run's --output-dir, the same on every rank. Under torchrun the
-    other ranks' output_dir() is a private scratch folder; the LoRAs and the cache, read by all, are in run_dir()."""
-    global _headless_run_dir
-    _headless_run_dir = Path(path) if path is not None else None
+_headless: HeadlessRun | None = None  # set only inside `with headless(...)`
+
+
+@contextlib.contextmanager
+def headless(output_dir: str | Path, *, run_dir: str | Path | None = None,
+             resume: bool = False) -> Iterator[HeadlessRun]:
+    """Run the nodes headless for the block: outputs go to `output_dir` (created), shared reads come from `run_dir`
+    (default: `output_dir`). The previous host is restored on exit, however the block ends."""
+    global _headless
+    run = HeadlessRun(Path(output_dir), Path(run_dir if run_dir is not None else output_dir), bool(resume))
+    run.output.mkdir(parents=True, exist_ok=True)
+    previous, _headless = _headless, run
+    try:
+        yield run
+    finally:
+        _headless = previous
 
 
 def run_dir() -> Path:
     """The run's output folder as every rank sees it (read resume state from here); output_dir() but under torchrun
     on ranks other than 0."""
-    return _headless_run_dir if _headless_run_dir is not None and not in_comfyui() else output_dir()
+    return _headless.run_dir if _headless is not None else output_dir()
 
 
 def is_main() -> bool:
@@ -40,24 +52,19 @@ def is_main() -> bool:
     return current().is_main
 
 
-def set_resume(flag: bool) -> None:
-    global _resume
-    _resume = bool(flag)
-
-
 def resume_requested() -> bool:
-    return _resume
+    return _headless is not None and _headless.resume
 
 
 def in_comfyui() -> bool:
-    return _headless_output is None and "folder_paths" in sys.modules
+    return _headless is None and "folder_paths" in sys.modules
 
 
 def output_dir() -> Path:
     if in_comfyui():
         import folder_paths
         return Path(folder_paths.get_output_directory())
-    return _headless_output or Path("output")
+    return _headless.output if _headless is not None else Path("output")
 
 
 def loras_dir() -> Path:

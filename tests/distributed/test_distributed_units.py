@@ -139,13 +139,11 @@ def test_single_process_collectives_are_no_ops():
 
 
 def test_other_ranks_show_no_progress_and_share_the_run_folder(tmp_path, monkeypatch, rank1_of_2):
-    for name in ("_headless_output", "_headless_run_dir"):
-        monkeypatch.setattr(host, name, None)  # module-level state: restored after the test
     scratch = tmp_path / "scratch"
     monkeypatch.setattr(distributed, "_current", dataclasses.replace(distributed.current(), scratch_dir=scratch))
-    cli.configure_host(str(tmp_path / "run"), resume=False)
-    assert host.output_dir() == scratch and host.preview_dir()[0] == scratch  # private writes
-    assert host.loras_dir() == host.run_dir() == tmp_path / "run"                # shared reads
-    assert host.cache_dir() == tmp_path / "run" / ".tightrope_cache"
-    report = host.progress_reporter(10)
-    assert report(1, 10, 0.5) is None and not host.is_main()
+    with cli.headless_host(str(tmp_path / "run"), resume=False):
+        assert host.output_dir() == scratch and host.preview_dir()[0] == scratch  # private writes
+        assert host.loras_dir() == host.run_dir() == tmp_path / "run"                # shared reads
+        assert host.cache_dir() == tmp_path / "run" / ".tightrope_cache"
+        report = host.progress_reporter(10)
+        assert report(1, 10, 0.5) is None and not host.is_main()

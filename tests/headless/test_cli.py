@@ -1,8 +1,10 @@
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,8 @@ def fake_cli(monkeypatch, mappings):
     host_calls = []
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
     monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
-    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: host_calls.append((output_dir, resume)))
+    monkeypatch.setattr(cli, "headless_host",
+                        lambda output_dir, resume: contextlib.nullcontext(host_calls.append((output_dir, resume))))
     return host_calls
 
 
@@ -71,7 +74,7 @@ def _failing_graph(tmp_path, mappings, error: Exception) -> str:
 
 def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
     from tightrope.training.data.image_folder import DatasetError
-    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: None)
+    monkeypatch.setattr(cli, "headless_host", lambda output_dir, resume: contextlib.nullcontext())
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
     assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
@@ -133,14 +136,44 @@ def test_bench_gets_all_remaining_arguments(monkeypatch):
     assert received == [["--quick", "--help"]]
 
 
-def test_run_configures_the_real_host(tmp_path, api_workflow, mappings, monkeypatch):
-    host = pytest.importorskip("tightrope.nodes.host")
-    monkeypatch.setattr(host, "_headless_output", None)  # restored after the test: host state is module-level
-    monkeypatch.setattr(host, "_resume", False)
+def test_run_gives_the_nodes_the_real_host_for_the_run_only(tmp_path, api_workflow, mappings, monkeypatch):
+    from tightrope.headless import executor
+    from tightrope.nodes import host
+    seen = []
+    real_run = executor.run_workflow
+
+    def run(*args, **kwargs):
+        seen.append((host.output_dir(), host.run_dir(), host.resume_requested(), host.in_comfyui()))
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)
+    monkeypatch.setattr(executor, "run_workflow", run)
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
     monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
-    assert cli.main(["run", _write(tmp_path, api_workflow), "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
-    assert host.output_dir() == tmp_path / "o" and host.resume_requested()
+    path = _write(tmp_path, api_workflow)
+    assert cli.main(["run", path, "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
+    assert seen == [(tmp_path / "o", tmp_path / "o", True, False)]
+    # after the run (and after one ended by Ctrl-C) nothing is left set: a later run or ComfyUI in this process
+    # gets its own folders and no --resume it did not ask for
+    assert host.output_dir() == Path("output") and not host.resume_requested()
+    assert cli.main(["run", path, "--output-dir", str(tmp_path / "p")]) == 130
+    assert seen[1] == (tmp_path / "p", tmp_path / "p", False, False)
+    assert host.output_dir() == Path("output") and not host.resume_requested()
+
+
+def test_headless_blocks_nest_and_restore_the_host_however_they_end(tmp_path, monkeypatch):
+    from tightrope.nodes import host
+    monkeypatch.setitem(sys.modules, "folder_paths", types.ModuleType("folder_paths"))  # as inside ComfyUI
+    assert host.in_comfyui()
+    with pytest.raises(RuntimeError, match="node failed"):
+        with host.headless(tmp_path / "a"):
+            assert host.output_dir() == tmp_path / "a" and not host.in_comfyui() and not host.resume_requested()
+            with host.headless(tmp_path / "b", run_dir=tmp_path / "a", resume=True):
+                assert (host.output_dir(), host.run_dir(), host.resume_requested()) == (tmp_path / "b",
+                                                                                       tmp_path / "a", True)
+            assert host.output_dir() == tmp_path / "a" and not host.resume_requested()
+            raise RuntimeError("node failed")
+    assert host.in_comfyui() and not host.resume_requested()
 
 
 def test_python_dash_m_tightrope_help():

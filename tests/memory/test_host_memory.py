@@ -247,8 +247,7 @@ def test_default_host_budget_is_available_ram_plus_the_model(monkeypatch):
 
 
 def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
-    host.set_headless_output_dir(tmp_path)
-    try:
+    with host.headless(tmp_path):
         (folder,) = TightropeDemoImages().make("imgs", 4, 32, 0)
         vae, clip = TightropeDemoEncoders().load(0)
         (dataset,) = TightropeLoadDataset().load(folder=folder, vae=vae, clip=clip, resolution=32, caption_dropout=0.0,
@@ -262,7 +261,5 @@ def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
         _, _, report = TightropeTrain().train(**(widgets | dict(steps=1, batch_size=2, device="cpu")),
                                               model=TightropeDemoModel().load(0)[0], dataset=dataset, lora=lora,
                                               strategy=auto)
-    finally:
-        host._headless_output = None
     assert re.search(r"Predicted .* peak of your 1\.0 GiB.* Host RAM: 7\.1 MiB of your 64\.00 GiB \(the model's "
                      r"7\.1 MiB", report), report

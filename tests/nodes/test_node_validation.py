@@ -16,9 +16,8 @@ VALIDATED = ["TightropeTrain", "TightropeSaveLora", "TightropeLoraSetup", "Tight
 
 @pytest.fixture(autouse=True)
 def out(tmp_path):
-    host.set_headless_output_dir(tmp_path)
-    yield tmp_path
-    host._headless_output = None
+    with host.headless(tmp_path):
+        yield tmp_path
 
 
 def _queued(name: str, **changes) -> dict:

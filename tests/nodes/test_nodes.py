@@ -16,9 +16,8 @@ from tightrope.training.train_config import ConfigError
 
 @pytest.fixture
 def out(tmp_path):
-    host.set_headless_output_dir(tmp_path)
-    yield tmp_path
-    host._headless_output = None
+    with host.headless(tmp_path):
+        yield tmp_path
 
 
 def _dataset_inputs(out):

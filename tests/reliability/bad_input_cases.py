@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 from PIL import Image
-from reliability_kit import dataset_inputs, load_dataset, lora, strategy, train_node, world
+from reliability_kit import dataset_inputs, load_dataset, lora, resuming, strategy, train_node, world
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -75,15 +75,15 @@ def foreign_lora(ctx):
 def other_model_state(ctx):
     model, dataset, spec, strat = world(ctx.out)
     train_node(model, dataset, spec, strat, steps=1, save_every=1)
-    host.set_resume(True)
-    train_node(TightropeDemoModel().load(1)[0], dataset, spec, strat, steps=2)
+    with resuming():
+        train_node(TightropeDemoModel().load(1)[0], dataset, spec, strat, steps=2)
 
 
 def damaged_state(ctx):
     (host.state_dir() / "rt").mkdir(parents=True, exist_ok=True)
     (host.state_dir() / "rt" / "lora.state.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
-    host.set_resume(True)
-    train_with(ctx)
+    with resuming():
+        train_with(ctx)
 
 
 def locked_state(ctx):
@@ -95,8 +95,8 @@ def other_node_state(ctx):
     model, dataset, spec, strat = world(ctx.out)
     train_node(model, dataset, spec, strat, steps=1, unique_id="7")
     shutil.copy(state_path(host.state_dir(), "rt/lora", "7"), state_path(host.state_dir(), "rt/lora", "8"))
-    host.set_resume(True)
-    train_node(model, dataset, spec, strat, steps=1, unique_id="8")
+    with resuming():
+        train_node(model, dataset, spec, strat, steps=1, unique_id="8")
 
 
 def out_of_memory(ctx):
@@ -343,8 +343,8 @@ def nan_state(ctx):
     model, dataset, spec, strat = world(ctx.out)
     train_node(model, dataset, spec, strat, steps=1, save_every=1)
     _poisoned(state_path(host.state_dir(), "rt/lora"))  # the state file of that Train node
-    host.set_resume(True)
-    train_node(model, dataset, spec, strat, steps=2)
+    with resuming():
+        train_node(model, dataset, spec, strat, steps=2)
 
 
 def nan_cached_latent(ctx):

@@ -10,9 +10,6 @@ from tightrope.nodes import host  # noqa: E402
 
 @pytest.fixture
 def out(tmp_path):
-    """Headless output (= loras) folder for node runs; resume off before and after."""
-    host.set_headless_output_dir(tmp_path / "out")
-    host.set_resume(False)
-    yield tmp_path / "out"
-    host._headless_output = None
-    host.set_resume(False)
+    """Headless output (= loras) folder for node runs, without --resume; the host is restored afterwards."""
+    with host.headless(tmp_path / "out"):
+        yield tmp_path / "out"

@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import torch
 
+from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages, TightropeDemoModel
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.nodes.train_node import TightropeTrain
 from tightrope.training.lora.layers import lora_layers
+
+
+def resuming():
+    """The current headless run with --resume, for a block: the run the test (or its fixture) entered is back
+    after it."""
+    return host.headless(host.output_dir(), run_dir=host.run_dir(), resume=True)
 
 
 def dataset_inputs(folder=None, **kw):

@@ -30,15 +30,9 @@ ERROR_TYPES = {t.__name__: t for t in (*user_error_types(), ComfyUIUnavailable, 
 
 
 def _see(case, out: Path, tmp: Path) -> str:
-    host.set_headless_output_dir(out)
-    host.set_resume(False)
-    try:
-        with pytest.raises(ERROR_TYPES[case.error]) as caught, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            case.run(Ctx(out, tmp))
-    finally:
-        host._headless_output = None
-        host.set_resume(False)
+    with host.headless(out), pytest.raises(ERROR_TYPES[case.error]) as caught, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        case.run(Ctx(out, tmp))
     text = f"{type(caught.value).__name__}: {caught.value}".replace(str(out), "<output>").replace(str(tmp), "<tmp>")
     SEEN[case.id] = re.sub(r" at 0x[0-9a-f]+", "", text)
     return SEEN[case.id]
@@ -62,7 +56,6 @@ def test_the_process_goes_on_after_errors(out, monkeypatch):
         with pytest.raises(ERROR_TYPES[case.error]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             case.run(Ctx(out, out.parent))
-        host.set_resume(False)
     session, _, _ = train_node(model, dataset, spec, strat, steps=2, filename_prefix="rt/after")
     assert session.step == 2 and all(torch.isfinite(torch.tensor(session.losses)))
     assert_untouched(model.flux, before)
@@ -130,15 +123,13 @@ def test_docs_bad_input_md_matches_the_tests(tmp_path):
 # --- failfast: a bad value in the last nodes of a chain stops `tightrope run` before the first training step ---
 def _run_chain_cli(tmp_path, monkeypatch, capsys, **changes) -> tuple[int, str, list]:
     """`tightrope run` (in process) on the tiny two-Train-then-Save chain; returns (exit code, stderr, the training
-    calls made). Host state the CLI sets is restored afterwards."""
+    calls made)."""
     import json
 
     from bad_input_cases import chain_prompt
 
     from tightrope import cli
     from tightrope.training import training_run
-    for name in ("_headless_output", "_headless_run_dir", "_resume"):
-        monkeypatch.setattr(host, name, getattr(host, name))
     trained = []
     real_train = training_run.train
     monkeypatch.setattr(training_run, "train", lambda *a, **k: trained.append(a) or real_train(*a, **k))

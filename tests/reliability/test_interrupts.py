@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 from demo_setup import demo_session
-from reliability_kit import assert_untouched, snapshot, strategy, train_node, world
+from reliability_kit import assert_untouched, resuming, snapshot, strategy, train_node, world
 
 from tightrope.nodes import host
 from tightrope.nodes.save_node import TightropeSaveLora
@@ -209,8 +209,8 @@ def test_out_of_memory_frees_saves_suggests_a_strategy_and_the_process_goes_on(o
     assert _saved_step(out / "rt", "lora", host.state_dir() / "rt") == (2, 2, True)
     assert_untouched(model.flux, before)
     model.predict = type(model).predict.__get__(model)  # the "GPU" has room again, with a lighter strategy
-    host.set_resume(True)
-    session, _, _ = train_node(model, dataset, spec, strategy(offload_fraction=1.0, checkpoint="all"), steps=4)
+    with resuming():
+        session, _, _ = train_node(model, dataset, spec, strategy(offload_fraction=1.0, checkpoint="all"), steps=4)
     assert session.step == 4 and len(session.losses) == 4
     assert_untouched(model.flux, before)
 

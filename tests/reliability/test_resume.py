@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from demo_setup import demo_session
-from reliability_kit import lora, train_node, world
+from reliability_kit import lora, resuming, train_node, world
 from safetensors.torch import load_file
 
 from tightrope import cli
@@ -61,13 +61,13 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         assert load_state(state_path(host.state_dir(), "rt/lora"))[0].step == 3
         monkeypatch.setattr(host, "interrupt_requested", lambda: False)
         calls.clear()
-        host.set_resume(True)
-        resumed, _, report = train_node(model, dataset, spec, strat, **kw)
-        assert calls == [(4, 6), (5, 6), (6, 6)]  # only what the node had left, on the node's own progress bar
-        assert resumed.step == 6 and resumed.losses == whole.losses and "step 6" in report
-        assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
-        calls.clear()
-        again, _, _ = train_node(model, dataset, spec, strat, **kw)  # finished: same outputs, no training
+        with resuming():
+            resumed, _, report = train_node(model, dataset, spec, strat, **kw)
+            assert calls == [(4, 6), (5, 6), (6, 6)]  # only what the node had left, on the node's own progress bar
+            assert resumed.step == 6 and resumed.losses == whole.losses and "step 6" in report
+            assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
+            calls.clear()
+            again, _, _ = train_node(model, dataset, spec, strat, **kw)  # finished: same outputs, no training
         assert calls == [(6, 6)] and again.step == 6 and again.losses == whole.losses  # its bar shown full, once
 
 
@@ -78,8 +78,8 @@ def test_resume_refuses_other_lora_settings(out, monkeypatch):
         train_node(model, dataset, spec, strat, steps=3)
     monkeypatch.setattr(host, "interrupt_requested", lambda: False)
     train_node(model, dataset, spec, strat, steps=1, save_every=1)  # without --resume: a new run
-    host.set_resume(True)
-    with pytest.raises(LoraError, match=r"lora\.state\.safetensors' was trained with LoRA rank=4 \(now 8\)"):
+    with resuming(), \
+            pytest.raises(LoraError, match=r"lora\.state\.safetensors' was trained with LoRA rank=4 \(now 8\)"):
         train_node(model, dataset, lora(rank=8, alpha=4.0), strat, steps=3)
 
 
@@ -107,17 +107,13 @@ def _api_workflow(steps, prefix="rt/lora"):
 def test_cli_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, capsys):
     path = tmp_path / "w.json"
     path.write_text(json.dumps(_api_workflow(steps=4)))
-    try:
-        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "whole")]) == 0
-        real = host.progress_reporter
-        monkeypatch.setattr(host, "progress_reporter", lambda total: _ctrl_c_at(3))
-        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut")]) == 130  # Ctrl-C at step 3
-        assert "--resume" in capsys.readouterr().err
-        monkeypatch.setattr(host, "progress_reporter", real)
-        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut"), "--resume"]) == 0
-    finally:
-        host._headless_output = None
-        host.set_resume(False)
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "whole")]) == 0
+    real = host.progress_reporter
+    monkeypatch.setattr(host, "progress_reporter", lambda total: _ctrl_c_at(3))
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut")]) == 130  # Ctrl-C at step 3
+    assert "--resume" in capsys.readouterr().err
+    monkeypatch.setattr(host, "progress_reporter", real)
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "cut"), "--resume"]) == 0
     whole = load_file(tmp_path / "whole" / "rt" / "final_00001_.safetensors")
     resumed = load_file(tmp_path / "cut" / "rt" / "final_00001_.safetensors")
     assert whole.keys() == resumed.keys() and all(torch.equal(resumed[k], v) for k, v in whole.items())

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from reliability_kit import dataset_inputs, train_node, widgets, world
+from reliability_kit import dataset_inputs, resuming, train_node, widgets, world
 from safetensors.torch import load_file
 
 from tightrope import cli
@@ -56,12 +56,9 @@ def _no_resume_warnings():
 def built(tmp_path_factory):
     """The demo world and the uninterrupted chain's outputs, state files kept in `states`."""
     out = tmp_path_factory.mktemp("whole")
-    host.set_headless_output_dir(out)
-    try:
+    with host.headless(out):
         parts = world(out)
         first, second = _chain(*parts)
-    finally:
-        host._headless_output = None
     return parts, first, second, out / ".tightrope_state"
 
 
@@ -98,8 +95,7 @@ def test_a_stop_at_any_step_of_a_chain_resumes_to_the_uninterrupted_lora(built, 
         with pytest.raises(KeyboardInterrupt):
             _chain(*parts)
     assert (_state("7").step, getattr(_state("8"), "step", None)) == (state_7, state_8)
-    host.set_resume(True)
-    with _no_resume_warnings():
+    with resuming(), _no_resume_warnings():
         _, (resumed, _, _) = _chain(*parts)
     assert resumed.step == A + B and resumed.losses == whole.losses  # exactly: every step's loss
     assert _equal(resumed.lora_state, whole.lora_state)
@@ -112,8 +108,7 @@ def test_a_finished_chain_resumes_to_its_outputs_without_training(built, out, mo
     shutil.copytree(states, host.state_dir())
     calls = []
     monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
-    host.set_resume(True)
-    with _no_resume_warnings():
+    with resuming(), _no_resume_warnings():
         again_first, again_second = _chain(*parts)
     assert calls == []  # no step trained
     for was, now in ((first, again_first), (second, again_second)):
@@ -141,9 +136,8 @@ def test_a_state_file_of_another_node_is_refused(built, out):
     (host.state_dir() / "rt").mkdir(parents=True)
     shutil.copy(state_path(states, "rt/chain", "7"), state_path(host.state_dir(), "rt/chain", "7"))
     shutil.copy(state_path(states, "rt/chain", "7"), state_path(host.state_dir(), "rt/chain", "8"))  # renamed
-    host.set_resume(True)
-    with pytest.raises(ResumeError, match=r"chain\.node-8\.state\.safetensors' belongs to node 7, not to this node "
-                                          r"8: it must not be resumed here; delete it"):
+    with resuming(), pytest.raises(ResumeError, match=r"chain\.node-8\.state\.safetensors' belongs to node 7, not "
+                                                      r"to this node 8: it must not be resumed here; delete it"):
         _chain(*parts)
 
 
@@ -153,11 +147,10 @@ def test_a_state_file_of_another_run_of_the_node_is_ignored_with_a_warning(built
     parts, _, (whole, _, _), states = built
     (host.state_dir() / "rt").mkdir(parents=True)
     shutil.copy(state_path(states, "rt/chain", "8"), state_path(host.state_dir(), "rt/chain", "8"))
-    host.set_resume(True)
-    with pytest.warns(UserWarning, match=r"chain\.node-8\.state\.safetensors' was saved by another run of this node: "
-                                         r"it went on from a session of step 3 with other LoRA weights, not from the "
-                                         r"session of step 3 this node gets now .*: it is ignored; this node trains "
-                                         r"from its input"):
+    with resuming(), pytest.warns(UserWarning, match=r"chain\.node-8\.state\.safetensors' was saved by another run "
+                                                     r"of this node: it went on from a session of step 3 with other LoRA "
+                                                     r"weights, not from the session of step 3 this node gets now .*: "
+                                                     r"it is ignored; this node trains from its input"):
         (first, _, _), (second, _, _) = _chain(*parts, node_7=NODE_7 | {"learning_rate": 3e-3})
     assert second.step == A + B and second.losses[:A] == first.losses and second.losses != whole.losses
     assert _state("8").info["owner"]["input"] == session_digest(first)
@@ -169,8 +162,7 @@ def test_resume_with_a_changed_setting_warns_for_that_node_only(built, out, monk
         _stop_at(m, 5, kill=False)
         with pytest.raises(KeyboardInterrupt):
             _chain(*parts)
-    host.set_resume(True)
-    with warnings.catch_warnings(record=True) as seen:
+    with resuming(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _chain(*parts, node_8=NODE_8 | {"learning_rate": 3e-3})
     changed = [str(w.message) for w in seen if "changed training settings" in str(w.message)]
@@ -206,21 +198,17 @@ def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, 
 
     def run(folder, *extra):
         return cli.main(["run", str(path), "--output-dir", str(tmp_path / folder), *extra])
-    try:
-        assert run("whole") == 0
-        with monkeypatch.context() as m:
-            _stop_at(m, 5, kill=False)
-            assert run("cut") == 130
-        with _no_resume_warnings():
-            assert run("cut", "--resume") == 0
-        capsys.readouterr()
-        calls = []
-        monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
-        assert run("cut", "--resume") == 0 and calls == []
-        assert capsys.readouterr().err.count("nothing to do") == 2
-    finally:
-        host._headless_output = None
-        host.set_resume(False)
+    assert run("whole") == 0
+    with monkeypatch.context() as m:
+        _stop_at(m, 5, kill=False)
+        assert run("cut") == 130
+    with _no_resume_warnings():
+        assert run("cut", "--resume") == 0
+    capsys.readouterr()
+    calls = []
+    monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
+    assert run("cut", "--resume") == 0 and calls == []
+    assert capsys.readouterr().err.count("nothing to do") == 2
     whole = load_file(tmp_path / "whole" / "rt" / "final_00001_.safetensors")
     for name in ("final_00001_", "final_00002_"):  # after the resume, and after the resume of the finished run
         assert _equal(load_file(tmp_path / "cut" / "rt" / f"{name}.safetensors"), whole)
@@ -244,8 +232,7 @@ def test_a_stop_during_the_optimizer_step_waits_for_the_step_to_complete(built, 
         with polite_stops(), pytest.raises(KeyboardInterrupt):
             _chain(*parts)
     assert _state("8").step == 5  # the whole of step 5, labelled 5
-    host.set_resume(True)
-    with _no_resume_warnings():
+    with resuming(), _no_resume_warnings():
         _, (resumed, _, _) = _chain(*parts)
     assert resumed.step == A + B and resumed.losses == whole.losses
     assert _equal(resumed.lora_state, whole.lora_state)

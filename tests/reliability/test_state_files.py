@@ -34,11 +34,8 @@ def comfyui(tmp_path, monkeypatch):
 
 
 def test_in_comfyui_the_state_is_in_the_user_folder_not_among_the_loras(comfyui):
-    host.set_headless_output_dir(comfyui / "build")  # the demo world is built headless, then ComfyUI runs the node
-    try:
+    with host.headless(comfyui / "build"):  # the demo world is built headless, then ComfyUI runs the node
         parts = world(comfyui / "build")
-    finally:
-        host._headless_output = None
     assert host.in_comfyui() and host.state_dir() == comfyui / "user" / "tightrope_state"
     with torch.inference_mode():
         train_node(*parts, steps=1, save_every=1, unique_id="12")

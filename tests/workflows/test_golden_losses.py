@@ -37,11 +37,8 @@ def _demo_losses(out: Path, steps: int = STEPS, **train_inputs) -> list[float]:
     graph = {k: v for k, v in graph.items() if v.class_type != "TightropePlots" and k != "8"}  # node 7 only
     graph["7"].inputs.update(steps=steps, save_every=0, device="cpu", **train_inputs)
     graph["9"].inputs["session"] = Link("7", 0)
-    host.set_headless_output_dir(out)
-    try:
+    with host.headless(out):
         results = run_workflow(graph, NODE_CLASS_MAPPINGS)
-    finally:
-        host._headless_output = None
     return results["7"][0].losses
 
 

@@ -67,12 +67,9 @@ def test_workflow_validates(path, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    host.set_headless_output_dir(out)
-    try:
+    with host.headless(out):
         results = run_workflow(load_workflow(WORKFLOWS[0].parent / "demo.json", NODE_CLASS_MAPPINGS),
                                NODE_CLASS_MAPPINGS)
-    finally:
-        host._headless_output = None
     return out, results
 
 
