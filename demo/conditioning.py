@@ -6,19 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from .encoders import DemoCaptionEmbedder
-from ..training.models.adapter import ReferenceFluxModel, adapter_for
-
-
-def conditioning_dims(model: Any) -> tuple[int, int]:
-    """(text context width, pooled embedding width; 0 when the model takes none) of a MODEL."""
-    adapter = adapter_for(model)
-    if isinstance(adapter, ReferenceFluxModel):
-        return adapter.flux.params.context_in_dim, adapter.flux.params.vec_in_dim
-    return adapter.conditioning_dims()
+from ..training.models import adapter_for
 
 
 def demo_conditioning(model: Any, text: str, tokens: int, seed: int) -> list:
     """[[context (1, tokens, D), {"pooled_output": (1, P), or None for models without one}]]."""
-    context_dim, pooled_dim = conditioning_dims(model)
+    context_dim, pooled_dim = adapter_for(model).conditioning_dims()
     context, pooled = DemoCaptionEmbedder(context_dim, pooled_dim, max_tokens=tokens, seed=seed).encode([text])
     return [[context, {"pooled_output": pooled if pooled_dim else None}]]

@@ -16,7 +16,7 @@ from ..memory.probe import probe_model
 from ..memory.strategy import Strategy
 from .flow_loss import flow_matching_loss, noised
 from .lora.layers import inject_lora, remove_lora
-from .models.adapter import adapter_for
+from .models import adapter_for
 from .session import TrainingSession
 from .strategy_choice import AutoStrategy
 

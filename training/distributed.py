@@ -129,17 +129,19 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
     rank, world, local = env
     if not torch.distributed.is_available():
         raise DistributedError("this PyTorch build has no torch.distributed: install a build with it to use torchrun")
+    previous_device = None  # the process's current GPU, set back on exit (a ComfyUI or a script goes on using it)
     if torch.cuda.is_available():
         if local >= torch.cuda.device_count():
             raise DistributedError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} GPU(s): "
                                    "use --nproc_per_node at most the number of GPUs")
+        previous_device = torch.cuda.current_device()
         torch.cuda.set_device(local)
-    created = not torch.distributed.is_initialized()
-    if created:
-        torch.distributed.init_process_group(backend=backend())
-    scratch = None if rank == 0 else Path(tempfile.mkdtemp(prefix=f"tightrope-rank{rank}-"))
-    _current = Parallel(rank=rank, world_size=world, local_rank=local, fsdp=fsdp, scratch_dir=scratch)
+    created, scratch = not torch.distributed.is_initialized(), None
     try:
+        if created:
+            torch.distributed.init_process_group(backend=backend())
+        scratch = None if rank == 0 else Path(tempfile.mkdtemp(prefix=f"tightrope-rank{rank}-"))
+        _current = Parallel(rank=rank, world_size=world, local_rank=local, fsdp=fsdp, scratch_dir=scratch)
         yield _current
     finally:
         _current = None
@@ -147,6 +149,8 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
             shutil.rmtree(scratch, ignore_errors=True)
         if created and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if previous_device is not None:
+            torch.cuda.set_device(previous_device)
 
 
 def local_device(device: torch.device) -> torch.device:

@@ -24,10 +24,10 @@ from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_o
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .held_stops import held_stops
-from .lora.layers import inject_lora, load_lora_state, lora_parameters, lora_state, remove_lora
-from .lora.files import save_lora_state
+from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
+from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
-from .models.adapter import adapter_for
+from .models import adapter_for
 from .optimizer import learning_rate_at, make_optimizer
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
@@ -104,7 +104,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
             _remove_stale_temporaries(save, started)
         with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
             torch.manual_seed(_training_stream_seed(cfg.seed, "lora-init"))
-            inject_lora(module, session.lora, adapter.family)
+            inject_lora_continuing(module, session.lora, adapter.family)
         try:
             if session.lora_state is not None:
                 load_lora_state(module, session.lora_state)
@@ -220,8 +220,7 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, sca
     gen = torch.Generator().manual_seed(seed)
     # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    if hasattr(adapter, "process_latents"):  # ComfyUI models: VAE latents -> the model's latent space
-        latents = adapter.process_latents(latents)
+    latents = adapter.process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
     n = distributed.global_batch_size(batch)  # noise and timesteps of the global batch; this rank keeps its rows
     noise = torch.randn((n, *latents.shape[1:]), generator=gen)
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)

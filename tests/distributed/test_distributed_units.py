@@ -147,3 +147,24 @@ def test_other_ranks_show_no_progress_and_share_the_run_folder(tmp_path, monkeyp
         assert host.cache_dir() == tmp_path / "run" / ".tightrope_cache"
         report = host.progress_reporter(10)
         assert report(1, 10, 0.5) is None and not host.is_main()
+
+
+def test_launched_sets_this_ranks_gpu_and_gives_the_previous_one_back(monkeypatch):
+    """CPU simulation of a 2-GPU machine: rank 1 works on cuda:1 inside the block; after it (also after an error)
+    the process's current GPU is the one it had, as a ComfyUI server or a script that goes on expects."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.__setitem__(0, index))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a group exists: none is created
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # rank 0: no scratch folder
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with distributed.launched() as par:
+        assert par.local_rank == 1 and current == [1]
+    assert current == [0]
+    with pytest.raises(RuntimeError, match="node failed"), distributed.launched():
+        assert current == [1]
+        raise RuntimeError("node failed")
+    assert current == [0]

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_workflow import workflow
+from merge_lora import with_lora_file
 from tightrope.demo.model import demo_model
 from tightrope.training.lora.files import read_lora_file
 
@@ -182,7 +183,7 @@ def test_fsdp_shards_the_base_and_trains_the_same_lora(runs):
         torch.randn(1, base.flux.params.vec_in_dim, generator=g)
     with torch.no_grad():
         before = base.predict(base.flux, x, t, context, pooled, 1.0)
-        merged = base.with_lora(str(lora))
+        merged = with_lora_file(base, lora)
         after = merged.predict(merged.flux, x, t, context, pooled, 1.0)
     assert (after - before).abs().max() > 1e-6
 

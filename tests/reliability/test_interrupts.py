@@ -40,7 +40,7 @@ def _saved_step(folder, prefix="run", state_folder=None):
     """(step of the newest LoRA file, step of the state file, the two hold the same LoRA)."""
     newest = max(folder.glob(f"{prefix}_*_.safetensors"))
     tensors, meta = read_lora_file(newest)
-    state, _ = load_state(state_path(state_folder or folder, prefix))
+    state = load_state(state_path(state_folder or folder, prefix))
     same = all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
                for k, v in state.lora_state.items())
     return int(meta["tightrope.steps"]), state.step, same
@@ -72,7 +72,7 @@ def test_interruption_keeps_the_last_completed_step(tmp_path, how):
         with pytest.raises(RuntimeError, match="boom in the forward"):
             train(session, 5, device=CPU, save=save)
     assert _saved_step(save.folder) == (2, 2, True)
-    state, _ = load_state(state_path(save.folder, "run"))
+    state = load_state(state_path(save.folder, "run"))
     assert all(torch.equal(state.lora_state[k], v) for k, v in reference.lora_state.items())
     assert not list(save.folder.glob("*.tmp")) and not list(save.folder.glob(".*"))
     assert_untouched(session.model.flux, before)
@@ -121,7 +121,7 @@ def test_disk_full_while_writing_the_state_names_the_file_and_what_was_kept(tmp_
         train(first, 2, device=CPU, save=save)
     assert not [w for w in warned if "could not save the LoRA" in str(w.message)]
     assert read_lora_file(save.folder / "run_00002_.safetensors")[1]["tightrope.steps"] == "4"
-    state, _ = load_state(state_file)  # still the complete file of step 2
+    state = load_state(state_file)  # still the complete file of step 2
     assert state.step == 2 and all(torch.equal(state.lora_state[k], v) for k, v in first.lora_state.items())
     assert sorted(p.name for p in save.folder.iterdir()) == ["run.state.safetensors", "run_00001_.safetensors",
                                                               "run_00002_.safetensors"]  # no temp file, no 3rd LoRA

@@ -2,6 +2,7 @@
 bit (CPU fp32, fixed seed), from the trainer, through the Train node, and through `tightrope run --resume`."""
 import dataclasses
 import json
+import random
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def test_train_3_interrupt_resume_3_equals_train_6(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train(session, 6, device=CPU, save=save, progress=_ctrl_c_at(3))
     path = state_path(save.folder, save.filename_prefix)
-    state, _ = load_state(path)
+    state = load_state(path)
     assert (state.step, state.run_start, state.run_end) == (3, 0, 6)
     resumed, state = resume_session(path, session)
     assert resumed.step == 3 and resumed.losses == whole.losses[:3]
@@ -45,6 +46,21 @@ def test_train_3_interrupt_resume_3_equals_train_6(tmp_path):
     assert all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())
     for k, v in whole.optimizer_state["state"].items():
         assert all(torch.equal(done.optimizer_state["state"][k][n], t) for n, t in v.items())
+
+
+def test_resume_leaves_the_process_random_state_alone(tmp_path):
+    """Every draw of a step comes from (seed, step) (the test above proves resume exact with LoRA dropout on), so
+    resuming sets no global RNG: the random state of the process (a ComfyUI server's, a script's) is as it was."""
+    session = demo_session(tmp_path)
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 4, device=CPU, save=save, progress=_ctrl_c_at(2))
+    torch.manual_seed(1234)
+    random.seed(1234)
+    before = torch.get_rng_state(), random.getstate()
+    resumed, _ = resume_session(state_path(save.folder, "run"), session)
+    assert resumed.step == 2
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
 
 
 def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
@@ -58,7 +74,7 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         with pytest.raises(KeyboardInterrupt):  # the node ends the prompt as interrupted, after saving
             train_node(model, dataset, spec, strat, **kw)
         assert calls == [(1, 6), (2, 6), (3, 6)]
-        assert load_state(state_path(host.state_dir(), "rt/lora"))[0].step == 3
+        assert load_state(state_path(host.state_dir(), "rt/lora")).step == 3
         monkeypatch.setattr(host, "interrupt_requested", lambda: False)
         calls.clear()
         with resuming():
@@ -149,6 +165,6 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
     session = demo_session(tmp_path)
     train(session, 1, device=CPU, save=SaveTarget(tmp_path / "out", "run", every=1))
     path = state_path(tmp_path / "out", "run")
-    assert load_state(path)[0].info["layout"] == {"world_size": 1, "global_batch_size": 2}
+    assert load_state(path).info["layout"] == {"world_size": 1, "global_batch_size": 2}
     with pytest.raises(ConfigError, match="global batch_size of 2 .* set batch_size=2"):
         resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)))

@@ -36,7 +36,7 @@ def _chain(model, dataset, spec, strat, node_7=NODE_7, node_8=NODE_8):
 
 def _state(node):
     path = state_path(host.state_dir(), SHARED["filename_prefix"], node)
-    return load_state(path)[0] if path.is_file() else None
+    return load_state(path) if path.is_file() else None
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -124,8 +124,8 @@ def test_a_finished_chain_resumes_to_its_outputs_without_training(built, out, mo
 
 def test_each_state_file_names_its_node_and_the_session_it_started_from(built):
     _, (first, _, _), _, states = built
-    owner_7 = load_state(state_path(states, "rt/chain", "7"))[0].info["owner"]
-    owner_8 = load_state(state_path(states, "rt/chain", "8"))[0].info["owner"]
+    owner_7 = load_state(state_path(states, "rt/chain", "7")).info["owner"]
+    owner_8 = load_state(state_path(states, "rt/chain", "8")).info["owner"]
     new_lora = session_digest(SimpleNamespace(step=0, lora_state=None))
     assert owner_7 == {"node": "7", "input_step": 0, "input": new_lora, "note": ""}
     assert owner_8 == {"node": "8", "input_step": A, "input": session_digest(first), "note": ""}

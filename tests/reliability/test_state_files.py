@@ -42,7 +42,7 @@ def test_in_comfyui_the_state_is_in_the_user_folder_not_among_the_loras(comfyui)
     loras = sorted(p.relative_to(comfyui / "models" / "loras").as_posix()
                    for p in (comfyui / "models" / "loras").rglob("*") if p.is_file())
     assert loras == ["rt/lora_00001_.safetensors"]  # what LoraLoader lists: the LoRA only
-    state = load_state(comfyui / "user" / "tightrope_state" / "rt" / "lora.node-12.state.safetensors")[0]
+    state = load_state(comfyui / "user" / "tightrope_state" / "rt" / "lora.node-12.state.safetensors")
     assert state.step == 1 and state.info["owner"]["node"] == "12"
 
 
@@ -51,7 +51,7 @@ def test_headless_the_state_is_in_a_hidden_folder_of_the_output_dir(out):
     with torch.inference_mode():
         train_node(*world(out), steps=1, save_every=1, unique_id="7")
     assert sorted(p.name for p in (out / "rt").iterdir()) == ["lora_00001_.safetensors"]
-    assert load_state(out / ".tightrope_state" / "rt" / "lora.node-7.state.safetensors")[0].step == 1
+    assert load_state(out / ".tightrope_state" / "rt" / "lora.node-7.state.safetensors").step == 1
 
 
 REFUSED = (r"another run is training into the training state file '.*\.tightrope_state/rt/lora\.node-7\.state"
@@ -70,7 +70,7 @@ def test_a_second_run_into_a_locked_state_file_is_refused_before_training(out):
         train_node(*parts, steps=1, unique_id="8")  # another node's state is another file: not locked
     with torch.inference_mode():
         session, _, _ = train_node(*parts, steps=1, unique_id="7")  # the other run is over: the lock is free
-    assert session.step == 1 and load_state(path)[0].step == 1
+    assert session.step == 1 and load_state(path).step == 1
 
 
 @pytest.mark.skipif(os.name == "nt", reason="the holder process uses fcntl.flock (POSIX)")

@@ -70,7 +70,7 @@ def test_sigterm_mid_training_saves_the_last_completed_step_and_exits_143(tmp_pa
     (lora_file,) = (out / "sig").glob("lora_*_.safetensors")
     (state_file,) = out.rglob("*.state.safetensors")
     tensors, meta = read_lora_file(lora_file)
-    state, _ = load_state(state_file)
+    state = load_state(state_file)
     assert int(meta["tightrope.steps"]) == state.step >= 2
     assert all(torch.equal(tensors["diffusion_model." + k.replace(".default", "")], v)
                for k, v in state.lora_state.items())

@@ -14,7 +14,8 @@ from tightrope.training.lora import files as lora_file
 from tightrope.training.finite_check import NonFiniteDataError
 from tightrope.training.lora.layers import (LoraError, LoraSpec, inject_lora, lora_parameters, lora_state,
                                      remove_lora)
-from tightrope.training.lora.files import lora_modules_in_file, merge_lora_into, read_lora_file, save_lora
+from merge_lora import merge_lora_into
+from tightrope.training.lora.files import inject_lora_continuing, lora_modules_in_file, read_lora_file, save_lora
 from tightrope.training.models.reference_flux import Flux, FluxParams
 from tightrope.demo.tiny_checkpoint import init_tiny_weights_
 
@@ -155,7 +156,7 @@ def test_nan_weights_are_never_saved_and_refused_when_read(tmp_path):
     with pytest.raises(NonFiniteDataError, match=rf"LoRA file '{path}' holds NaN or infinite values in 1 of "
                                                  rf"{len(tensors)} tensors \(e.g. {sorted(tensors)[-1]}\): .*pick an "
                                                  "earlier LoRA file"):
-        inject_lora(tiny_flux(), dataclasses.replace(spec, existing_lora=str(path)), "flux")
+        inject_lora_continuing(tiny_flux(), dataclasses.replace(spec, existing_lora=str(path)), "flux")
 
 
 def test_unsupported_keys_are_named():
@@ -173,7 +174,7 @@ def test_continue_from_a_saved_file_gives_the_same_lora_state(tmp_path):
     model, _ = trained(spec)
     path = save_lora(tmp_path, "c", model, spec, metadata={})
     fresh = tiny_flux()
-    inject_lora(fresh, LoraSpec.from_dict({**spec.to_dict(), "existing_lora": str(path)}), "flux")
+    inject_lora_continuing(fresh, LoraSpec.from_dict({**spec.to_dict(), "existing_lora": str(path)}), "flux")
     ours, theirs = lora_state(model), lora_state(fresh)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -183,7 +184,7 @@ def test_continue_with_another_alpha_keeps_the_files_update(tmp_path):
     model, _ = trained(spec)
     path = save_lora(tmp_path, "c", model, spec, metadata={})
     fresh = tiny_flux()
-    inject_lora(fresh, LoraSpec(rank=4, alpha=1.0, rslora=True, existing_lora=str(path)), "flux")
+    inject_lora_continuing(fresh, LoraSpec(rank=4, alpha=1.0, rslora=True, existing_lora=str(path)), "flux")
     assert (output(fresh) - output(model)).abs().max() < 1e-5  # B rescaled by (4/4) / (1/2)
 
 
@@ -209,7 +210,8 @@ def test_kohya_and_peft_format_files_load(tmp_path):
     save_file({k[len("diffusion_model."):]: v for k, v in tensors.items() if not k.endswith(".alpha")}, peft_bare)
     for path in (kohya, peft_bare):
         fresh = tiny_flux()
-        inject_lora(fresh, LoraSpec(rank=4, alpha=4.0, targets="attention_mlp", existing_lora=str(path)), "flux")
+        inject_lora_continuing(fresh, LoraSpec(rank=4, alpha=4.0, targets="attention_mlp", existing_lora=str(path)),
+                               "flux")
         ours, theirs = lora_state(model), lora_state(fresh)
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), path.name
         plain = tiny_flux()
@@ -233,7 +235,7 @@ def test_a_lora_for_another_architecture_is_refused(tmp_path):
     model = tiny_flux()
     with pytest.raises(LoraError, match=r"6 of 6 LoRA layers in the file match no layer of this model "
                                         r"\(e\.g\. layers\.0\.attention.*another model architecture"):
-        inject_lora(model, LoraSpec(rank=4, existing_lora=str(path)), "flux")
+        inject_lora_continuing(model, LoraSpec(rank=4, existing_lora=str(path)), "flux")
     assert not any(".lora_" in k for k in model.state_dict())  # the failed setup was undone
     with pytest.raises(LoraError, match="none of the 6 LoRA layers.*another model architecture"):
         merge_lora_into(tiny_flux(), path)
@@ -244,11 +246,11 @@ def test_rank_and_target_mismatches_say_what_to_set(tmp_path):
     model, _ = trained(spec)
     path = str(save_lora(tmp_path, "m", model, spec, metadata={}))
     with pytest.raises(LoraError, match="trained with rank 4 but this LoRA setup has rank=8.*set rank=4"):
-        inject_lora(tiny_flux(), LoraSpec(rank=8, targets="attention_mlp", existing_lora=path), "flux")
+        inject_lora_continuing(tiny_flux(), LoraSpec(rank=8, targets="attention_mlp", existing_lora=path), "flux")
     with pytest.raises(LoraError, match="trained with targets='attention_mlp'.*set targets/target_regex"):
-        inject_lora(tiny_flux(), LoraSpec(rank=4, targets="attention", existing_lora=path), "flux")
+        inject_lora_continuing(tiny_flux(), LoraSpec(rank=4, targets="attention", existing_lora=path), "flux")
     with pytest.raises(LoraError, match="trained with targets='attention_mlp'.*lacks 6"):
-        inject_lora(tiny_flux(), LoraSpec(rank=4, targets="all_linear", existing_lora=path), "flux")
+        inject_lora_continuing(tiny_flux(), LoraSpec(rank=4, targets="all_linear", existing_lora=path), "flux")
 
 
 def test_another_model_size_is_refused(tmp_path):
@@ -257,7 +259,7 @@ def test_another_model_size_is_refused(tmp_path):
     path = str(save_lora(tmp_path, "m", model, spec, metadata={}))
     wider = init_tiny_weights_(Flux(dataclasses.replace(FluxParams.tiny(), hidden_size=256, num_heads=2)))
     with pytest.raises(LoraError, match="'double_blocks.0.img_attn.qkv' is 128 -> 384 in the file but 256 -> 768"):
-        inject_lora(wider, LoraSpec(rank=4, existing_lora=path), "flux")
+        inject_lora_continuing(wider, LoraSpec(rank=4, existing_lora=path), "flux")
     with pytest.raises(LoraError, match="128 -> 384 in the LoRA but 256 -> 768 in the model"):
         merge_lora_into(wider, path)
 

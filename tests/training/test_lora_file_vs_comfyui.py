@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
-from tightrope.training.lora.files import merge_lora_into, read_lora_file, save_lora
+from merge_lora import merge_lora_into
+from tightrope.training.lora.files import read_lora_file, save_lora
 from tightrope.training.models.reference_flux import FluxParams
 from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
 

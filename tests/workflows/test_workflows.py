@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from merge_lora import with_lora_file
 
 from tightrope import NODE_CLASS_MAPPINGS
 from tightrope.headless import load_workflow, run_workflow
@@ -99,7 +100,7 @@ def test_saved_lora_changes_the_model_like_the_model_output(demo_run):
     t, guidance = torch.tensor([0.5]), torch.tensor([1.0])
     with torch.no_grad():
         plain = base.flux.forward_latent(x, t, ctx, y, guidance)
-        from_file = base.with_lora(lora_path).flux.forward_latent(x, t, ctx, y, guidance)
+        from_file = with_lora_file(base, lora_path).flux.forward_latent(x, t, ctx, y, guidance)
         from_node = results["8"][1].flux.forward_latent(x, t, ctx, y, guidance)
     assert (from_file - plain).abs().max() > 1e-3
     torch.testing.assert_close(from_file, from_node, rtol=1e-5, atol=1e-5)

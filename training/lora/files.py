@@ -17,7 +17,6 @@ import json
 import math
 import os
 import re
-import warnings
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +27,7 @@ from torch import Tensor, nn
 
 from ..state.atomic_write import atomic_save_file, next_free_path
 from ..finite_check import check_finite
-from .layers import ADAPTER, LoraSpec, lora_layers, lora_state
+from .layers import ADAPTER, LoraSpec, inject_lora, lora_layers, lora_state, remove_lora
 from .targets import LoraError
 
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
@@ -178,6 +177,19 @@ def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[
 
 
 # ---------------------------------------------------------------------------------------------------- continue
+def inject_lora_continuing(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
+    """inject_lora, then the weights of `spec.existing_lora` when the LoRA Setup continues from a file. A file that
+    does not fit is refused and the LoRA taken out again, so `module` is left as it came."""
+    names = inject_lora(module, spec, family)
+    if spec.existing_lora:
+        try:
+            load_lora_file_into(module, spec.existing_lora)
+        except BaseException:
+            remove_lora(module)
+            raise
+    return names
+
+
 @torch.no_grad()
 def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
     """Load a LoRA file into the LoRA injected in `module` (to continue training from it). Every LoRA layer must
@@ -222,36 +234,3 @@ def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
         layer.lora_A[ADAPTER].weight.copy_(w.A)
         layer.lora_B[ADAPTER].weight.copy_(w.B if abs(ratio - 1) < 1e-6 else w.B.float() * ratio)
     return len(entries)
-
-
-# ------------------------------------------------------------------------------------------------------- merge
-@torch.no_grad()
-def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float = 1.0) -> int:
-    """A small LoraLoader for a plain model (no peft layers): W += strength * (alpha/rank) * B @ A per layer, in
-    ComfyUI's order of operations (fp32 product, cast to the weight's dtype). Returns the number of patched layers."""
-    if lora_layers(model):
-        raise LoraError(f"{type(model).__name__} has peft LoRA layers: merge a file into a plain model "
-                        "(remove_lora first, or use merge_and_remove_lora)")
-    linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    tensors, _ = read_lora_file(path)
-    entries = lora_modules_in_file(tensors, linear)
-    matched = [n for n in linear if n in entries]  # model order
-    if not matched:
-        raise LoraError(f"none of the {len(entries)} LoRA layers in {path} matches a Linear layer of "
-                        f"{type(model).__name__} (e.g. {', '.join(list(entries)[:3])}): this LoRA was trained for "
-                        "another model architecture; pick a LoRA made for this model")
-    skipped = [n for n in entries if n not in linear]
-    if skipped:  # ComfyUI also applies the rest and logs these
-        warnings.warn(f"{path}: {len(skipped)} LoRA layers match no layer of the model and were skipped "
-                      f"(e.g. {', '.join(skipped[:3])})", stacklevel=2)
-    for name in matched:
-        w, weight = entries[name], linear[name].weight
-        if (w.B.shape[0], w.A.shape[1]) != tuple(weight.shape):
-            raise LoraError(f"{path}: layer {name!r} is {w.A.shape[1]} -> {w.B.shape[0]} in the LoRA but "
-                            f"{weight.shape[1]} -> {weight.shape[0]} in the model: this LoRA was trained for "
-                            "another model size; pick a LoRA made for this model")
-    for name in matched:
-        w, weight = entries[name], linear[name].weight
-        diff = w.B.to(weight.device, torch.float32) @ w.A.to(weight.device, torch.float32)
-        weight += ((strength * w.scale) * diff).to(weight.dtype)
-    return len(matched)

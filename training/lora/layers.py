@@ -149,8 +149,9 @@ def targeted_layers(module: nn.Module, spec: LoraSpec, family: str) -> list[str]
 
 
 def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
-    """Put a LoRA on the targeted layers of `module` (in place); freeze everything else; load `spec.existing_lora`
-    if set. Returns the targeted layer names. LoRA weights are fp32 whatever the base dtype (optimizer masters)."""
+    """Put a LoRA on the targeted layers of `module` (in place); freeze everything else. Returns the targeted layer
+    names. LoRA weights are fp32 whatever the base dtype (optimizer masters). `spec.existing_lora` is not read here:
+    files.inject_lora_continuing loads it."""
     if lora_layers(module):
         raise LoraError(f"{type(module).__name__} already has LoRA layers: call remove_lora(module) before "
                         "injecting another LoRA")
@@ -168,9 +169,6 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
                 p.data = p.data.float()
             p.requires_grad_(True)
         keep_inputs_in_compute_dtype(module)
-        if spec.existing_lora:
-            from .files import load_lora_file_into  # lora_file builds on this module
-            load_lora_file_into(module, spec.existing_lora)
     except BaseException:
         remove_lora(module)
         raise

@@ -1,7 +1,8 @@
 """What the trainer needs from a model, whatever loaded it: the module to put LoRA in, and a prediction.
 
-Two implementations: the embedded reference Flux (`ReferenceFluxModel`, here) and ComfyUI's MODEL (the ComfyUI
-adapter, the only module that imports ComfyUI). `adapter_for` picks one for whatever arrives on a MODEL input.
+Two implementations: the embedded reference Flux (`ReferenceFluxModel`, here) and ComfyUI's MODEL (comfy.py, the
+only module that imports ComfyUI); `adapter_for` (the package's __init__) picks one for whatever arrives on a MODEL
+input. A model loaded some other way is one more class with these members; the trainer asks nothing else of a model.
 """
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
 from .reference_flux import Flux
 
 
 @runtime_checkable
 class ModelAdapter(Protocol):
-    """Optional, outside the protocol: `process_latents(latents) -> latents` maps the dataset's (VAE) latents into
-    the model's latent space before noising (ComfyUI models: the latent format's shift and scale); without it the
-    latents are used as they are."""
     family: str      # LoRA target presets and block discovery key on this ("flux", "sd3", ...)
     base_name: str   # recorded in the LoRA file's metadata
+
+    def conditioning_dims(self) -> tuple[int, int]:
+        """(width of the text context, width of the pooled text embedding; 0 if the model takes none)."""
 
     def training_module(self) -> contextlib.AbstractContextManager[nn.Module]:
         """The diffusion transformer to train; it is given back unchanged when the context exits."""
@@ -30,6 +32,13 @@ class ModelAdapter(Protocol):
     def predict(self, module: nn.Module, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 pooled: torch.Tensor, guidance: float) -> torch.Tensor:
         """The model's flow-matching velocity prediction for noisy latents x_t at times t in (0, 1)."""
+
+    def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The dataset's (VAE) latents in the model's latent space, before noising (ComfyUI models: the latent
+        format's shift and scale)."""
+
+    def with_lora_state(self, spec: LoraSpec, state: dict[str, torch.Tensor], strength: float = 1.0) -> Any:
+        """The MODEL with a trained LoRA applied at `strength`, as a new object: this one is left as it is."""
 
 
 class ReferenceFluxModel:
@@ -53,15 +62,23 @@ class ReferenceFluxModel:
         else:
             yield self.flux
 
+    def conditioning_dims(self) -> tuple[int, int]:
+        return self.flux.params.context_in_dim, self.flux.params.vec_in_dim
+
     def predict(self, module, x_t, t, context, pooled, guidance):
         g = torch.full((x_t.shape[0],), float(guidance), device=x_t.device) if module.params.guidance_embed else None
         return module.forward_latent(x_t, t.to(x_t.device), context, pooled, g)
 
-    def with_lora(self, path: str, strength: float = 1.0) -> "ReferenceFluxModel":
-        """A copy with a saved LoRA merged in (this object is left as it is)."""
-        from ..lora.files import merge_lora_into
+    def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents  # the demo's latents are already the model's
+
+    def with_lora_state(self, spec: LoraSpec, state: dict[str, torch.Tensor],
+                        strength: float = 1.0) -> "ReferenceFluxModel":
+        """A copy with the LoRA merged into its weights."""
         flux = copy.deepcopy(self.flux)
-        merge_lora_into(flux, path, strength)
+        inject_lora(flux, spec, self.family)
+        load_lora_state(flux, state)
+        merge_and_remove_lora(flux, strength)
         return ReferenceFluxModel(flux, self.base_name)
 
 
@@ -77,12 +94,3 @@ def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
         out = data.clone()
     return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
 
-
-def adapter_for(model: Any) -> ModelAdapter:
-    if isinstance(model, ModelAdapter):
-        return model
-    if hasattr(model, "model") and hasattr(model, "clone") and hasattr(model, "model_options"):
-        from .comfy import ComfyModelAdapter  # ComfyUI imports live there only
-        return ComfyModelAdapter(model)
-    raise TypeError(f"the MODEL input is a {type(model).__name__}, which Tightrope cannot train: connect a "
-                    "diffusion model loader (ComfyUI's Load Diffusion Model, or Tightrope's demo model)")

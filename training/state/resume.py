@@ -3,20 +3,19 @@
 One file per Train node: `<state dir>/<filename_prefix>.node-<node id>.state.safetensors` (the state dir is
 nodes/host.state_dir(), never under the loras folder, where ComfyUI would list it as a LoRA). The trainer replaces it
 atomically whenever it saves a LoRA and when the node's run ends, so a finished node resumes to "nothing to do".
-It holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`; everything else is JSON in the
-metadata key `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of
-the session the node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups
-and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and fingerprints of the model
-(family, parameter names + shapes, a sample of base weights) and of the dataset.
+It holds tensors under `lora.<peft name>` and `optimizer.<index>.<key>`; everything else is JSON in the metadata key
+`tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of the session the
+node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups and non-tensor
+state, losses, stats, saved LoRA paths and fingerprints of the model (family, parameter names + shapes, a sample of
+base weights) and of the dataset. No random state: every draw of a step (data order, noise, timesteps, dropout) is a
+function of (seed, step), so resuming sets no global RNG (files of earlier versions hold `rng.*` tensors, ignored).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import re
-import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,33 +120,6 @@ def _model_mismatch(saved: dict, now: dict) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ RNG
-def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = {"rng.torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    version, state, gauss = random.getstate()
-    info: dict[str, Any] = {"python": [version, list(state), gauss]}
-    if "numpy" in sys.modules:
-        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
-        info["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
-    return tensors, info
-
-
-def restore_rng(state: TrainingState, tensors: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(tensors["rng.torch_cpu"])
-    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k.rsplit(".", 1)[1]))
-    if cuda and torch.cuda.is_available():
-        for k in cuda[:torch.cuda.device_count()]:
-            torch.cuda.set_rng_state(tensors[k], int(k.rsplit(".", 1)[1]))
-    version, keys, gauss = state.info["rng"]["python"]
-    random.setstate((version, tuple(keys), gauss))
-    if "numpy" in state.info["rng"] and "numpy" in sys.modules:
-        np = sys.modules["numpy"]
-        kind, keys, pos, has_gauss, cached = state.info["rng"]["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 # ------------------------------------------------------------------------------------------------ save / load
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
@@ -161,19 +133,17 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
                 tensors[f"optimizer.{index}.{key}"] = value.detach().cpu()
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    rng_tensors, rng_info = rng_state()
-    tensors.update(rng_tensors)
     info = {"step": step, "run_start": run_start, "run_end": run_end, "lora": session.lora.to_dict(),
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
             "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
-            "losses": list(losses), "stats": list(stats), "saved": list(saved), "rng": rng_info, **fingerprints,
+            "losses": list(losses), "stats": list(stats), "saved": list(saved), **fingerprints,
             "owner": None if owner is None else asdict(owner),
             "layout": distributed.resume_fields(session.config.batch_size)}
     return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
 
 
-def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.Tensor]]:
-    """(the state, its RNG tensors). Errors name the file and say what to do."""
+def load_state(path: str | os.PathLike) -> TrainingState:
+    """The state in `path`. Errors name the file and say what to do."""
     path = Path(path)
     fix = "delete it (the LoRA files are intact) to start this run anew"
     try:
@@ -198,18 +168,18 @@ def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.
     lora = {k[len("lora."):]: t for k, t in tensors.items() if k.startswith("lora.")}
     result = TrainingState(step=info["step"], run_start=info["run_start"], run_end=info["run_end"], lora_state=lora,
                            optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info)
-    return result, {k: t for k, t in tensors.items() if k.startswith("rng.")}
+    return result
 
 
 # ------------------------------------------------------------------------------------------------ resume
 def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
                    steps: int | None = None) -> tuple[Any, TrainingState] | None:
     """`session` (built from the node's inputs) advanced to the state in `path`, checked against its owner, model
-    and LoRA settings, and the state; restores the RNG states and the strategy the state was trained with.
+    and LoRA settings, and the state; restores the strategy the state was trained with.
     owner: this node (None: not checked); a state of another node is refused, one of another run of this node
     (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed)."""
-    from ..models.adapter import adapter_for
-    state, rng = load_state(path)
+    from ..models import adapter_for
+    state = load_state(path)
     info = state.info
     if owner is not None and _other_run(path, info.get("owner"), owner):
         return None
@@ -237,7 +207,6 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     if diff:
         warnings.warn(f"resuming '{path}' with changed training settings ({'; '.join(diff)}): the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
-    restore_rng(state, rng)
     resumed = session.advanced(
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
