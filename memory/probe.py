@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,6 +38,17 @@ from .strategy import Strategy
 __all__ = ["probe_model", "measure_h2d_bandwidth"]
 
 InputsMaker = Callable[[], tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class _BlockProbe:
+    """What measuring one block alone needs, the same for every block of a probe."""
+    rt: MemoryRuntime   # the runtime the probe runs under (its device, layer offload and autocast)
+    captured: list      # per block: its (args, kwargs) from pass 1, on the host
+    shared: set[int]    # storages saved by several blocks: kept once, counted in act_shared, not per block
+    weights: set[int]   # storages of the weights: not activations, never counted
+    clock: Clock
+    repeats: int        # timed calls per block (the median is kept); 0: one call, no warm-up
 
 
 def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -77,19 +89,12 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
             else:
                 act_other += n
 
-        act_full, act_alloc, peak, fwd_s, bwd_s = [], [], [], [], []
-        for i, module in enumerate(blocks):
-            forward = originals.get(id(module)) or type(module).forward.__get__(module)
-            r = _probe_block(rt, i, forward, captured[i], shared, weights, clock, repeats)
-            act_full.append(r["saved"])
-            act_alloc.append(r["alloc"])
-            peak.append(r["peak"])
-            fwd_s.append(r["fwd_s"])
-            bwd_s.append(r["bwd_s"])
-        compile_factors = None
-        if measure_compile:
-            compile_factors = _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats,
-                                             fwd_s, bwd_s, act_full)
+        probe = _BlockProbe(rt, captured, shared, weights, clock, repeats)
+        forwards = [originals.get(id(m)) or type(m).forward.__get__(m) for m in blocks]  # unwrapped: no checkpoint
+        eager = [_probe_block(probe, i, forward) for i, forward in enumerate(forwards)]
+        act_full, act_alloc, peak, fwd_s, bwd_s = ([r[k] for r in eager] for k in ("saved", "alloc", "peak", "fwd_s",
+                                                                                  "bwd_s"))
+        compile_factors = _probe_compile(probe, blocks, forwards, eager) if measure_compile else None
         sizes = rt.sizes
         # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
         pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
@@ -222,8 +227,12 @@ def _restore(c, device, skip: set[int], shared: set[int]):
     return t
 
 
-def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, count=True) -> dict[str, float]:
-    """One block alone, without checkpointing: bytes saved for backward, and median forward/backward times."""
+def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = None,
+                 count: bool = True) -> dict[str, float]:
+    """Block i alone, without checkpointing: bytes saved for backward, and median forward/backward times.
+    repeats: probe.repeats unless given; count=False only times (a compile's first call)."""
+    rt, captured, shared, clock = probe.rt, probe.captured[i], probe.shared, probe.clock
+    repeats = probe.repeats if repeats is None else repeats
     device = rt.device
     fwd_t, bwd_t, saved, alloc, peak = [], [], 0, 0, 0
     # the first calls in a process pay one-off costs (allocator, kernel selection); repeats=0 is one timed call
@@ -231,7 +240,7 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
     for r in range(max(1, repeats) + warmup):
         if rt.offload is not None:
             rt.offload.load(i)  # the unwrapped forward does not load: make the block's weights resident
-        skip = set(weights)
+        skip = set(probe.weights)
         args = tuple(_restore(a, device, skip, shared) for a in captured[0])
         kwargs = {k: _restore(v, device, skip, shared) for k, v in captured[1].items()}
         counter = SavedBytes(skip)
@@ -267,24 +276,25 @@ def _probe_block(rt, i, forward, captured, shared, weights, clock, repeats, *, c
             "bwd_s": statistics.median(bwd_t)}
 
 
-def _probe_compile(rt, blocks, originals, captured, shared, weights, clock, repeats, fwd_s, bwd_s, act_full):
-    """Per block type: compiled/eager time and saved-bytes ratios at activation budgets 1.0 and 0.5."""
+def _probe_compile(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, eager: list[dict[str, float]]):
+    """Per block type: compiled/eager time and saved-bytes ratios at activation budgets 1.0 and 0.5 (eager: each
+    block's _probe_block result with its unwrapped forward)."""
     factors: dict[str, dict[str, CompileFactors]] = {}
     for i, module in enumerate(blocks):
         kind = type(module).__name__
         if kind in factors:
             continue
         factors[kind] = {}
-        eager = originals.get(id(module)) or type(module).forward.__get__(module)
         for budget in (1.0, 0.5):
-            compiled = compile_block(eager, rt.strategy.replace(compile="per_block", activation_memory_budget=budget))
+            strategy = probe.rt.strategy.replace(compile="per_block", activation_memory_budget=budget)
+            compiled = compile_block(forwards[i], strategy)
             t0 = time.perf_counter()
-            _probe_block(rt, i, compiled, captured[i], shared, weights, clock, 0, count=False)
-            if clock.cuda:
+            _probe_block(probe, i, compiled, repeats=0, count=False)
+            if probe.clock.cuda:
                 torch.cuda.synchronize()
             compile_s = time.perf_counter() - t0
-            r = _probe_block(rt, i, compiled, captured[i], shared, weights, clock, repeats)
+            r, e = _probe_block(probe, i, compiled), eager[i]
             factors[kind][str(budget)] = CompileFactors(
-                fwd_factor=r["fwd_s"] / max(fwd_s[i], 1e-12), bwd_factor=r["bwd_s"] / max(bwd_s[i], 1e-12),
-                act_factor=r["saved"] / max(act_full[i], 1), compile_s=compile_s)
+                fwd_factor=r["fwd_s"] / max(e["fwd_s"], 1e-12), bwd_factor=r["bwd_s"] / max(e["bwd_s"], 1e-12),
+                act_factor=r["saved"] / max(e["saved"], 1), compile_s=compile_s)
     return factors

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from ..training.state.atomic_write import next_free_path
 from ..training.input_checks import check_output_target
-from ..training.charts import image_to_comfy
-from ..training.session_plots import loss_chart, memory_chart
+from ..training.charts import image_to_comfy, loss_chart, memory_chart
 from . import host
 from .input_validation import validation_result
 

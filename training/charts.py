@@ -1,5 +1,6 @@
-"""Charts drawn with Pillow alone (matplotlib is not a dependency): loss curves, benchmark sweeps, and the
-memory-vs-speed frontier. Every chart returns a `PIL.Image.Image`; `image_to_comfy` turns one into ComfyUI's IMAGE.
+"""Charts drawn with Pillow alone (matplotlib is not a dependency): a session's loss curve and per-step memory and
+transfers (loss_chart, memory_chart: the Plots node), benchmark sweeps, and the memory-vs-speed frontier. Every chart
+returns a `PIL.Image.Image`; `image_to_comfy` turns one into ComfyUI's IMAGE.
 
 Bad data never crashes a chart: NaN/inf points (and non-positive ones on a log axis) are dropped, an empty chart
 says "no data", and a constant series gets a small range around its value.
@@ -7,10 +8,13 @@ says "no data", and a constant series gets a small range around its value.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:
+    from .session import TrainingSession
 
 # Tableau 10: distinct under common colour-vision deficiencies, and readable on white
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
@@ -235,3 +239,23 @@ def image_to_comfy(img: Image.Image) -> torch.Tensor:
     rgb = img.convert("RGB")
     data = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
     return data.view(1, rgb.height, rgb.width, 3).to(torch.float32) / 255.0
+
+
+# ------------------------------------------------------------------------------------------------ a session
+def loss_chart(session: TrainingSession) -> Image.Image:
+    losses = list(session.losses)
+    window = max(1, len(losses) // 20)
+    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+              for i in range(len(losses))]
+    return line_chart({"loss": losses, f"mean of {window}": smooth}, title="Training loss", xlabel="step",
+                      ylabel="flow-matching loss")
+
+
+def memory_chart(session: TrainingSession) -> Image.Image:
+    stats = session.stats
+    gib = 2 ** 30
+    series = {"peak allocated (GiB)": [s["peak_allocated_bytes"] / gib for s in stats],
+              "streamed in (GiB)": [s["h2d_bytes"] / gib for s in stats],
+              "step time (s)": [s["step_time_s"] for s in stats],
+              "transfer wait (s)": [s["transfer_wait_s"] for s in stats]}
+    return line_chart(series, title="Memory and transfers per step", xlabel="step", ylabel="GiB / seconds")
