@@ -10,7 +10,7 @@ host memory (pinned on request); the random values are drawn on the init device 
 is far faster than CPU RNG) and copied down block by block, so host RAM never holds the model twice.
 LoRA (peft, rank 16, alpha 16) goes on the attention projections: double blocks' img/txt qkv and proj, single
 blocks' linear1/linear2 (which fuse attention and MLP). The LoRA weights are fp32 (AdamW state in fp32); under
-autocast their matmuls run in the compute dtype, as in training (training/lora.py keep_inputs_in_compute_dtype).
+autocast their matmuls run in the compute dtype, as in training (training/lora/layers.py keep_inputs_in_compute_dtype).
 """
 from __future__ import annotations
 

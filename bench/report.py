@@ -1,4 +1,4 @@
-"""Write a benchmark run: JSON (everything), a markdown table, and PNG charts (training/plots.py)."""
+"""Write a benchmark run: JSON (everything), a markdown table, and PNG charts (training/charts.py)."""
 from __future__ import annotations
 
 import json

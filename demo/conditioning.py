@@ -1,5 +1,5 @@
 """Stand-in text conditioning for any model Tightrope trains: ComfyUI CONDITIONING from the demo caption embedder
-(demo_encoders.DemoCaptionEmbedder), sized for the connected model. Not a text encoder: it lets a workflow train and
+(demo/encoders.py: DemoCaptionEmbedder), sized for the connected model. Not a text encoder: it lets a workflow train and
 sample a model without downloading its text encoders (smoke tests, the integration tests)."""
 from __future__ import annotations
 

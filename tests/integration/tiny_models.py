@@ -1,7 +1,7 @@
 """Tiny random-weight checkpoints in each family's original key layout (the layout of the released diffusion-model
 files, which ComfyUI's UNETLoader reads as they are), plus a tiny TAEF1 VAE for VAELoader ("taef1").
 
-Flux comes from training/tiny_checkpoint.py. SD3.5 (MMDiT with qk RMS norm and an attn2 block, like 3.5 medium) and
+Flux comes from demo/tiny_checkpoint.py. SD3.5 (MMDiT with qk RMS norm and an attn2 block, like 3.5 medium) and
 Wan 2.1 are ~1M parameters. Lumina 2 and Qwen-Image cannot be made small: ComfyUI reads only their layer count and
 input widths from the file and fixes heads and widths, so these are one block of the real width (~400M parameters),
 written as bf16 (~0.8 GB) and meant to be loaded as fp8 (weight_dtype fp8_e4m3fn).
