@@ -10,9 +10,10 @@ completed step, and the process exits with a message and 128 + the signal's numb
 The handler raises StopSignal (a KeyboardInterrupt) in the main thread, exactly where Ctrl-C would: everything that
 saves on Ctrl-C saves on these. While the trainer applies an optimizer step the stop is held back until the step is
 wholly done (training/held_stops.py), so the saved LoRA is exactly the step it is labelled with. A second polite
-signal while that save runs is ignored (with a note), so the save is not cut short; SIGKILL, which always follows after the grace period, cannot be caught. Handlers are installed only
-by the CLI, for the duration of a run, only from the main thread (Python allows no other), and the previous ones are
-restored after; ComfyUI, which has its own, never gets them.
+signal while that save runs is ignored (with a note), so the save is not cut short; SIGKILL, which always follows
+after the grace period, cannot be caught. Handlers are installed only by the CLI, for the duration of a run, only
+from the main thread (Python allows no other), and the previous ones are restored after; ComfyUI, which has its own,
+never gets them.
 """
 from __future__ import annotations
 
