@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 import bad_input_cases
-from bad_input_cases import CASES, Ctx, png
+import bad_input_run_cases
+from bad_input_cases import Ctx, png
+from bad_input_run_cases import CASES
 from PIL import Image
 from reliability_kit import assert_untouched, dataset_inputs, load_dataset, snapshot, train_node, world
 
@@ -51,7 +53,8 @@ def test_bad_input_names_the_input_and_the_fix(case, tmp_path):
 def test_the_process_goes_on_after_errors(out, monkeypatch):
     model, dataset, spec, strat = shared = world(out)
     before = snapshot(model.flux)
-    monkeypatch.setattr(bad_input_cases, "world", lambda _out: shared)  # every failing run gets this same model
+    for cases in (bad_input_cases, bad_input_run_cases):
+        monkeypatch.setattr(cases, "world", lambda _out: shared)  # every failing run gets this same model
     for case in [c for c in CASES if c.node.startswith("Train LoRA")]:
         with pytest.raises(ERROR_TYPES[case.error]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -126,7 +129,7 @@ def _run_chain_cli(tmp_path, monkeypatch, capsys, **changes) -> tuple[int, str, 
     calls made)."""
     import json
 
-    from bad_input_cases import chain_prompt
+    from bad_input_run_cases import chain_prompt
 
     from tightrope import cli
     from tightrope.training import training_run
