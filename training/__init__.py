@@ -1,1 +1,1 @@
-"""Training pipeline: dataset, LoRA, loss, step loop, save, model adapters."""
+"""Training pipeline: the step loop, its settings and objective at the top; data/, lora/, models/ and state/ below."""
