@@ -73,7 +73,7 @@ def test_gpu_check_fails_on_a_broken_schedule(tmp_path, monkeypatch):
         real_load(self, index)
 
     monkeypatch.setattr(LayerOffload, "load", forgetful_load)
-    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.slots[0].view(ref.dtype).as_strided(
+    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.area.view(ref.dtype).as_strided(
         ref.shape, ref.stride, ref.offset))  # saved weights read from whatever slot 0 holds
     monkeypatch.setattr(gpu_check, "_headline", lambda *a: {"skipped": "negative control"})
     monkeypatch.setattr(gpu_check.cuda_checks, "run_leak_test", lambda *a: {"skipped": "negative control"})
