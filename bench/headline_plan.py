@@ -26,10 +26,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..memory.blocks import discover_blocks
 from ..memory.memory_model import measure_weight_sizes
 from ..memory.plan_cost import Prediction, predict
-from ..memory.planner import Plan, plan
+from ..memory.planner import Plan, candidate_strategies, plan
 from ..memory.profile import Profile
 from ..memory.shape_profile import BlockShape, fake_parameters, measure_block, saved_bytes_of
-from ..memory.strategy import Strategy
+from ..memory.strategy import Strategy, StrategyError
+from .grid import strategy_label
 from .models import MODEL_PARAMS, TEXT_TOKENS, _meta_model
 
 GB = 10 ** 9
@@ -43,6 +44,9 @@ def headline_profile(model_name: str = "flux-dev", resolution: int = 2048, batch
     """The profile of `model_name` at (resolution, batch), bf16, as the probe would measure it on CUDA."""
     params = MODEL_PARAMS[model_name]()
     model = _meta_model(model_name, torch.bfloat16, lora_rank)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # LoRA weights are fp32 in training (build_bench_model), cast per op by autocast
     blocks = discover_blocks(model)
     sizes = measure_weight_sizes(model, [b.module for b in blocks], None)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -119,6 +123,13 @@ def headline_strategies() -> dict[str, Strategy]:
     return {"offload 0.9": base.replace(offload_fraction=0.9), "offload 1.0": base.replace(offload_fraction=1.0)}
 
 
+def least_peak(profile: Profile) -> tuple[Strategy, Prediction]:
+    """The planner's candidate with the least predicted peak (what no budget below it can be given)."""
+    scored = [(s, predict(profile, s, offloaded=off)) for s, off in
+              candidate_strategies(profile, Strategy(compute_dtype="bf16"), allow_compile=False)]
+    return min(scored, key=lambda sp: (sp[1].peak_bytes, sp[1].step_s))
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB ({n / GB:.2f} GB)"
 
@@ -154,11 +165,18 @@ def report(resolution: int = 2048, budget: int = HEADLINE_BUDGET) -> str:
                   "| --- | --- |"]
         lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, p)]
         lines.append("")
-    best: Plan = plan(profile, budget)
-    lines += [f"## The planner at a {budget / GB:g} GB budget", "", best.explanation, "",
-              f"Strategy: `{best.strategy.to_json()}`", ""]
+    lines += [f"## The planner at a {budget / GB:g} GB budget", ""]
+    try:
+        best: Plan | None = plan(profile, budget)
+        lines += [best.explanation, "", f"Strategy: `{best.strategy.to_json()}`", ""]
+        chosen = best.prediction
+    except StrategyError as exc:
+        lines += [f"No plan: {exc}", ""]
+        strategy, chosen = least_peak(profile)
+        lines += [f"The least peak of its candidates (`{strategy_label(strategy)}`): "
+                  f"`{strategy.to_json()}`", ""]
     lines += ["| part | bytes |", "| --- | --- |"]
-    lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, best.prediction)]
+    lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, chosen)]
     return "\n".join(lines) + "\n"
 
 
