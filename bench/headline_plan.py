@@ -16,6 +16,7 @@ budget. `make gpu-check` measures the same configurations (bench/gpu_check.py he
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -41,7 +42,13 @@ HEADLINE_BUDGET = 4 * GB
 
 def headline_profile(model_name: str = "flux-dev", resolution: int = 2048, batch: int = 1,
                      lora_rank: int = 16) -> tuple[Profile, dict[str, BlockShape]]:
-    """The profile of `model_name` at (resolution, batch), bf16, as the probe would measure it on CUDA."""
+    """The profile of `model_name` at (resolution, batch), bf16, as the probe would measure it on CUDA (computed once
+    per process and arguments: callers must not change it)."""
+    return _profile(model_name, resolution, batch, lora_rank)
+
+
+@functools.lru_cache(maxsize=4)
+def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tuple[Profile, dict[str, BlockShape]]:
     params = MODEL_PARAMS[model_name]()
     model = _meta_model(model_name, torch.bfloat16, lora_rank)
     for p in model.parameters():

@@ -132,10 +132,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
     cells = min(strategy.prefetch_depth + 1, len(off))
     cell = max((profile.block_packed[i] for i in off), default=0)
-    # the last offloaded blocks that fit the cells are still in their slots when backward turns around
-    still_loaded = set(off[len(off) - 1 - prefetch_window([profile.block_packed[i] for i in off[-2::-1]],
-                                                          profile.block_packed[off[-1]], cell, cells, cells - 1):]) \
-        if off else set()
+    still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.prefetch_depth)
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
     overlap = profile.device == "cuda" and profile.h2d_pinned
@@ -155,6 +152,17 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     return Prediction(peak_bytes=int(subtotal + margin), step_s=t_fwd + t_bwd + other, bound_s=bound,
                       compute_s=compute, compile_s=sum(compile_s.values()), offloaded=tuple(off),
                       breakdown=breakdown)
+
+
+def loaded_at_turnaround(packed: list[int], offloaded: list[int], prefetch_depth: int) -> set[int]:
+    """The offloaded blocks still in their slots when backward turns around: the last ones that fit the cells."""
+    off = sorted(offloaded)
+    if not off:
+        return set()
+    cells = min(prefetch_depth + 1, len(off))
+    cell = max(packed[i] for i in off)
+    n = prefetch_window([packed[i] for i in off[-2::-1]], packed[off[-1]], cell, cells, cells - 1)
+    return set(off[len(off) - 1 - n:])
 
 
 def _pipeline(order: list[int], compute: list[float], xfer: list[float], window: tuple, overlap: bool) -> float:

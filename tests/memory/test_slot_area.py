@@ -9,6 +9,7 @@ from torch import nn
 from tightrope.memory import layer_offload
 from tightrope.memory.layer_offload import LayerOffload, prefetch_window
 from tightrope.memory.memory_model import predict_slot_bytes
+from tightrope.memory.plan_cost import loaded_at_turnaround
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
 
@@ -173,3 +174,20 @@ def test_a_wrong_slot_offset_is_caught(monkeypatch):
     with MemoryRuntime(model, Strategy(offload_fraction=1.0, **FP32), "cpu", poison_slots=True) as rt:
         grads = _train(model, rt, steps=1)
     assert not all(torch.equal(a, b) for a, b in zip(grads[0], reference[0]))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_the_cost_model_knows_what_stays_loaded(depth, monkeypatch):
+    """plan_cost's transfer model skips, in backward, the blocks still loaded when the forward ends: the same set
+    the runtime holds then (with sub-slots, more than depth + 1 blocks)."""
+    model = _model()
+    blocks, lo = _offload(model, depth)
+    lo.attach()
+    try:
+        monkeypatch.setattr(layer_offload, "in_backward", lambda: False)
+        for i in range(len(blocks)):
+            lo.load(i)
+        packed = [lo.layouts[i].nbytes for i in range(len(blocks))]
+        assert loaded_at_turnaround(packed, list(range(len(blocks))), depth) == set(lo.resident)
+    finally:
+        lo.detach()
