@@ -1,4 +1,4 @@
-"""Layer offload: offloaded blocks' frozen weights stream host -> device through a ring of preallocated slots.
+"""Layer offload: offloaded blocks' frozen weights stream host -> device through a preallocated area of slots.
 
 - One host copy of the weights: a frozen weight already in host memory in the weight dtype (the headless model's,
   or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
@@ -19,9 +19,10 @@
   the cells by share (a block takes 1 / (cell // size) of a cell; see prefetch_window). Slots are reused lazily
   (slots whose blocks are furthest behind the current one go first), so blocks left loaded by a recompute that
   stopped early are simply evicted when a slot is needed.
-- Weights that autograd saves for backward are packed as (block, offset) references and unpacked by loading the
-  block again, so saving a weight never pins a slot. Whether a tensor is a slot view is decided by its storage (the
-  slots' data pointers), never by comparing device objects ("cuda" vs "cuda:0").
+- Weights that autograd saves for backward are packed as (block, offset within its slot) references and unpacked by
+  loading the block again, wherever its slot is then, so saving a weight never pins a slot. Whether a tensor is a
+  slot view is decided by its storage (the area's data pointer), never by comparing device objects ("cuda" vs
+  "cuda:0").
 - Host memory: offloaded weights stream from the model's own host tensors (page-locked in place where the system
   allows), so there is no second host copy; only weights that need a dtype conversion (or live on the device) get
   a host copy per block, freed at detach. Memory the system refuses to page-lock stays pageable, and copies from it

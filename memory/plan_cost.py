@@ -171,6 +171,7 @@ def _pipeline(order: list[int], compute: list[float], xfer: list[float], window:
     allows (window = (bytes per block, cell bytes, cells, depth)); a copy starts after the compute queued before it
     (the copy stream waits on the compute stream) and after the previous copy."""
     nbytes, cell, cells, depth = window
+    most = depth + cells * max((cell // b for b in nbytes if b), default=1)  # no window is longer
     needs = [i for i in order if xfer[i] > 0]
     ready: dict[int, float] = {}
     t = copy_free = 0.0
@@ -178,8 +179,8 @@ def _pipeline(order: list[int], compute: list[float], xfer: list[float], window:
     for i in order:
         while k < len(needs) and needs[k] == i:
             k += 1
-        ahead = prefetch_window([nbytes[j] for j in needs[k:]], nbytes[i] if xfer[i] > 0 else None, cell, cells,
-                                depth) if cell else depth
+        ahead = prefetch_window([nbytes[j] for j in needs[k: k + most]], nbytes[i] if xfer[i] > 0 else None, cell,
+                                cells, depth) if cell else depth
         targets = ([i] if xfer[i] > 0 else []) + needs[k: k + ahead]
         for j in targets:
             if j in ready:
