@@ -9,7 +9,8 @@ In order (a section that crashes is recorded and the next one runs; see bench/gp
      depth 0 (the planner's least-peak configuration: bench/headline_plan.py); and their offload-0 twin,
      whose compute gives the bound max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others.
 About 6-8 minutes on one H100. `--tiny` runs three strategies of the matrix and the headline's on the tiny model
-at 64 px; with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu"/"cpu:0".
+at 64 px; with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu" and
+"cpu:0".
 """
 from __future__ import annotations
 

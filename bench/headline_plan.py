@@ -1,5 +1,5 @@
 """`tightrope bench headline-plan`: the PREDICTED peak of the headline run, Flux-dev r16 bf16 2048 px batch 1,
-from shapes alone (no GPU, no weights, seconds on a CPU).
+from shapes alone (no GPU, no weights; well under a minute on a CPU).
 
 The profile the planner reads is built without running the model:
   - weights exactly, from the model built on the `meta` device with its rank-16 LoRA (bench/models.py);
@@ -119,7 +119,8 @@ def _model_inputs(params, batch: int, resolution: int, n_txt: int, mode: FakeTen
     lat = resolution // 8
     with mode:
         inputs = {"x": torch.empty(batch, 16, lat, lat), "timesteps": torch.empty(batch),
-                  "context": torch.empty(batch, n_txt, params.context_in_dim), "y": torch.empty(batch, params.vec_in_dim)}
+                  "context": torch.empty(batch, n_txt, params.context_in_dim),
+                  "y": torch.empty(batch, params.vec_in_dim)}
         if params.guidance_embed:
             inputs["guidance"] = torch.empty(batch)
     return inputs
