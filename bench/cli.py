@@ -6,6 +6,7 @@
     tightrope bench gpu-check [--out DIR]                     # CUDA correctness + 2048 px headline (make gpu-check)
     tightrope bench gpu-bench [--out DIR]                     # planner budgets, compile, H2D (make gpu-bench)
     tightrope bench --host-memory                             # host RAM above the loaded model, per offload (CPU)
+    tightrope bench headline-plan                             # predicted 2048 px headline peak from shapes (CPU)
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["gpu-check"]:
         from .gpu_check import main as gpu_check
         return gpu_check(argv[1:])
+    if argv[:1] == ["headline-plan"]:
+        from .headline_plan import main as headline_plan
+        return headline_plan(argv[1:])
     if argv[:1] == ["gpu-bench"]:
         from .gpu_bench import main as gpu_bench
         return gpu_bench(argv[1:])

@@ -1,4 +1,4 @@
-"""Layer offload: offloaded blocks' frozen weights stream host -> device through a ring of preallocated slots.
+"""Layer offload: offloaded blocks' frozen weights stream host -> device through a preallocated area of slots.
 
 - One host copy of the weights: a frozen weight already in host memory in the weight dtype (the headless model's,
   or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
@@ -7,15 +7,22 @@
 - Undo copies no weights: each param gets its original tensor back (a weight that lived on the device and so was
   dropped while offloaded is copied back there from its host copy).
 - Frozen weights travel host-to-device only: they never change, so eviction is free (nothing is copied back).
-- Device slots are preallocated flat byte buffers, so streaming causes no allocator churn; a block's params become
+- The device side is one preallocated flat byte area, so streaming causes no allocator churn: prefetch_depth + 1
+  cells, each the size of the largest offloaded block (packed). A block takes a slot: a whole cell, or, when it is
+  at most half a cell, one of the cell // size sub-slots of a cell (a slot never straddles cells). Models with
+  blocks of two sizes (Flux: 648 MiB double and 270 MiB single blocks) so stream their small blocks deeper at no
+  extra memory: while single blocks stream, the two cells of depth 1 hold four of them. A block's params become
   views into its slot while it is loaded, and an expanded NaN scalar while it is not, so any use of an unloaded
   block poisons the loss instead of silently reading another block's weights.
-- Copies run on a side CUDA stream, `prefetch_depth` offloaded blocks ahead of the block being computed, in forward
-  order and, during backward, in reverse order. Slots are reused lazily (the block furthest behind the current one
-  goes first), so blocks left loaded by a recompute that stopped early are simply evicted when a slot is needed.
-- Weights that autograd saves for backward are packed as (block, offset) references and unpacked by loading the
-  block again, so saving a weight never pins a slot. Whether a tensor is a slot view is decided by its storage (the
-  slots' data pointers), never by comparing device objects ("cuda" vs "cuda:0").
+- Copies run on a side CUDA stream, ahead of the block being computed, in forward order and, during backward, in
+  reverse order: `prefetch_depth` offloaded blocks at least, and more while the current block and the window fit
+  the cells by share (a block takes 1 / (cell // size) of a cell; see prefetch_window). Slots are reused lazily
+  (slots whose blocks are furthest behind the current one go first), so blocks left loaded by a recompute that
+  stopped early are simply evicted when a slot is needed.
+- Weights that autograd saves for backward are packed as (block, offset within its slot) references and unpacked by
+  loading the block again, wherever its slot is then, so saving a weight never pins a slot. Whether a tensor is a
+  slot view is decided by its storage (the area's data pointer), never by comparing device objects ("cuda" vs
+  "cuda:0").
 - Host memory: offloaded weights stream from the model's own host tensors (page-locked in place where the system
   allows), so there is no second host copy; only weights that need a dtype conversion (or live on the device) get
   a host copy per block, freed at detach. Memory the system refuses to page-lock stays pageable, and copies from it
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -72,6 +80,7 @@ class TransferCounters:
     live_views: int = 0       # unpacked weight views (slot views handed to autograd) not yet freed
     peak_live_views: int = 0
     stale_views: int = 0      # slots refilled while a view of their previous block was alive (must stay 0)
+    peak_resident: int = 0    # the most blocks loaded at once (more than cells when small blocks share a cell)
 
 
 class LayerOffload:
@@ -89,16 +98,17 @@ class LayerOffload:
         self.poison_slots = poison_slots
         self.counters = TransferCounters()
         self.layouts: dict[int, _Layout] = {}
-        self.slots: list[torch.Tensor] = []
-        self.slot_owner: list[int | None] = []
-        self.resident: dict[int, int] = {}          # block -> slot
+        self.area: torch.Tensor | None = None       # the cells, one flat byte buffer on the device
+        self.cell_bytes = 0
+        self.n_cells = 0
+        self.resident: dict[int, int] = {}          # block -> byte offset of its slot in the area
         self.ready: dict[int, torch.cuda.Event | None] = {}
-        self._slot_ptrs: dict[int, int] = {}       # storage data_ptr -> slot
+        self._area_ptr: int | None = None
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._restore: list[tuple[nn.Parameter, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._pinned = PinnedRanges(self.device)
         self._current: tuple[int, bool] | None = None
-        self._views: list[tuple[weakref.ref, int, int]] = []  # (unpacked view, slot, block)
+        self._views: list[tuple[weakref.ref, int, int, int]] = []  # (unpacked view, slot start, end, block)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     # -- setup and teardown ------------------------------------------------------------------------------------
@@ -108,11 +118,10 @@ class LayerOffload:
         if self.pin:
             self._pinned.register(src for lay in self.layouts.values() for src in lay.sources)
             self.pinned = self._pinned.refused_bytes == 0
-        n_slots = min(self.depth + 1, len(self.offloaded))
-        slot_bytes = max((self.layouts[i].nbytes for i in self.offloaded), default=0)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(n_slots)]
-        self.slot_owner = [None] * n_slots
-        self._slot_ptrs = {s.untyped_storage().data_ptr(): k for k, s in enumerate(self.slots)}
+        self.n_cells = min(self.depth + 1, len(self.offloaded))
+        self.cell_bytes = max((self.layouts[i].nbytes for i in self.offloaded), default=0)
+        self.area = torch.empty(self.n_cells * self.cell_bytes, dtype=torch.uint8, device=self.device)
+        self._area_ptr = self.area.untyped_storage().data_ptr()
 
     def _layout(self, block: nn.Module) -> _Layout:
         entries, offset = [], 0
@@ -155,7 +164,7 @@ class LayerOffload:
             self._pinned.release()
             self._restore.clear()
             self.layouts.clear()
-            self.slots, self.slot_owner, self.resident, self.ready, self._slot_ptrs = [], [], {}, {}, {}
+            self.area, self._area_ptr, self.resident, self.ready = None, None, {}, {}
             self._views = []
 
     def host_copy_bytes(self) -> int:
@@ -163,11 +172,18 @@ class LayerOffload:
         return sum(lay.copy.numel() for lay in self.layouts.values() if lay.copy is not None)
 
     def slot_bytes(self) -> int:
-        return sum(s.numel() for s in self.slots)
+        """Device bytes of the slot area (all cells)."""
+        return self.area.numel() if self.area is not None else 0
 
     def device_storage_ptrs(self) -> set[int]:
-        """Storages this object owns on the device: the slots and the tiny NaN placeholders."""
-        return set(self._slot_ptrs) | {t.untyped_storage().data_ptr() for t in self._placeholders.values()}
+        """Storages this object owns on the device: the slot area and the tiny NaN placeholders."""
+        area = {self._area_ptr} if self._area_ptr is not None else set()
+        return area | {t.untyped_storage().data_ptr() for t in self._placeholders.values()}
+
+    def slot_positions(self, nbytes: int) -> list[int]:
+        """Byte offsets in the area where a block of `nbytes` (packed) may be placed: cell // nbytes per cell."""
+        per_cell = self.cell_bytes // nbytes if nbytes else 1
+        return [c * self.cell_bytes + k * nbytes for c in range(self.n_cells) for k in range(per_cell)]
 
     # -- the schedule --------------------------------------------------------------------------------------------
     def load(self, index: int) -> None:
@@ -187,15 +203,19 @@ class LayerOffload:
 
     def _window(self, index: int, backward: bool) -> list[int]:
         ahead = [j for j in self.offloaded if (j < index if backward else j > index)]
-        return (ahead[::-1] if backward else ahead)[: self.depth]
+        ahead = ahead[::-1] if backward else ahead
+        current = self.layouts[index].nbytes if index in self.layouts else None
+        n = prefetch_window([self.layouts[j].nbytes for j in ahead], current, self.cell_bytes, self.n_cells,
+                            self.depth)
+        return ahead[:n]
 
     def _fetch(self, index: int, protect: set[int]) -> bool:
-        slot = self._free_slot(index, protect)
-        if slot is None:
-            return False
         layout = self.layouts[index]
-        dst = self.slots[slot]
-        self._check_views(slot, index)
+        start = self._free_slot(index, layout.nbytes, protect)
+        if start is None:
+            return False
+        dst = self.area[start: start + layout.nbytes]
+        self._check_views(start, start + layout.nbytes, index)
         if self.poison_slots:
             dst.fill_(0xFF)  # all-ones bytes are NaN in every float dtype: stale views of the old owner read NaN
         if self.cuda:
@@ -211,8 +231,8 @@ class LayerOffload:
             self.ready[index] = None
         for (p, *_), view in zip(layout.params, views):
             p.data = view
-        self.slot_owner[slot] = index
-        self.resident[index] = slot
+        self.resident[index] = start
+        self.counters.peak_resident = max(self.counters.peak_resident, len(self.resident))
         self.counters.h2d_bytes += sum(src.numel() * src.element_size() for src in layout.sources)
         self.counters.loads += 1
         return True
@@ -227,26 +247,36 @@ class LayerOffload:
             views.append(view)
         return views
 
-    def _free_slot(self, index: int, protect: set[int]) -> int | None:
-        for k, owner in enumerate(self.slot_owner):
-            if owner is None:
-                return k
+    def _occupants(self, start: int, end: int) -> list[int]:
+        """Loaded blocks whose slots overlap bytes [start, end) of the area."""
+        return [b for b, s in self.resident.items() if s < end and start < s + self.layouts[b].nbytes]
+
+    def _free_slot(self, index: int, nbytes: int, protect: set[int]) -> int | None:
+        """A slot for a block of `nbytes`: the first empty one, else the one whose blocks (none protected) are all
+        behind the current one and furthest from it, else the furthest ahead (stale). Its blocks are evicted."""
+        choices = [(start, self._occupants(start, start + nbytes)) for start in self.slot_positions(nbytes)]
+        for start, occupants in choices:
+            if not occupants:
+                return start
         current = self._current[0] if self._current else index
         backward = bool(self._current and self._current[1])
-        candidates = [(k, o) for k, o in enumerate(self.slot_owner) if o not in protect]
+        candidates = [(start, occ) for start, occ in choices if not protect.intersection(occ)]
         if not candidates:
             return None
-        # evict the block furthest behind the current one in this direction, else the furthest ahead (stale)
-        behind = [(k, o) for k, o in candidates if (o > current if backward else o < current)]
-        pool = behind or candidates
-        k, owner = max(pool, key=lambda c: abs(c[1] - current))
-        self._evict(owner)
-        return k
+
+        def behind(o: int) -> bool:
+            return o > current if backward else o < current
+
+        pool = [c for c in candidates if all(behind(o) for o in c[1])] or candidates
+        start, occupants = max(pool, key=lambda c: min(abs(o - current) for o in c[1]))
+        for o in occupants:
+            self._evict(o)
+        return start
 
     def _evict(self, index: int) -> None:
         for p, _, shape, dtype in self.layouts[index].params:
             p.data = self._placeholder(shape, dtype)
-        self.slot_owner[self.resident.pop(index)] = None
+        self.resident.pop(index)
         self.ready.pop(index, None)
 
     def _wait(self, index: int) -> None:
@@ -272,30 +302,35 @@ class LayerOffload:
 
     # -- saved-tensor hooks for weights --------------------------------------------------------------------------
     def owns(self, t: torch.Tensor) -> bool:
-        """Whether t is a view of a slot: by its storage, so any spelling of the device matches."""
-        return t.device.type == self.device.type and t.untyped_storage().data_ptr() in self._slot_ptrs
+        """Whether t is a view of the slot area: by its storage, so any spelling of the device matches."""
+        return t.device.type == self.device.type and t.untyped_storage().data_ptr() == self._area_ptr
 
     def pack(self, t: torch.Tensor) -> WeightRef:
-        owner = self.slot_owner[self._slot_ptrs[t.untyped_storage().data_ptr()]]
-        return WeightRef(owner, t.storage_offset(), t.shape, t.stride(), t.dtype)
+        """A reference to the block whose slot holds t, and t's offset from the slot's start (in elements)."""
+        at = t.storage_offset() * t.element_size()
+        owner = next(b for b, s in self.resident.items() if s <= at < s + self.layouts[b].nbytes)
+        return WeightRef(owner, t.storage_offset() - self.resident[owner] // t.element_size(), t.shape, t.stride(),
+                         t.dtype)
 
     def unpack(self, ref: WeightRef) -> torch.Tensor:
         self.load(ref.block)
-        slot = self.resident[ref.block]
-        view = self.slots[slot].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
+        start = self.resident[ref.block]
+        view = self.area.view(ref.dtype).as_strided(ref.shape, ref.stride, start // ref.dtype.itemsize + ref.offset)
         c = self.counters
         c.live_views += 1
         c.peak_live_views = max(c.peak_live_views, c.live_views)
-        self._views = [v for v in self._views if v[0]() is not None] + [(weakref.ref(view), slot, ref.block)]
+        end = start + self.layouts[ref.block].nbytes
+        self._views = [v for v in self._views if v[0]() is not None] + [(weakref.ref(view), start, end, ref.block)]
         weakref.finalize(view, self._view_freed)
         return view
 
     def _view_freed(self) -> None:
         self.counters.live_views -= 1
 
-    def _check_views(self, slot: int, index: int) -> None:
-        """Count views of another block still alive in a slot about to be refilled (they would read `index`)."""
-        self.counters.stale_views += sum(1 for v, s, b in self._views if s == slot and b != index and v() is not None)
+    def _check_views(self, start: int, end: int, index: int) -> None:
+        """Count views of another block still alive in bytes about to be refilled (they would read `index`)."""
+        self.counters.stale_views += sum(1 for v, s, e, b in self._views
+                                         if s < end and start < e and b != index and v() is not None)
 
     def _placeholder(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(shape), dtype)
@@ -303,6 +338,25 @@ class LayerOffload:
             fill = float("nan") if dtype.is_floating_point else 0
             self._placeholders[key] = torch.full((), fill, dtype=dtype, device=self.device).expand(shape)
         return self._placeholders[key]
+
+
+def prefetch_window(ahead: list[int], current: int | None, cell_bytes: int, n_cells: int, depth: int) -> int:
+    """How many of the offloaded blocks ahead (their packed bytes, in the order they will run) to have loaded while
+    a block runs: at least `depth`, then more while the current block (its bytes; None when it is resident) and the
+    window fit the cells by share, a block of n bytes taking 1 / (cell_bytes // n) of a cell. With blocks all the
+    same size that is exactly `depth`; small blocks behind a large one go deeper in the same memory."""
+    used = _share(current, cell_bytes) if current is not None else Fraction(0)
+    n = 0
+    for nbytes in ahead:
+        used += _share(nbytes, cell_bytes)
+        if n >= depth and used > n_cells:
+            break
+        n += 1
+    return n
+
+
+def _share(nbytes: int, cell_bytes: int) -> Fraction:
+    return Fraction(1, cell_bytes // nbytes) if nbytes else Fraction(0)
 
 
 def _aligned(n: int) -> int:

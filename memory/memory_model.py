@@ -40,9 +40,15 @@ def measure_weight_sizes(model: nn.Module, blocks: list[nn.Module], weight_items
     return WeightSizes(frozen, packed, trainable, other)
 
 
+def predict_slot_bytes(sizes: WeightSizes, offloaded: list[int], prefetch_depth: int) -> int:
+    """The layer offload's slot area: depth+1 cells (at most one per offloaded block), each the largest offloaded
+    block as packed; smaller blocks share cells (layer_offload), so they add nothing."""
+    off = set(offloaded)
+    return min(prefetch_depth + 1, len(off)) * max((sizes.block_packed[i] for i in off), default=0)
+
+
 def predict_resident_weight_bytes(sizes: WeightSizes, offloaded: list[int], prefetch_depth: int) -> int:
-    """Device bytes for weights: resident blocks in full, offloaded blocks through depth+1 slots of the largest."""
+    """Device bytes for weights: resident blocks in full, offloaded blocks through the slot area."""
     off = set(offloaded)
     resident = sum(b for i, b in enumerate(sizes.block_frozen) if i not in off)
-    slots = min(prefetch_depth + 1, len(off)) * max((sizes.block_packed[i] for i in off), default=0)
-    return sizes.other + sum(sizes.block_trainable) + resident + slots
+    return sizes.other + sum(sizes.block_trainable) + resident + predict_slot_bytes(sizes, offloaded, prefetch_depth)

@@ -13,7 +13,8 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
 host-to-device only) once a slot is free. As in layer_offload, a copy is issued when the compute stream reaches the
-block `prefetch_depth` offloaded blocks earlier, and starts after the compute queued before it. Whatever the
+block `prefetch_depth` offloaded blocks earlier (more while small blocks share the slot area's cells:
+layer_offload.prefetch_window), and starts after the compute queued before it. Whatever the
 schedule, a pass cannot beat its busiest resource, so the lower bound we report is
     step >= max(sum C_fwd, sum X_fwd) + max(sum C_bwd, sum X_bwd) + other + optimizer
 with C_bwd including the recompute forward of checkpointed blocks and X the offloaded bytes / H2D bandwidth.
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .memory_model import predict_resident_weight_bytes
+from .layer_offload import prefetch_window
+from .memory_model import predict_resident_weight_bytes, predict_slot_bytes
 from .offload_selection import select_offloaded
 from .profile import Profile
 from .strategy import Strategy
@@ -114,26 +116,31 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     transient = max((max((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s,
                          measured_peak[i] * s - kept[i]) for i in range(n)), default=0.0)
     weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.prefetch_depth)
+    slots = predict_slot_bytes(profile.sizes(), off, strategy.prefetch_depth)
     grads = profile.trainable_bytes
     optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
     subtotal = weights + grads + optimizer + activations + transient
     if margin_bytes is None:
         margin_bytes = CUDA_MARGIN_BYTES if profile.device == "cuda" else 0
     margin = margin_fraction * subtotal + margin_bytes
-    breakdown = {"weights": int(weights), "gradients": int(grads), "optimizer": int(optimizer),
+    breakdown = {"weights": int(weights), "slots": int(slots), "gradients": int(grads), "optimizer": int(optimizer),
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),
                  "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host))}
 
     bw = max(profile.h2d_bytes_per_s, 1.0)
     offset = set(off)
     x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
-    # the last depth+1 offloaded blocks are still in their slots when backward turns around
-    still_loaded = set(off[-(strategy.prefetch_depth + 1):]) if off else set()
+    cells = min(strategy.prefetch_depth + 1, len(off))
+    cell = max((profile.block_packed[i] for i in off), default=0)
+    still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.prefetch_depth)
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
     overlap = profile.device == "cuda" and profile.h2d_pinned
-    t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, strategy.prefetch_depth, overlap)
-    t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, strategy.prefetch_depth, overlap)
+    # a block whose copy is activations only takes a whole cell's share: as many ahead as prefetch_depth
+    share = [profile.block_packed[i] if i in offset else cell for i in range(n)]
+    window = (share, cell, cells, strategy.prefetch_depth)
+    t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, window, overlap)
+    t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, window, overlap)
     other = profile.other_s * s + profile.optimizer_s
     compute = sum(c_fwd) + sum(c_bwd) + other
     if overlap:
@@ -147,10 +154,24 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
                       breakdown=breakdown)
 
 
-def _pipeline(order: list[int], compute: list[float], xfer: list[float], depth: int, overlap: bool) -> float:
+def loaded_at_turnaround(packed: list[int], offloaded: list[int], prefetch_depth: int) -> set[int]:
+    """The offloaded blocks still in their slots when backward turns around: the last ones that fit the cells."""
+    off = sorted(offloaded)
+    if not off:
+        return set()
+    cells = min(prefetch_depth + 1, len(off))
+    cell = max(packed[i] for i in off)
+    n = prefetch_window([packed[i] for i in off[-2::-1]], packed[off[-1]], cell, cells, cells - 1)
+    return set(off[len(off) - 1 - n:])
+
+
+def _pipeline(order: list[int], compute: list[float], xfer: list[float], window: tuple, overlap: bool) -> float:
     """Finish time of one pass. Block i computes once its copy (xfer[i] > 0) has landed. Reaching block i, the
-    runtime fetches i if missing and the next `depth` blocks that need copies; a copy starts after the compute
-    queued before it (the copy stream waits on the compute stream) and after the previous copy."""
+    runtime fetches i if missing and the next blocks that need copies, as many as layer_offload.prefetch_window
+    allows (window = (bytes per block, cell bytes, cells, depth)); a copy starts after the compute queued before it
+    (the copy stream waits on the compute stream) and after the previous copy."""
+    nbytes, cell, cells, depth = window
+    most = depth + cells * max((cell // b for b in nbytes if b), default=1)  # no window is longer
     needs = [i for i in order if xfer[i] > 0]
     ready: dict[int, float] = {}
     t = copy_free = 0.0
@@ -158,7 +179,9 @@ def _pipeline(order: list[int], compute: list[float], xfer: list[float], depth: 
     for i in order:
         while k < len(needs) and needs[k] == i:
             k += 1
-        targets = ([i] if xfer[i] > 0 else []) + needs[k: k + depth]
+        ahead = prefetch_window([nbytes[j] for j in needs[k: k + most]], nbytes[i] if xfer[i] > 0 else None, cell,
+                                cells, depth) if cell else depth
+        targets = ([i] if xfer[i] > 0 else []) + needs[k: k + ahead]
         for j in targets:
             if j in ready:
                 continue

@@ -1,6 +1,7 @@
 """The automatic memory planner: the fastest strategy that fits a memory budget, explained in one paragraph.
 
-It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 1-2,
+It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 0-2
+(depth 0 keeps one cell of slots: the least memory, for budgets nothing else fits; small blocks still prefetch),
 checkpointing off / every 2nd block / all, activation offload on/off, and, when the profile measured it, per-block
 compile at activation budgets 1.0 and 0.5), predicts each one's peak memory and step time from a measured Profile
 (plan_cost.predict), and picks the fastest that fits; equal times go to the one using less memory. A larger budget
@@ -72,7 +73,7 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
                 compiles.append(("per_block", b))
     out, seen = [], set()
     for chosen, f in offload_sets.items():
-        for depth in ((1, 2) if chosen else (base.prefetch_depth,)):
+        for depth in ((0, 1, 2) if chosen else (base.prefetch_depth,)):
             for ckpt in ("off", "every_n", "all"):
                 for compile_mode, budget in compiles:
                     if compile_mode == "per_block" and budget < 1.0 and ckpt != "off":
@@ -149,8 +150,9 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
     if p.offloaded:
         share = b["host_weights"] / max(sum(profile.block_frozen), 1)
         first = (f"Offloading {share:.0%} of the blocks' frozen weights ({s.offload_policy}: {len(p.offloaded)} of {n} "
-                 f"blocks) keeps {format_bytes(b['host_weights'])} of weights in host memory, streamed in "
-                 f"{s.prefetch_depth} block{'s' if s.prefetch_depth > 1 else ''} ahead")
+                 f"blocks) keeps {format_bytes(b['host_weights'])} of weights in host memory, "
+                 + (f"streamed in {s.prefetch_depth} block{'s' if s.prefetch_depth > 1 else ''} ahead"
+                    if s.prefetch_depth else "each loaded when needed (blocks of half a slot or less stream ahead)"))
     else:
         first = f"All {n} blocks stay on the device ({format_bytes(b['weights'])} of weights)"
     acts = {"off": "no checkpointing keeps every activation",

@@ -58,7 +58,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert [r["injection"] for r in ordering] == ["sleep on compute stream", "sleep on copy streams"]
     assert sections["leak_test"]["passed"] and sections["leak_test"]["counts"]["tests"] == 1
     headline = sections["headline"]["configs"]
-    assert [r["strategy"]["offload_fraction"] for r in headline] == [0.9, 1.0, 0.0]
+    assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"]) for r in headline] == \
+        [(0.9, 1), (1.0, 1), (1.0, 0), (0.0, 1)]  # the planner's least-peak configuration (depth 0) included
     assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
     assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
 
@@ -73,7 +74,7 @@ def test_gpu_check_fails_on_a_broken_schedule(tmp_path, monkeypatch):
         real_load(self, index)
 
     monkeypatch.setattr(LayerOffload, "load", forgetful_load)
-    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.slots[0].view(ref.dtype).as_strided(
+    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.area.view(ref.dtype).as_strided(
         ref.shape, ref.stride, ref.offset))  # saved weights read from whatever slot 0 holds
     monkeypatch.setattr(gpu_check, "_headline", lambda *a: {"skipped": "negative control"})
     monkeypatch.setattr(gpu_check.cuda_checks, "run_leak_test", lambda *a: {"skipped": "negative control"})

@@ -50,7 +50,7 @@ def test_broken_schedule_is_caught(monkeypatch, ckpt):
         real_load(self, index)
 
     monkeypatch.setattr(LayerOffload, "load", forgetful_load)
-    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.slots[0].view(ref.dtype).as_strided(
+    monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.area.view(ref.dtype).as_strided(
         ref.shape, ref.stride, ref.offset))
     with pytest.raises(AssertionError):
         assert_equivalent(run_managed(Strategy(offload_fraction=1.0, prefetch_depth=0, compute_dtype="fp32",

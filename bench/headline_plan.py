@@ -1,0 +1,206 @@
+"""`tightrope bench headline-plan`: the PREDICTED peak of the headline run, Flux-dev r16 bf16 2048 px batch 1,
+from shapes alone (no GPU, no weights; well under a minute on a CPU).
+
+The profile the planner reads is built without running the model:
+  - weights exactly, from the model built on the `meta` device with its rank-16 LoRA (bench/models.py);
+  - per-block activation bytes (saved, kept at the checkpoint boundary, the peak over forward + backward) from one
+    double and one single block run under FakeTensorMode (memory/shape_profile.py says how close that is to CUDA),
+    every block of a type alike; inputs every block receives (vec, RoPE table) counted once; what the layers
+    outside the blocks save from a fake run of the whole model with each block replaced by a copy of its inputs;
+  - times from FLOPs at an assumed ASSUMED_FLOPS (bf16 on an H100, about 40 % of its dense peak) and
+    ASSUMED_H2D_BYTES_PER_S pinned (PCIe 4 x16 as measured on common hosts): they only order the candidates the
+    planner compares, the peak does not depend on them.
+Then plan_cost.predict gives each configuration's peak and its breakdown, and the planner the best plan for a
+budget. `make gpu-check` measures the same configurations (bench/gpu_check.py headline_configs).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..memory.blocks import discover_blocks
+from ..memory.memory_model import measure_weight_sizes
+from ..memory.plan_cost import Prediction, predict
+from ..memory.planner import Plan, candidate_strategies, plan
+from ..memory.profile import Profile
+from ..memory.shape_profile import BlockShape, fake_parameters, measure_block, saved_bytes_of
+from ..memory.strategy import Strategy, StrategyError
+from .grid import strategy_label
+from .models import MODEL_PARAMS, TEXT_TOKENS, _meta_model
+
+GB = 10 ** 9
+ASSUMED_FLOPS = 400e12
+ASSUMED_H2D_BYTES_PER_S = 24e9
+HEADLINE_BUDGET = 4 * GB
+
+
+def headline_profile(model_name: str = "flux-dev", resolution: int = 2048, batch: int = 1,
+                     lora_rank: int = 16) -> tuple[Profile, dict[str, BlockShape]]:
+    """The profile of `model_name` at (resolution, batch), bf16, as the probe would measure it on CUDA (computed once
+    per process and arguments: callers must not change it)."""
+    return _profile(model_name, resolution, batch, lora_rank)
+
+
+@functools.lru_cache(maxsize=4)
+def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tuple[Profile, dict[str, BlockShape]]:
+    params = MODEL_PARAMS[model_name]()
+    model = _meta_model(model_name, torch.bfloat16, lora_rank)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # LoRA weights are fp32 in training (build_bench_model), cast per op by autocast
+    blocks = discover_blocks(model)
+    sizes = measure_weight_sizes(model, [b.module for b in blocks], None)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_img, n_txt = (resolution // 16) ** 2, TEXT_TOKENS[model_name]
+    h, bf16 = params.hidden_size, torch.bfloat16
+    mode = FakeTensorMode()
+    with mode:
+        vec = torch.empty(batch, h, dtype=bf16)
+        pe = torch.empty(batch, 1, n_img + n_txt, params.head_dim // 2, 2, 2, dtype=torch.float32)
+        img = torch.empty(batch, n_img, h, dtype=bf16, requires_grad=True)
+        txt = torch.empty(batch, n_txt, h, dtype=bf16, requires_grad=True)
+        x = torch.empty(batch, n_img + n_txt, h, dtype=bf16, requires_grad=True)
+    inputs = {"DoubleStreamBlock": ((), {"img": img, "txt": txt, "vec": vec, "pe": pe}),
+              "SingleStreamBlock": ((x,), {"vec": vec, "pe": pe})}
+    shapes: dict[str, BlockShape] = {}
+    for b in blocks:
+        kind = type(b.module).__name__
+        if kind not in shapes:
+            fake_parameters(b.module, mode)
+            args, kwargs = inputs[kind]
+            shapes[kind] = measure_block(b.module, args, kwargs, list(b.module.parameters()), mode,
+                                         compute_dtype=bf16)
+    shared = vec.untyped_storage().nbytes() + pe.untyped_storage().nbytes()
+    other_saved, other_flops = _outside_blocks(model, [b.module for b in blocks], mode,
+                                               _model_inputs(params, batch, resolution, n_txt, mode))
+    per = [shapes[type(b.module).__name__] for b in blocks]
+    profile = Profile(
+        device="cuda", batch=batch, block_names=[b.name for b in blocks],
+        block_types=[type(b.module).__name__ for b in blocks], block_frozen=list(sizes.block_frozen),
+        block_packed=list(sizes.block_packed), block_trainable=list(sizes.block_trainable),
+        other_weight_bytes=sizes.other, trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        trainable_numel=sum(p.numel() for p in trainable), act_full=[s.saved for s in per],
+        act_ckpt=[s.inputs - shared for s in per], act_shared=shared, act_other=other_saved,
+        fwd_s=[s.fwd_flops / ASSUMED_FLOPS for s in per], bwd_s=[s.bwd_flops / ASSUMED_FLOPS for s in per],
+        other_s=3 * other_flops / ASSUMED_FLOPS, h2d_bytes_per_s=ASSUMED_H2D_BYTES_PER_S,
+        optimizer_s=16 * sum(p.numel() for p in trainable) / 2e12,  # AdamW: ~16 B/element at ~2 TB/s
+        act_full_alloc=[s.alloc for s in per], block_peak_alloc=[s.peak for s in per])
+    return profile, shapes
+
+
+def _outside_blocks(model, blocks, mode: FakeTensorMode, inputs: dict[str, Any]) -> tuple[int, float]:
+    """Bytes the layers outside the blocks save (embedders, final layer, loss) and their forward FLOPs: the whole
+    model on fake tensors with each block replaced by its inputs plus a zero that requires grad (so the layers after
+    the blocks save what they save in training, and the stubs save nothing)."""
+    fake_parameters(model, mode, skip=tuple(blocks))
+    with mode:
+        zero = torch.zeros((), dtype=torch.bfloat16, requires_grad=True)
+        target = torch.empty(inputs["x"].shape)
+    stubs = {"DoubleStreamBlock": lambda img, txt, vec, pe: (img + zero, txt + zero),
+             "SingleStreamBlock": lambda x, vec, pe: x + zero}
+    try:
+        for b in blocks:
+            b.forward = stubs[type(b).__name__]
+        params = [p for p in model.parameters() if p.device.type != "meta"]
+        return saved_bytes_of(lambda: F.mse_loss(model(**inputs).float(), target), params, mode,
+                              compute_dtype=torch.bfloat16)
+    finally:
+        for b in blocks:
+            del b.forward
+
+
+def _model_inputs(params, batch: int, resolution: int, n_txt: int, mode: FakeTensorMode) -> dict[str, Any]:
+    lat = resolution // 8
+    with mode:
+        inputs = {"x": torch.empty(batch, 16, lat, lat), "timesteps": torch.empty(batch),
+                  "context": torch.empty(batch, n_txt, params.context_in_dim),
+                  "y": torch.empty(batch, params.vec_in_dim)}
+        if params.guidance_embed:
+            inputs["guidance"] = torch.empty(batch)
+    return inputs
+
+
+def headline_strategies() -> dict[str, Strategy]:
+    base = Strategy(compute_dtype="bf16", checkpoint="all", activation_offload=True)
+    return {"offload 0.9": base.replace(offload_fraction=0.9), "offload 1.0": base.replace(offload_fraction=1.0)}
+
+
+def least_peak(profile: Profile) -> tuple[Strategy, Prediction]:
+    """The planner's candidate with the least predicted peak (what no budget below it can be given)."""
+    scored = [(s, predict(profile, s, offloaded=off)) for s, off in
+              candidate_strategies(profile, Strategy(compute_dtype="bf16"), allow_compile=False)]
+    return min(scored, key=lambda sp: (sp[1].peak_bytes, sp[1].step_s))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB ({n / GB:.2f} GB)"
+
+
+def breakdown_rows(profile: Profile, p: Prediction) -> list[tuple[str, int]]:
+    b = p.breakdown
+    return [("device weights (resident blocks, slots, outside the blocks, LoRA)", b["weights"]),
+            ("  of which offload slots", b.get("slots", 0)),
+            ("LoRA gradients", b["gradients"]), ("AdamW state (2 fp32 moments)", b["optimizer"]),
+            ("kept activations (incl. the activation-offload window)", b["activations"]),
+            ("largest block transient (forward + backward)", b["transient"]), ("margin", b["margin"]),
+            ("PEAK", p.peak_bytes)]
+
+
+def report(resolution: int = 2048, budget: int = HEADLINE_BUDGET) -> str:
+    profile, shapes = headline_profile(resolution=resolution)
+    lines = [f"# Headline plan: Flux-dev r16 bf16 {resolution} px, batch 1 (predicted from shapes, no GPU)", "",
+             "Command: `tightrope bench headline-plan`"
+             + (f" --resolution {resolution}" if resolution != 2048 else ""), "",
+             "| block type | inputs (kept when checkpointed) | saved (no checkpoint) | peak fwd+bwd | fwd+bwd TFLOP |",
+             "| --- | --- | --- | --- | --- |"]
+    for kind, s in shapes.items():
+        lines.append(f"| {kind} | {_gib(s.inputs)} | {_gib(s.saved)} | {_gib(s.peak)} | "
+                     f"{(s.fwd_flops + s.bwd_flops) / 1e12:.1f} |")
+    lines += ["", f"Shared inputs (vec, RoPE) {_gib(profile.act_shared)}; saved outside the blocks "
+              f"{_gib(profile.act_other)}; blocks {profile.n_blocks}, frozen block weights "
+              f"{_gib(sum(profile.block_frozen))}, outside the blocks {_gib(profile.other_weight_bytes)}, LoRA "
+              f"{profile.trainable_numel / 1e6:.1f} M parameters.", ""]
+    for name, strategy in headline_strategies().items():
+        p = predict(profile, strategy)
+        lines += [f"## {name} + activation offload + checkpoint all, prefetch depth {strategy.prefetch_depth}", "",
+                  f"Offloaded blocks: {len(p.offloaded)} of {profile.n_blocks}.", "", "| part | bytes |",
+                  "| --- | --- |"]
+        lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, p)]
+        lines.append("")
+    lines += [f"## The planner at a {budget / GB:g} GB budget", ""]
+    try:
+        best: Plan | None = plan(profile, budget)
+        lines += [best.explanation, "", f"Strategy: `{best.strategy.to_json()}`", ""]
+        chosen = best.prediction
+    except StrategyError as exc:
+        lines += [f"No plan: {exc}", ""]
+        strategy, chosen = least_peak(profile)
+        lines += [f"The least peak of its candidates (`{strategy_label(strategy)}`): "
+                  f"`{strategy.to_json()}`", ""]
+    lines += ["| part | bytes |", "| --- | --- |"]
+    lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, chosen)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tightrope bench headline-plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--resolution", type=int, default=2048)
+    ap.add_argument("--budget-gb", type=float, default=HEADLINE_BUDGET / GB)
+    ap.add_argument("--out", metavar="FILE", help="also write the markdown here")
+    args = ap.parse_args(argv)
+    text = report(args.resolution, int(args.budget_gb * GB))
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

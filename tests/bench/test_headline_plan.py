@@ -1,0 +1,40 @@
+"""`tightrope bench headline-plan`: the headline's predicted peak from shapes, and the configuration `make gpu-check`
+must measure because the planner would pick it for the smallest budget."""
+from tightrope.bench.cli import main as bench_main
+from tightrope.bench.gpu_check import headline_configs
+from tightrope.bench.headline_plan import HEADLINE_BUDGET, headline_profile, least_peak
+from tightrope.memory.plan_cost import predict
+from tightrope.memory.strategy import Strategy
+
+GiB = 2 ** 30
+
+
+def test_gpu_check_measures_the_planners_least_peak_configuration():
+    profile, shapes = headline_profile()
+    strategy, prediction = least_peak(profile)
+    assert strategy in [c.strategy for c in headline_configs("cuda", 2048, 1)]
+    assert (strategy.offload_fraction, strategy.prefetch_depth, strategy.checkpoint, strategy.activation_offload) == \
+        (1.0, 0, "all", True)
+    # the breakdown adds up, and the slots are one cell: the largest block as packed
+    b = prediction.breakdown
+    assert b["slots"] == max(profile.block_packed) and b["weights"] > b["slots"]
+    parts = b["weights"] + b["gradients"] + b["optimizer"] + b["activations"] + b["transient"] + b["margin"]
+    assert abs(parts - prediction.peak_bytes) <= 8
+    # at 2048 px one single block's own forward + backward is the largest part: more than 3 GiB, as 4x the tokens
+    # of 1024 px make it (activations grow with the tokens; attention is flash-like, linear in them)
+    assert shapes["SingleStreamBlock"].peak > 3 * GiB and b["transient"] > b["weights"] + b["activations"]
+    deeper = predict(profile, strategy.replace(prefetch_depth=1))
+    assert deeper.breakdown["slots"] == 2 * b["slots"] and deeper.peak_bytes > prediction.peak_bytes
+
+
+def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
+    out = tmp_path / "headline_plan.md"
+    assert bench_main(["headline-plan", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == out.read_text()
+    assert "Command: `tightrope bench headline-plan`" in text and f"{HEADLINE_BUDGET / 1e9:g} GB budget" in text
+    for what in ("offload 0.9", "offload 1.0", "of which offload slots", "AdamW state", "largest block transient",
+                 "| PEAK |"):
+        assert what in text
+    assert Strategy.from_json(text.split("`off1.00/d0 ckpt-all actoff`): `")[1].split("`")[0]) == \
+        least_peak(headline_profile()[0])[0]
