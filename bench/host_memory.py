@@ -113,7 +113,16 @@ def markdown(result: dict) -> str:
               + ", ".join(f"{r['host_beyond_slots_w'] - base:+.2f} W at {r['offload']:g}" for r in rows[1:])
               + " (target <= +0.1 W at 1.0). After the run: target within 2 %.", ""]
     if result.get("server"):
-        lines += host_memory_server.markdown(result["server"]) + [""]
+        server = {r["offload"]: r for r in result["server"]}
+        lines += host_memory_server.markdown(result["server"], result.get("server_env")) + [""]
+        if 0.0 in server:
+            def plateau(r):
+                return max(run["plateau_above_loaded_w"] for run in r["runs"])
+            lines += ["The server trains on the CPU device too, so its plateau includes the same simulated device "
+                      "slots as the headless rows; beyond them, offload adds " + ", ".join(
+                          f"{plateau(server[h['offload']]) - h['slots_w'] - plateau(server[0.0]):+.2f} W at "
+                          f"{h['offload']:g}" for h in rows[1:] if h["offload"] in server)
+                      + " to the plateau of offload 0 (target <= +0.1 W at 1.0).", ""]
     else:
         lines += ["## Inside a real ComfyUI server", "", f"Skipped: {result.get('server_skipped')}", ""]
     if result.get("ranks"):
@@ -147,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         result["server_skipped"] = host_memory_server.SKIP_REASON
         print(f"skipping the ComfyUI server part: {host_memory_server.SKIP_REASON}")
     else:
+        result["server_env"] = host_memory_server.environment()
         result["server"] = host_memory_server.measure(MODEL["params"], OFFLOADS, weights)
     if not args.skip_ranks:
         result["ranks"] = host_memory_ranks.measure(1.0, CHILD_ENV)

@@ -199,6 +199,18 @@ def measure_one(comfy_dir: str, checkpoint: Path, offload: float) -> dict:
             server.stop()
 
 
+def environment() -> dict[str, str]:
+    """The ComfyUI version (its comfyui_version.py) and the torch version of its python."""
+    comfy_dir = os.path.abspath(os.environ["COMFYUI_DIR"])
+    version_file = Path(comfy_dir) / "comfyui_version.py"
+    text = version_file.read_text() if version_file.exists() else ""
+    comfyui = next((line.split("=", 1)[1].strip().strip("\"'") for line in text.splitlines()
+                    if line.startswith("__version__")), "unknown")
+    torch_version = subprocess.run([comfy_python(comfy_dir), "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    return {"comfyui": comfyui, "torch": torch_version}
+
+
 def write_checkpoint(folder: Path, params) -> Path:
     from ..training.tiny_checkpoint import make_tiny_checkpoint
     return Path(make_tiny_checkpoint(folder / "host_memory_flux.safetensors", params=params, seed=0))
@@ -225,8 +237,9 @@ def measure(params, offloads: tuple[float, ...], weights_bytes: int) -> list[dic
     return rows
 
 
-def markdown(rows: list[dict]) -> list[str]:
-    lines = ["## Inside a real ComfyUI server", "",
+def markdown(rows: list[dict], env: dict[str, str] | None = None) -> list[str]:
+    where = f" (ComfyUI {env['comfyui']}, torch {env['torch']}, --cpu)" if env else ""
+    lines = [f"## Inside a real ComfyUI server{where}", "",
              "One fresh server per row; a load prompt (UNETLoader + Preview), then "
              f"{PROMPTS} training prompts of 2 steps each (64-token images, batch 1), each with a new seed. Loaded: the "
              "server's RSS after the load prompt. Plateau: the median RSS while a prompt runs; peak: its maximum "
