@@ -4,7 +4,9 @@ Needs COMFYUI_DIR (ComfyUI's source dir) and its python, COMFYUI_PYTHON (default
 with Tightrope's requirements installed. For offload 0 / 0.5 / 1.0, one fresh server per configuration (--cpu, an
 in-memory database, a temporary base directory with this checkout as its only custom node):
 1. a load prompt: UNETLoader reads a Flux-shaped checkpoint of W bytes (fp32, written once), a Preview node shows
-   it; the server's RSS a few seconds later is the loaded level;
+   it; the server's RSS a few seconds later is the loaded level. (ComfyUI 0.33's default RAM-pressure cache was
+   seen to load the model again in each training prompt, the old one freed first; with --cache-classic, which
+   keeps it, offload 1.0 measured the same: see benchmarks/results/cpu-2026-11-23/host_memory_notes.md);
 2. training prompts (Demo Images -> Load Dataset -> LoRA Setup -> Memory Strategy -> Train -> Save LoRA), each with
    a new seed so ComfyUI's cache re-runs the training but keeps the loaded model; the RSS is sampled from outside
    (/proc/PID/status, every 20 ms): the plateau (median while the prompt runs) and the peak, above the loaded level;

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 import itertools
 import os
 from dataclasses import dataclass
@@ -65,10 +64,8 @@ def release_freed_host_memory() -> bool:
     worker threads), and free memory goes back to the OS only when it sits at the top of the main heap above the
     trim threshold. So a long-lived process (a ComfyUI server) would keep its peak of freed activations after every
     run. malloc_trim(0) walks every arena and releases each whole free page (madvise(MADV_DONTNEED)): live objects
-    are not moved, nothing is freed twice, it costs a walk of the free lists (milliseconds). A garbage collection
-    first frees what only reference cycles still hold (autograd graphs, hooks' closures). Not glibc: nothing to
-    trim, False."""
-    gc.collect()
+    are not moved, nothing is freed twice, it costs a walk of the free lists (milliseconds). Not glibc: nothing to
+    do, False."""
     trim = _glibc_malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
