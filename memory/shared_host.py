@@ -23,13 +23,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .strategy import StrategyError
+
 SHM_DIR = "/dev/shm"
 PREFIX = "tightrope-weights-"
 _ALIGN = 256  # bytes: every view aligned for any dtype and for vectorised kernels
 
 
-class SharedWeightsError(RuntimeError):
-    """The ranks of one machine could not share one host copy of the frozen weights; the message says why."""
+class SharedWeightsError(StrategyError):
+    """The ranks of one machine could not share one host copy of the frozen weights (they loaded different models,
+    or /dev/shm cannot hold it); the message says why. A user error: `tightrope run` prints it without a traceback."""
 
 
 @dataclass
