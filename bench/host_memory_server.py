@@ -243,7 +243,8 @@ def markdown(rows: list[dict], env: dict[str, str] | None = None) -> list[str]:
     where = f" (ComfyUI {env['comfyui']}, torch {env['torch']}, --cpu)" if env else ""
     lines = [f"## Inside a real ComfyUI server{where}", "",
              "One fresh server per row; a load prompt (UNETLoader + Preview), then "
-             f"{PROMPTS} training prompts of 2 steps each (64-token images, batch 1), each with a new seed. Loaded: the "
+             f"{PROMPTS} training prompts of 2 steps each (64-token images, batch 1), each with a new seed. "
+             "Loaded: the "
              "server's RSS after the load prompt. Plateau: the median RSS while a prompt runs; peak: its maximum "
              "(sampled every 20 ms from outside); after: settled, vs loaded.", "",
              "| offload | loaded (above the idle server) | prompt | plateau above loaded | peak above loaded | "
