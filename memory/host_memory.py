@@ -8,6 +8,9 @@ model's own bytes, minus a margin.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -36,6 +39,35 @@ def available_host_bytes() -> int | None:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     return None
+
+
+@functools.cache
+def _glibc_malloc_trim():
+    """glibc's malloc_trim, or None (musl, macOS, Windows: their allocators are not glibc's)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_host_memory() -> bool:
+    """Give the heap memory a run freed back to the OS (glibc's malloc_trim(0)); True if anything was returned.
+
+    A training step frees most of what it allocates (activations, gradients of the graph), but glibc keeps freed
+    memory in its heaps: requests below its mmap threshold (raised at run time up to 32 MiB once a large block has
+    been freed, so most activations qualify) come from the main heap or a per-thread arena (autograd and OpenMP
+    worker threads), and free memory goes back to the OS only when it sits at the top of the main heap above the
+    trim threshold. So a long-lived process (a ComfyUI server) would keep its peak of freed activations after every
+    run. malloc_trim(0) walks every arena and releases each whole free page (madvise(MADV_DONTNEED)): live objects
+    are not moved, nothing is freed twice, it costs a walk of the free lists (milliseconds). Not glibc: nothing to
+    do, False."""
+    trim = _glibc_malloc_trim()
+    return bool(trim(0)) if trim is not None else False
 
 
 def _gib(n: float) -> str:

@@ -25,6 +25,7 @@ from .activation_offload import ActivationOffload
 from .block_compile import compile_block, compiled_graph_count
 from .blocks import Block, discover_blocks
 from .checkpointing import checkpointed_call
+from .host_memory import release_freed_host_memory
 from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
@@ -112,6 +113,7 @@ class MemoryRuntime:
             t.data = kept if kept is not None else t.data.to(dev, dtype)
         self._placed.clear()
         self.applied = False
+        release_freed_host_memory()  # a long-lived process goes back to its size before the run (host_memory.py)
 
     def _place(self) -> None:
         offloaded_params = {id(p) for i in self.offloaded for p in self.blocks[i].module.parameters()

@@ -306,9 +306,14 @@ def check_fsdp_strategy(strategy) -> None:
 def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[nn.Module]:
     """Under --fsdp: a structural copy of `module` whose transformer blocks' frozen weights are FSDP2-sharded over
     the ranks; the LoRA parameters (and everything outside the blocks) are the original objects, shared with
-    `module`. `module` itself is never touched by FSDP, so it leaves exactly as it came. Otherwise `module`."""
+    `module`. `module` itself is never touched by FSDP, so it leaves exactly as it came. Otherwise `module`; with
+    several ranks on one machine its frozen host weights are first mapped from one shared copy per machine
+    (memory/shared_host.py), and stay so after the run."""
     par = current()
     if not par.fsdp:
+        if par.distributed:
+            from ..memory.shared_host import share_across_local_ranks
+            share_across_local_ranks(module, par.local_rank)
         yield module
         return
     check_fsdp_strategy(strategy)
