@@ -10,6 +10,7 @@ LoRA loader that follows the alpha convention applies the trained update exactly
 
 Weights are saved as fp32 by default: the file then holds exactly what was trained (continuing from it is lossless)
 and ComfyUI casts to the model's dtype when it patches anyway. dtype='bf16' halves the file for sharing.
+DoRA, LoHa and LoKr files (LoraSpec.algorithm) have their own keys: see lycoris_file.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ from torch import Tensor, nn
 from .atomic_write import atomic_save_file, next_free_path
 from .finite_check import check_finite
 from .lora import ADAPTER, LoraSpec, lora_layers, lora_state
+from .lora_algorithms import layer_algorithm
 from .lora_targets import LoraError
+from .lycoris_file import check_file_algorithm, file_algorithm, file_layers, file_tensors, file_update, load_into, \
+    merge_into_weight
 
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
 LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,6 +64,8 @@ def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp
     """A `lora_state` (peft parameter names) -> the tensors of a ComfyUI LoRA file."""
     if dtype not in LORA_DTYPES:
         raise LoraError(f"LoRA file dtype={dtype!r} is not supported: choose one of {', '.join(LORA_DTYPES)}")
+    if spec.algorithm != "lora":
+        return file_tensors(state, spec.algorithm, spec.scale, file_alpha(spec), LORA_DTYPES[dtype])
     alpha = torch.tensor(file_alpha(spec), dtype=torch.float32)
     out = {}
     for key, t in state.items():
@@ -104,7 +110,7 @@ def lora_settings_metadata(spec: LoraSpec, dtype: str = "fp32") -> dict[str, str
     return {"tightrope.version": tightrope_version(), "tightrope.lora": json.dumps(spec.to_dict()),
             "tightrope.rank": str(spec.rank), "tightrope.alpha": repr(spec.alpha),
             "tightrope.rslora": str(spec.rslora).lower(), "tightrope.targets": spec.target_regex or spec.targets,
-            "tightrope.lora_dtype": dtype,
+            "tightrope.lora_dtype": dtype, "tightrope.algorithm": spec.algorithm,
             "ss_network_dim": str(spec.rank), "ss_network_alpha": repr(file_alpha(spec))}
 
 
@@ -189,6 +195,9 @@ def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
     linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
               and ".base_layer" not in n and ".lora_" not in n} | set(layers)
     tensors, meta = read_lora_file(path)
+    if layer_algorithm(next(iter(layers.values()))) != "lora":
+        return load_into(module, layers, tensors, meta, path)
+    check_file_algorithm(tensors, "lora", str(path))
     entries = lora_modules_in_file(tensors, linear)
     trained_with = f" (it was trained with targets={meta['tightrope.targets']!r})" if "tightrope.targets" in meta \
         else ""
@@ -234,7 +243,8 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
                         "(remove_lora first, or use merge_and_remove_lora)")
     linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tensors, _ = read_lora_file(path)
-    entries = lora_modules_in_file(tensors, linear)
+    algorithm = file_algorithm(tensors)
+    entries = lora_modules_in_file(tensors, linear) if algorithm == "lora" else file_layers(tensors, algorithm)
     matched = [n for n in linear if n in entries]  # model order
     if not matched:
         raise LoraError(f"none of the {len(entries)} LoRA layers in {path} matches a Linear layer of "
@@ -244,6 +254,8 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
     if skipped:  # ComfyUI also applies the rest and logs these
         warnings.warn(f"{path}: {len(skipped)} LoRA layers match no layer of the model and were skipped "
                       f"(e.g. {', '.join(skipped[:3])})", stacklevel=2)
+    if algorithm != "lora":
+        return _merge_other(path, entries, {n: linear[n].weight for n in matched}, algorithm, strength)
     for name in matched:
         w, weight = entries[name], linear[name].weight
         if (w.B.shape[0], w.A.shape[1]) != tuple(weight.shape):
@@ -255,3 +267,23 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
         diff = w.B.to(weight.device, torch.float32) @ w.A.to(weight.device, torch.float32)
         weight += ((strength * w.scale) * diff).to(weight.dtype)
     return len(matched)
+
+
+def _merge_other(path, entries, weights: dict[str, Tensor], algorithm: str, strength: float) -> int:
+    """merge_lora_into for a DoRA / LoHa / LoKr file (ComfyUI 0.33's math, see lycoris_file)."""
+    updates = {}
+    for name, weight in weights.items():  # every shape checked before any weight changes
+        try:
+            update = file_update(entries[name], algorithm, weight.device)
+        except RuntimeError as e:  # factors that do not multiply
+            raise LoraError(f"{path}: the {algorithm} weights of layer {name!r} do not fit together ({e}): the file "
+                            "is damaged; save it again") from None
+        scale = entries[name].get("dora_scale")
+        if update.shape != weight.shape or (scale is not None and scale.numel() != weight.shape[0]):
+            raise LoraError(f"{path}: layer {name!r} has a {tuple(update.shape)} update in the LoRA but a "
+                            f"{tuple(weight.shape)} weight in the model: this LoRA was trained for another model "
+                            "size; pick a LoRA made for this model")
+        updates[name] = update
+    for name, weight in weights.items():
+        merge_into_weight(weight, updates[name], entries[name].get("dora_scale"), strength)
+    return len(weights)
