@@ -1,18 +1,26 @@
 """DoRA, LoHa and LoKr: settings, injection through peft, the saved file's keys, continuing from a file and merging
 one, checked against the peft model they were trained as (plain PyTorch, fp32, on the tiny Flux)."""
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
+from demo_setup import demo_session
 from tiny_flux import flux_inputs, tiny_flux
 
+from tightrope.headless.input_spec import node_input_specs
+from tightrope.memory.strategy import Strategy
+from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.training.input_checks import check_existing_lora
 from tightrope.training.lora import LoraError, LoraSpec, inject_lora, lora_layers, lora_parameters, \
     merge_and_remove_lora
 from tightrope.training.lora_algorithms import ADAPTER
 from tightrope.training.lora_file import merge_lora_into, read_lora_file, save_lora
+from tightrope.training.lycoris_file import file_algorithm
+from tightrope.training.trainer import SaveTarget, train
 
-ALGORITHMS = ["lora", "dora", "loha", "lokr"]
+ALGORITHMS = ("lora", "dora", "loha", "lokr")
 
 
 def trained(spec, seed=0):
@@ -190,3 +198,41 @@ def test_a_file_of_another_rank_or_targets_is_refused(tmp_path, algorithm):
     with pytest.raises(LoraError, match=r"does not cover the same layers as this .* setup \(it was trained with "
                                         r"targets='attention'\).*set targets/target_regex"):
         continued(LoraSpec(rank=4, algorithm=algorithm, targets="attention_mlp"), path)
+
+
+# ---------------------------------------------------------------------------------------------- node and trainer
+def test_lora_setup_node_takes_the_algorithm_last_so_saved_workflows_still_load():
+    types = TightropeLoraSetup.INPUT_TYPES()
+    assert [*types["required"], *types["optional"]][-1] == "algorithm"  # widgets_values are positional
+    choices, options = types["optional"]["algorithm"]
+    assert tuple(choices) == ALGORITHMS and options["default"] == "lora" and "lokr" in options["tooltip"]
+    node = TightropeLoraSetup()
+    assert node.setup(4, 4.0, False, 0.0, "attention", "default", "", "")[0].algorithm == "lora"  # 8 old widgets
+    assert node.setup(4, 4.0, False, 0.0, "attention", "default", "", "", "lokr")[0].algorithm == "lokr"
+    queued = {n: s.default for n, s in node_input_specs(TightropeLoraSetup).items()}
+    assert TightropeLoraSetup.VALIDATE_INPUTS(**queued | {"algorithm": "dora", "dropout": 0.1}) is True
+    assert "does not apply to algorithm='loha'" in TightropeLoraSetup.VALIDATE_INPUTS(
+        **queued | {"algorithm": "loha", "dropout": 0.1})
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS[1:])
+def test_train_save_and_continue_under_layer_offload(tmp_path, algorithm):
+    """The trainer trains each algorithm with every block offloaded and checkpointed, saves its file, and continues
+    from that file: the continued run starts from exactly the saved weights."""
+    spec = LoraSpec(rank=4, algorithm=algorithm, targets="attention_mlp")
+    strategy = Strategy(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
+    session = dataclasses.replace(demo_session(tmp_path, strategy=strategy), lora=spec)
+    result = train(session, 2, device="cpu", save=SaveTarget(tmp_path / "out", "run", every=2))
+    assert all(map(math.isfinite, result.losses))
+    (path,) = result.saved  # written inside the runtime, every block's base weight offloaded
+    tensors, meta = read_lora_file(path)
+    assert meta["tightrope.algorithm"] == algorithm and file_algorithm(tensors) == algorithm
+    fresh = tiny_flux()
+    continued_spec = dataclasses.replace(spec, existing_lora=path)
+    inject_lora(fresh, continued_spec, "flux")
+    again = dataclasses.replace(session, lora=continued_spec)
+    assert train(again, 1, device="cpu").step == 1
+    state = lora_parameters(fresh)
+    assert state.keys() == result.lora_state.keys()
+    for k, p in state.items():  # fp32 file: exactly what was trained (LoKr's folded w1: 2 ulp, see above)
+        torch.testing.assert_close(p, result.lora_state[k], rtol=2.5e-7, atol=0)
