@@ -20,8 +20,8 @@ import torch
 from peft import inject_adapter_in_model
 from torch import nn
 
-from .lora_algorithms import ADAPTER, PEFT_LAYERS, adapter_parameters, check_algorithm, layer_algorithm, \
-    merged_weight, peft_config
+from .lora_algorithms import ADAPTER, PEFT_LAYERS, adapter_parameters, check_algorithm, check_base_weights, \
+    layer_algorithm, merged_weight, peft_config
 from .lora_targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
 
 __all__ = ["LoraSpec", "LoraError", "inject_lora", "remove_lora", "merge_and_remove_lora", "lora_layers",
@@ -159,6 +159,7 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
         raise LoraError(f"{type(module).__name__} already has LoRA layers: call remove_lora(module) before "
                         "injecting another LoRA")
     names = targeted_layers(module, spec, family)
+    check_base_weights(module, names, spec.algorithm)
     flags = {n: p.requires_grad for n, p in module.named_parameters()}
     config = peft_config(spec, target_regex_for(family, spec.targets, spec.target_regex))
     _FLAGS_BEFORE[module] = flags

@@ -236,3 +236,16 @@ def test_train_save_and_continue_under_layer_offload(tmp_path, algorithm):
     assert state.keys() == result.lora_state.keys()
     for k, p in state.items():  # fp32 file: exactly what was trained (LoKr's folded w1: 2 ulp, see above)
         torch.testing.assert_close(p, result.lora_state[k], rtol=2.5e-7, atol=0)
+
+
+def test_dora_on_fp8_stored_base_weights_is_refused_before_training():
+    """DoRA's peft layer adds its update to the raw base weight; torch cannot promote fp8 there (it would fail in the
+    first step), so injection refuses it, naming the layer and the fix; the model is left as it was."""
+    model = tiny_flux()
+    layer = model.get_submodule("double_blocks.0.img_attn.qkv")
+    layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    with pytest.raises(LoraError, match=r"algorithm='dora' reads the base weight .* 'double_blocks\.0\.img_attn\.qkv'"
+                                        r" is stored as torch\.float8_e4m3fn: load the model in bf16/fp16"):
+        inject_lora(model, LoraSpec(rank=4, algorithm="dora"), "flux")
+    assert not lora_layers(model)
+    assert inject_lora(model, LoraSpec(rank=4, algorithm="lokr"), "flux")  # LoKr leaves W to the base layer
