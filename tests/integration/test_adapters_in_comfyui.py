@@ -35,7 +35,8 @@ RUNNER = textwrap.dedent("""
     import comfy.model_management as mm
     import comfy.sd, comfy.utils
     from safetensors.torch import load_file
-    from tightrope.training.lora import LoraSpec, inject_lora, lora_layers, lora_parameters
+    from tightrope.training.lora import LoraSpec, inject_lora, lora_layers, lora_parameters, lora_state
+    from tightrope.training.model_adapter import adapter_for
     from tightrope.training.lora_algorithms import ADAPTER
     from tightrope.training.lora_file import save_lora
 
@@ -73,6 +74,11 @@ RUNNER = textwrap.dedent("""
         patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0.0)
         mm.load_models_gpu([patched])
         comfy_out = run(patched.model.diffusion_model)
+        # the Train node's MODEL output: the same state patched by ComfyUI through the adapter (with_lora_state)
+        fresh = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
+        via_node = adapter_for(fresh).with_lora_state(spec, lora_state(trained))
+        mm.load_models_gpu([via_node])
+        node_out = run(via_node.model.diffusion_model)
         logging.getLogger().removeHandler(collect)
 
         expected = trained_out
@@ -87,7 +93,7 @@ RUNNER = textwrap.dedent("""
         results[algorithm] = {
             "layers": sorted(f"diffusion_model.{n}.weight" for n in names), "patched": sorted(patched.patches),
             "keys": len(lora), "warnings": collect.messages,
-            "diff": (comfy_out - expected).abs().max().item(),
+            "diff": (comfy_out - expected).abs().max().item(), "node_diff": (node_out - comfy_out).abs().max().item(),
             "diff_to_trained": (comfy_out - trained_out).abs().max().item(),
             "effect": (comfy_out - base_out).abs().max().item(), "scale": trained_out.abs().max().item()}
     print("RESULT " + json.dumps(results))
@@ -125,5 +131,6 @@ def test_comfyui_applies_each_adapter_as_trained(tmp_path, family, make_inputs):
         assert r["patched"] == r["layers"] and r["layers"]
         assert r["effect"] > 1e-2, "the adapter did nothing: the comparison would prove nothing"
         assert r["diff"] <= 1e-5 * max(1.0, r["scale"])
+        assert r["node_diff"] == 0.0, "the Train node's MODEL output differs from the saved file loaded by ComfyUI"
         if algorithm != "dora":
             assert r["diff_to_trained"] == r["diff"]
