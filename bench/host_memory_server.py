@@ -214,7 +214,7 @@ def environment() -> dict[str, str]:
 
 
 def write_checkpoint(folder: Path, params) -> Path:
-    from ..training.tiny_checkpoint import make_tiny_checkpoint
+    from ..demo.tiny_checkpoint import make_tiny_checkpoint
     return Path(make_tiny_checkpoint(folder / "host_memory_flux.safetensors", params=params, seed=0))
 
 

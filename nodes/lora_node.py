@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..training.input_checks import check_existing_lora
+from ..training.lora.algorithms import ALGORITHMS
 from ..training.lora.layers import INITS, LoraSpec
 from ..training.lora.targets import PRESETS
 from . import host
@@ -35,16 +36,24 @@ class TightropeLoraSetup:
                                                                    "full module names, e.g. .*img_attn\\.qkv"}),
             "existing_lora": ("STRING", {"default": "", "tooltip": "A .safetensors LoRA (a path, or a name in the "
                                                                     "loras folder) to continue training from."}),
+            "algorithm": (list(ALGORITHMS), {"default": "lora", "tooltip": "lora: low-rank B @ A. dora: LoRA plus a "
+                                             "trained magnitude per output (DoRA). loha: Hadamard product of two "
+                                             "low-rank pairs. lokr: Kronecker product (small files). LoHa/LoKr take "
+                                             "no dropout. Saved with the keys ComfyUI's LoRA loaders read."}),
         }}
 
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
         """Before anything runs: every widget in range, the regex compiles, the LoRA to continue from is readable."""
         regex, existing = inputs.get("target_regex"), inputs.get("existing_lora")
+        algorithm = inputs.get("algorithm") or "lora"  # a workflow saved before the widget existed: lora
+        combination = {k: inputs[k] for k in ("dropout", "init", "algorithm") if inputs.get(k) is not None}
         return validation_result(cls, inputs, lambda: not regex or LoraSpec(target_regex=regex),
-                                 lambda: not existing or check_existing_lora(existing, host.loras_dir()))
+                                 lambda: LoraSpec(**combination),
+                                 lambda: not existing or check_existing_lora(existing, host.loras_dir(), algorithm))
 
-    def setup(self, rank, alpha, rslora, dropout, targets, init, target_regex="", existing_lora=""):
-        existing = check_existing_lora(existing_lora, host.loras_dir()) if existing_lora else None
+    def setup(self, rank, alpha, rslora, dropout, targets, init, target_regex="", existing_lora="", algorithm="lora"):
+        existing = check_existing_lora(existing_lora, host.loras_dir(), algorithm) if existing_lora else None
         return (LoraSpec(rank=rank, alpha=alpha, rslora=rslora, dropout=dropout, targets=targets,
-                         target_regex=target_regex or None, init=init, existing_lora=existing),)
+                         target_regex=target_regex or None, init=init, existing_lora=existing,
+                         algorithm=algorithm),)

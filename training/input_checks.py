@@ -11,9 +11,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .state.atomic_write import OutputPathError, safe_output_path
 from .lora.layers import resolve_existing_lora
+from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
+from .state.atomic_write import OutputPathError, safe_output_path
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:
@@ -41,9 +42,10 @@ def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
                               "a writable loras folder in extra_model_paths.yaml)")
 
 
-def check_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
+def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str | None = None) -> str:
     """The full path of a LoRA to continue from (a path, or a name in the loras folder), once its safetensors header
-    has been read: it exists, is .safetensors, is readable and holds tensors. Raises LoraError."""
+    has been read: it exists, is .safetensors, is readable and holds tensors (of `algorithm`'s keys, when given:
+    'lora', 'dora', 'loha' or 'lokr'). Raises LoraError."""
     path = resolve_existing_lora(name, loras_dir)
     where = "" if path == name else f" ({path})"
     try:
@@ -55,4 +57,6 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
     if not keys:
         raise LoraError(f"existing_lora={name!r}{where} holds no tensors: pick a LoRA file, or leave "
                         "existing_lora empty to start a new LoRA")
+    if algorithm is not None:
+        check_file_algorithm(keys, algorithm, f"existing_lora={name!r}{where}")
     return path

@@ -6,9 +6,10 @@ import os
 import warnings
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tightrope.training.lora.files import lora_modules_in_file, read_lora_file
+from tightrope.training.lora.lycoris import file_algorithm, file_layers, file_update, merge_into_weight
 from tightrope.training.lora.layers import LoraError, lora_layers
 from tightrope.training.models.adapter import ReferenceFluxModel
 
@@ -22,7 +23,8 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
                         "(remove_lora first, or use merge_and_remove_lora)")
     linear = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     tensors, _ = read_lora_file(path)
-    entries = lora_modules_in_file(tensors, linear)
+    algorithm = file_algorithm(tensors)
+    entries = lora_modules_in_file(tensors, linear) if algorithm == "lora" else file_layers(tensors, algorithm)
     matched = [n for n in linear if n in entries]  # model order
     if not matched:
         raise LoraError(f"none of the {len(entries)} LoRA layers in {path} matches a Linear layer of "
@@ -32,6 +34,8 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
     if skipped:  # ComfyUI also applies the rest and logs these
         warnings.warn(f"{path}: {len(skipped)} LoRA layers match no layer of the model and were skipped "
                       f"(e.g. {', '.join(skipped[:3])})", stacklevel=2)
+    if algorithm != "lora":
+        return _merge_other(path, entries, {n: linear[n].weight for n in matched}, algorithm, strength)
     for name in matched:
         w, weight = entries[name], linear[name].weight
         if (w.B.shape[0], w.A.shape[1]) != tuple(weight.shape):
@@ -43,6 +47,26 @@ def merge_lora_into(model: nn.Module, path: str | os.PathLike, strength: float =
         diff = w.B.to(weight.device, torch.float32) @ w.A.to(weight.device, torch.float32)
         weight += ((strength * w.scale) * diff).to(weight.dtype)
     return len(matched)
+
+
+def _merge_other(path, entries, weights: dict[str, Tensor], algorithm: str, strength: float) -> int:
+    """merge_lora_into for a DoRA / LoHa / LoKr file (ComfyUI 0.33's math, see lycoris_file)."""
+    updates = {}
+    for name, weight in weights.items():  # every shape checked before any weight changes
+        try:
+            update = file_update(entries[name], algorithm, weight.device)
+        except RuntimeError as e:  # factors that do not multiply
+            raise LoraError(f"{path}: the {algorithm} weights of layer {name!r} do not fit together ({e}): the file "
+                            "is damaged; save it again") from None
+        scale = entries[name].get("dora_scale")
+        if update.shape != weight.shape or (scale is not None and scale.numel() != weight.shape[0]):
+            raise LoraError(f"{path}: layer {name!r} has a {tuple(update.shape)} update in the LoRA but a "
+                            f"{tuple(weight.shape)} weight in the model: this LoRA was trained for another model "
+                            "size; pick a LoRA made for this model")
+        updates[name] = update
+    for name, weight in weights.items():
+        merge_into_weight(weight, updates[name], entries[name].get("dora_scale"), strength)
+    return len(weights)
 
 
 def with_lora_file(model: ReferenceFluxModel, path: str | os.PathLike, strength: float = 1.0) -> ReferenceFluxModel:

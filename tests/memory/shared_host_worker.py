@@ -7,8 +7,8 @@ import sys
 import torch
 
 from tightrope.memory.shared_host import SharedWeightsError, share_across_local_ranks, shared_mappings
-from tightrope.training.reference_flux import Flux, FluxParams
-from tightrope.training.tiny_checkpoint import init_tiny_weights_
+from tightrope.training.models.reference_flux import Flux, FluxParams
+from tightrope.demo.tiny_checkpoint import init_tiny_weights_
 
 
 def mapping_inode(ptr: int) -> int | None:

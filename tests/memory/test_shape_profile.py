@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tightrope.memory.shape_profile import LiveBytes, cuda_autocast_policy, fake_parameters, measure_block
-from tightrope.training.reference_flux import DoubleStreamBlock, FluxParams, SingleStreamBlock
+from tightrope.training.models.reference_flux import DoubleStreamBlock, FluxParams, SingleStreamBlock
 
 
 def test_live_bytes_count_each_storage_once():

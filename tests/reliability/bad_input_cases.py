@@ -234,3 +234,37 @@ def fake_comfyui(folder, version: str):
         (folder / name).write_text("")
     (folder / "comfyui_version.py").write_text(f'__version__ = "{version}"\n')
     return folder
+
+
+# --- adapters ---
+from tightrope.nodes.lora_node import TightropeLoraSetup  # noqa: E402
+
+
+def lora_setup(existing_lora="", **kw):
+    """The LoRA Setup node with its default widgets changed by `kw` (algorithm included)."""
+    values = dict(rank=4, alpha=4.0, rslora=False, dropout=0.0, targets="attention", init="default") | kw
+    return TightropeLoraSetup().setup(**values, existing_lora=existing_lora)[0]
+
+
+def saved_adapter(ctx, **kw):
+    model, dataset, _, strat = world(ctx.out)
+    session = train_node(model, dataset, lora_setup(**kw), strat, steps=1)[0]
+    (saved,) = TightropeSaveLora().save(session, kw["algorithm"])["result"]
+    return saved
+
+
+def lokr_rank_mismatch(ctx):
+    saved = saved_adapter(ctx, algorithm="lokr")
+    model, dataset, _, strat = world(ctx.out)
+    train_node(model, dataset, lora_setup(algorithm="lokr", rank=2, existing_lora=saved), strat)
+
+
+CASES += [
+    Case("lora_algorithm_mismatch", "existing LoRA of another algorithm (a LoHa file, algorithm lora)", LORA,
+         "LoraError", ("existing_lora=", "is a LoHa file", "set algorithm='loha'"),
+         lambda c: lora_setup(existing_lora=saved_adapter(c, algorithm="loha"))),
+    Case("lokr_rank_mismatch", "existing LoKr file of another rank", TRAIN, "LoraError",
+         ("lokr_00001_.safetensors", "(rank=2)", "set rank=4"), lokr_rank_mismatch),
+    Case("loha_dropout", "LoHa with dropout", LORA, "LoraError", ("dropout=0.1", "algorithm='loha'", "set dropout=0"),
+         lambda c: lora_setup(algorithm="loha", dropout=0.1)),
+]

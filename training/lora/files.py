@@ -10,6 +10,7 @@ LoRA loader that follows the alpha convention applies the trained update exactly
 
 Weights are saved as fp32 by default: the file then holds exactly what was trained (continuing from it is lossless)
 and ComfyUI casts to the model's dtype when it patches anyway. dtype='bf16' halves the file for sharing.
+DoRA, LoHa and LoKr files (LoraSpec.algorithm) have their own keys: see lycoris.py.
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ..state.atomic_write import atomic_save_file, next_free_path
 from ..finite_check import check_finite
+from ..state.atomic_write import atomic_save_file, next_free_path
+from .algorithms import layer_algorithm
 from .layers import ADAPTER, LoraSpec, inject_lora, lora_layers, lora_state, remove_lora
+from .lycoris import check_file_algorithm, file_tensors, load_into
 from .targets import LoraError
 
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
@@ -59,6 +62,8 @@ def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp
     """A `lora_state` (peft parameter names) -> the tensors of a ComfyUI LoRA file."""
     if dtype not in LORA_DTYPES:
         raise LoraError(f"LoRA file dtype={dtype!r} is not supported: choose one of {', '.join(LORA_DTYPES)}")
+    if spec.algorithm != "lora":
+        return file_tensors(state, spec.algorithm, spec.scale, file_alpha(spec), LORA_DTYPES[dtype])
     alpha = torch.tensor(file_alpha(spec), dtype=torch.float32)
     out = {}
     for key, t in state.items():
@@ -103,7 +108,7 @@ def lora_settings_metadata(spec: LoraSpec, dtype: str = "fp32") -> dict[str, str
     return {"tightrope.version": tightrope_version(), "tightrope.lora": json.dumps(spec.to_dict()),
             "tightrope.rank": str(spec.rank), "tightrope.alpha": repr(spec.alpha),
             "tightrope.rslora": str(spec.rslora).lower(), "tightrope.targets": spec.target_regex or spec.targets,
-            "tightrope.lora_dtype": dtype,
+            "tightrope.lora_dtype": dtype, "tightrope.algorithm": spec.algorithm,
             "ss_network_dim": str(spec.rank), "ss_network_alpha": repr(file_alpha(spec))}
 
 
@@ -201,6 +206,9 @@ def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
     linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
               and ".base_layer" not in n and ".lora_" not in n} | set(layers)
     tensors, meta = read_lora_file(path)
+    if layer_algorithm(next(iter(layers.values()))) != "lora":
+        return load_into(module, layers, tensors, meta, path)
+    check_file_algorithm(tensors, "lora", str(path))
     entries = lora_modules_in_file(tensors, linear)
     trained_with = f" (it was trained with targets={meta['tightrope.targets']!r})" if "tightrope.targets" in meta \
         else ""

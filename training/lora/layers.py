@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
+from peft import inject_adapter_in_model
 from torch import nn
 
+from .algorithms import ADAPTER, PEFT_LAYERS, adapter_parameters, check_algorithm, check_base_weights, \
+    layer_algorithm, merged_weight, peft_config
 from .targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
 
 __all__ = ["LoraSpec", "LoraError", "inject_lora", "remove_lora", "merge_and_remove_lora", "lora_layers",
            "lora_parameters", "lora_state", "load_lora_state", "resolve_existing_lora", "targeted_layers",
            "keep_inputs_in_compute_dtype"]
 
-ADAPTER = "default"  # peft's adapter name; one LoRA per model
 INITS = ("default", "gaussian")
 
 # requires_grad flags of each injected module's parameters before injection, restored by remove_lora
@@ -51,6 +51,9 @@ class LoraSpec:
     """'default' (peft: A kaiming-uniform, B zero) or 'gaussian' (A normal, B zero); both start as a no-op."""
     existing_lora: str | None = None
     """A .safetensors LoRA to continue training from."""
+    algorithm: str = "lora"
+    """'lora', 'dora' (LoRA plus a trained magnitude per output), 'loha' (Hadamard product of two low-rank pairs)
+    or 'lokr' (Kronecker product); all through peft, saved with the keys ComfyUI's weight adapters read."""
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -73,6 +76,7 @@ class LoraSpec:
         self._check_regex()
         if self.init not in INITS:
             raise LoraError(f"LoRA init={self.init!r} is not supported: choose one of {', '.join(INITS)}")
+        check_algorithm(self.algorithm, self.dropout, self.init)
         self._check_existing_lora()
 
     def _check_regex(self) -> None:
@@ -156,10 +160,9 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
         raise LoraError(f"{type(module).__name__} already has LoRA layers: call remove_lora(module) before "
                         "injecting another LoRA")
     names = targeted_layers(module, spec, family)
+    check_base_weights(module, names, spec.algorithm)
     flags = {n: p.requires_grad for n, p in module.named_parameters()}
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, use_rslora=spec.rslora, lora_dropout=spec.dropout,
-                        init_lora_weights=True if spec.init == "default" else "gaussian", bias="none",
-                        target_modules=target_regex_for(family, spec.targets, spec.target_regex))
+    config = peft_config(spec, target_regex_for(family, spec.targets, spec.target_regex))
     _FLAGS_BEFORE[module] = flags
     try:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER)
@@ -211,11 +214,14 @@ def remove_lora(module: nn.Module) -> None:
 
 @torch.no_grad()
 def merge_and_remove_lora(module: nn.Module, strength: float = 1.0) -> int:
-    """Add strength * scale * B @ A into each base weight (the math of ComfyUI's LoraLoader), then remove the LoRA.
-    Returns the number of merged layers."""
+    """Add strength * scale * B @ A into each base weight (the math of ComfyUI's LoraLoader; DoRA, LoHa, LoKr: see
+    algorithms.merged_weight), then remove the LoRA. Returns the number of merged layers."""
     layers = lora_layers(module)
     for layer in layers.values():
         weight = layer.get_base_layer().weight
+        if layer_algorithm(layer) != "lora":
+            weight.copy_(merged_weight(layer, strength))
+            continue
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         diff = b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)
         weight += ((strength * layer.scaling[ADAPTER]) * diff).to(weight.dtype)
@@ -224,20 +230,16 @@ def merge_and_remove_lora(module: nn.Module, strength: float = 1.0) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ LoRA state
-def lora_layers(module: nn.Module) -> dict[str, LoraLayer]:
-    """peft LoRA layers by module name (the name of the layer they replaced), in model order."""
-    return {n: m for n, m in module.named_modules() if isinstance(m, LoraLayer)}
+def lora_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """peft LoRA (DoRA, LoHa, LoKr) layers by module name (the name of the layer they replaced), in model order."""
+    return {n: m for n, m in module.named_modules() if isinstance(m, PEFT_LAYERS)}
 
 
 def lora_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """The trainable LoRA weights, by parameter name ('<layer>.lora_A.default.weight'), in a fixed order (the
-    optimizer state is matched to parameters by order)."""
-    out = {}
-    for name, layer in lora_layers(module).items():
-        for part in ("lora_A", "lora_B"):
-            for adapter, sub in getattr(layer, part).items():
-                out[f"{name}.{part}.{adapter}.weight"] = sub.weight
-    return out
+    """The trainable LoRA weights, by parameter name ('<layer>.lora_A.default.weight', '<layer>.hada_w1_a.default',
+    ...), in a fixed order (the optimizer state is matched to parameters by order)."""
+    return {f"{name}.{n}": p for name, layer in lora_layers(module).items()
+            for n, p in adapter_parameters(layer).items()}
 
 
 def lora_state(module: nn.Module) -> dict[str, torch.Tensor]:

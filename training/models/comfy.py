@@ -203,7 +203,7 @@ class ComfyModelAdapter:
             return self.patcher
         tensors = lora_file_tensors(state, spec)
         patched, _ = comfy.sd.load_lora_for_models(self.patcher, None, tensors, strength, 0.0)
-        expected = {k[: -len(".lora_A.weight")] + ".weight" for k in tensors if k.endswith(".lora_A.weight")}
+        expected = {k[: -len(".alpha")] + ".weight" for k in tensors if k.endswith(".alpha")}  # one per layer
         missing = sorted(expected - set(patched.patches))
         if missing:
             raise LoraError(f"ComfyUI did not apply {len(missing)} of {len(expected)} LoRA layers (e.g. "

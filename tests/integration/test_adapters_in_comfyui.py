@@ -1,0 +1,136 @@
+"""DoRA, LoHa and LoKr files in the real ComfyUI (0.33, CPU, fp32), on the tiny Flux and SD3.5 checkpoints: the
+adapter is injected with peft into ComfyUI's own diffusion model, moved off its init, saved by save_lora, then
+loaded by ComfyUI's LoRA loading (load_lora_for_models, LoraLoaderModelOnly's code path). Every key must be used
+(no "lora key not loaded"), every adapted layer patched, and the patched model must give the trained model's output.
+
+Tolerance: both sides compute in fp32; ComfyUI adds the update into the weight (W + s * update) where peft runs the
+update as a separate branch (LoRA/DoRA) or a separate delta weight (LoHa/LoKr), so outputs of size ~1 differ by
+rounding only: 1e-5, the bound the plain-LoRA check (tests/training/test_lora_file_vs_comfyui.py) uses.
+DoRA: ComfyUI 0.33 divides by the base weight's row norms (see training/lycoris_file.py), so the patched model is
+compared with the trained DoRA whose magnitudes carry exactly that factor; the plain difference is printed.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from comfy_env import COMFYUI_DIR, SKIP_REASON, comfy_python, tightrope_env
+from safetensors.torch import save_file
+from tiny_models import CHECKPOINTS
+
+if not COMFYUI_DIR:
+    print("skipping the DoRA/LoHa/LoKr ComfyUI check: set COMFYUI_DIR to a ComfyUI source dir to run it")
+pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
+
+RUNNER = textwrap.dedent("""
+    import copy, json, logging, sys
+    comfy_dir, family, ckpt, inputs_path, folder = sys.argv[1:6]
+    algorithms = sys.argv[6].split(",")
+    sys.path.insert(0, comfy_dir)
+    import torch
+    from comfy.cli_args import args
+    args.cpu = True
+    import comfy.model_management as mm
+    import comfy.sd, comfy.utils
+    from safetensors.torch import load_file
+    from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_layers, lora_parameters, lora_state
+    from tightrope.training.models.adapter import adapter_for
+    from tightrope.training.lora.algorithms import ADAPTER
+    from tightrope.training.lora.files import save_lora
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    inp = load_file(inputs_path)
+    extra = {"guidance": inp["guidance"]} if "guidance" in inp else {}
+    def run(dm):
+        with torch.no_grad():
+            return dm(inp["x"], inp["timesteps"], inp["context"], y=inp["y"], **extra)
+
+    results = {}
+    for algorithm in algorithms:
+        patcher = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
+        trained = copy.deepcopy(patcher.model.diffusion_model)
+        base_out = run(trained)
+        spec = LoraSpec(rank=4, alpha=3.0, algorithm=algorithm, targets="all_linear")
+        torch.manual_seed(0)
+        names = inject_lora(trained, spec, family)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in lora_parameters(trained).values():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        trained_out = run(trained)
+        path = save_lora(folder, algorithm, trained, spec, metadata={})
+
+        collect = Collect()
+        logging.getLogger().addHandler(collect)
+        lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+        patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0.0)
+        mm.load_models_gpu([patched])
+        comfy_out = run(patched.model.diffusion_model)
+        # the Train node's MODEL output: the same state patched by ComfyUI through the adapter (with_lora_state)
+        fresh = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
+        via_node = adapter_for(fresh).with_lora_state(spec, lora_state(trained))
+        mm.load_models_gpu([via_node])
+        node_out = run(via_node.model.diffusion_model)
+        logging.getLogger().removeHandler(collect)
+
+        expected = trained_out
+        if algorithm == "dora":  # ComfyUI 0.33's DoRA: row norms of the base weight, not of W + update
+            with torch.no_grad():
+                for layer in lora_layers(trained).values():
+                    w = layer.get_base_layer().weight
+                    update = layer.scaling[ADAPTER] * layer.lora_B[ADAPTER].weight @ layer.lora_A[ADAPTER].weight
+                    layer.lora_magnitude_vector[ADAPTER].weight.mul_(
+                        torch.linalg.norm(w + update, dim=1) / (torch.linalg.norm(w, dim=1) + torch.finfo(w.dtype).eps))
+            expected = run(trained)
+        results[algorithm] = {
+            "layers": sorted(f"diffusion_model.{n}.weight" for n in names), "patched": sorted(patched.patches),
+            "keys": len(lora), "warnings": collect.messages,
+            "diff": (comfy_out - expected).abs().max().item(), "node_diff": (node_out - comfy_out).abs().max().item(),
+            "diff_to_trained": (comfy_out - trained_out).abs().max().item(),
+            "effect": (comfy_out - base_out).abs().max().item(), "scale": trained_out.abs().max().item()}
+    print("RESULT " + json.dumps(results))
+""")
+
+
+def flux_inputs(g):
+    return {"x": torch.randn(2, 16, 6, 8, generator=g), "timesteps": torch.tensor([0.25, 0.8]),
+            "context": torch.randn(2, 6, 64, generator=g), "y": torch.randn(2, 32, generator=g),
+            "guidance": torch.tensor([3.5, 1.0])}
+
+
+def sd3_inputs(g):
+    return {"x": torch.randn(2, 16, 8, 8, generator=g), "timesteps": torch.tensor([250.0, 800.0]),
+            "context": torch.randn(2, 6, 64, generator=g), "y": torch.randn(2, 32, generator=g)}
+
+
+@pytest.mark.parametrize("family,make_inputs", [("flux", flux_inputs), ("sd3", sd3_inputs)])
+def test_comfyui_applies_each_adapter_as_trained(tmp_path, family, make_inputs):
+    name, write, _ = CHECKPOINTS[family]
+    ckpt = write(tmp_path / name)
+    save_file(make_inputs(torch.Generator().manual_seed(11)), tmp_path / "inputs.safetensors")
+    (tmp_path / "runner.py").write_text(RUNNER)
+    proc = subprocess.run([comfy_python(), str(tmp_path / "runner.py"), str(COMFYUI_DIR), family, str(ckpt),
+                           str(tmp_path / "inputs.safetensors"), str(tmp_path / "loras"), "dora,loha,lokr"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=tightrope_env(tmp_path))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"ComfyUI runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    for algorithm, r in json.loads(lines[-1][len("RESULT "):]).items():
+        log = "\n".join(r["warnings"])
+        print(f"\n{family} {algorithm}: {len(r['layers'])} layers, {r['keys']} keys; max |ComfyUI - expected| = "
+              f"{r['diff']:.2e}, |ComfyUI - trained| = {r['diff_to_trained']:.2e}, effect {r['effect']:.3f}",
+              file=sys.stderr)
+        assert "lora key not loaded" not in log and "ERROR" not in log, log
+        assert r["patched"] == r["layers"] and r["layers"]
+        assert r["effect"] > 1e-2, "the adapter did nothing: the comparison would prove nothing"
+        assert r["diff"] <= 1e-5 * max(1.0, r["scale"])
+        assert r["node_diff"] == 0.0, "the Train node's MODEL output differs from the saved file loaded by ComfyUI"
+        if algorithm != "dora":
+            assert r["diff_to_trained"] == r["diff"]
