@@ -7,7 +7,8 @@ It holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`
 metadata key `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of
 the session the node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups
 and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and fingerprints of the model
-(family, parameter names + shapes, a sample of base weights) and of the dataset.
+(family, parameter names + shapes, a sample of base weights) and of the dataset. With an EMA (ema_decay > 0) the
+tensors include `ema.<peft name>`.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class TrainingState:
     lora_state: dict[str, torch.Tensor]
     optimizer_state: dict
     info: dict       # the JSON part
+    ema_state: dict[str, torch.Tensor] | None = None  # the EMA of the LoRA weights (`ema.<peft name>`), if kept
 
 
 @dataclass(frozen=True)
@@ -151,9 +153,10 @@ def restore_rng(state: TrainingState, tensors: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------------------ save / load
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
-               fingerprints: dict, owner: StateOwner | None = None) -> Path:
+               fingerprints: dict, owner: StateOwner | None = None,
+               ema_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
-    tensors = {f"lora.{k}": v for k, v in lora_state.items()}
+    tensors = {f"lora.{k}": v for k, v in lora_state.items()} | {f"ema.{k}": v for k, v in (ema_state or {}).items()}
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in optimizer_state["state"].items():
         for key, value in entry.items():
@@ -196,8 +199,10 @@ def load_state(path: str | os.PathLike) -> tuple[TrainingState, dict[str, torch.
     groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
               for g in info["optimizer"]["param_groups"]]
     lora = {k[len("lora."):]: t for k, t in tensors.items() if k.startswith("lora.")}
+    ema = {k[len("ema."):]: t for k, t in tensors.items() if k.startswith("ema.")}
     result = TrainingState(step=info["step"], run_start=info["run_start"], run_end=info["run_end"], lora_state=lora,
-                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info)
+                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info,
+                           ema_state=ema or None)
     return result, {k: t for k, t in tensors.items() if k.startswith("rng.")}
 
 
@@ -241,7 +246,8 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     resumed = session.advanced(
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
-        strategy=Strategy.from_dict(info["strategy"]))  # a node given a strategy input resolves it again to train on
+        strategy=Strategy.from_dict(info["strategy"]),  # a node given a strategy input resolves it again to train on
+        ema_state=state.ema_state)
     return resumed, state
 
 
