@@ -9,8 +9,10 @@ at edges) and never flips a cell on or off the way nearest-neighbour sampling wo
 grid, not the transformer's coarser patch grid: the loss is a mean over latent elements, so that is the finest
 resolution a weight can act on.
 
-Every mask problem is found before any image is encoded and always raised, whatever `strict` says: a missing mask
-would silently train on what the user chose to leave out.
+A missing mask, one of the wrong size and an image without alpha (mask='alpha') are found from file headers before
+any image is encoded, and always raised, whatever `strict` says: training on without them would silently train on
+what the user chose to leave out. A mask that is black everywhere is found when it is read, and is treated like a
+bad image (raised, or skipped with a warning when strict=False).
 """
 from __future__ import annotations
 
