@@ -97,7 +97,7 @@ def model_fingerprint(module: torch.nn.Module, family: str) -> dict:
 
 
 def dataset_fingerprint(dataset: Any) -> str:
-    """Size, buckets, captions and the first and last latent: changes when the training data changes."""
+    """Size, buckets, captions and the first and last latent (and mask): changes when the training data changes."""
     try:
         n = dataset.num_images
         h = hashlib.sha256(repr((len(dataset), n, sorted(dataset.bucket_counts.items()))).encode())
@@ -105,6 +105,9 @@ def dataset_fingerprint(dataset: Any) -> str:
             h.update(dataset.caption(i).encode() + b"\0")
         for i in sorted({0, n - 1}):
             h.update(dataset.latent(i).detach().float().cpu().numpy().tobytes())
+            mask = dataset.mask(i) if hasattr(dataset, "mask") else None  # loss masks (training/masks.py)
+            if mask is not None:
+                h.update(mask.numpy().tobytes())
         return h.hexdigest()
     except (AttributeError, TypeError):  # a dataset type without these views: not checked
         return "unknown"

@@ -87,3 +87,13 @@ def test_cpu_ema_refuses_a_state_of_other_weights():
         CpuEma(params, 0.9, {"a": torch.zeros(3, 2)})
     with pytest.raises(ValueError, match="does not match the trained weights.*another LoRA setup"):
         CpuEma(params, 0.9, {"b": torch.zeros(2, 3)})
+
+
+def test_new_inputs_come_last_with_tooltips_so_saved_workflows_keep_loading():
+    from tightrope.nodes.dataset_nodes import TightropeLoadDataset
+    from tightrope.nodes.train_node import TightropeTrain
+    for node, name, default in ((TightropeTrain, "ema_decay", 0.0), (TightropeLoadDataset, "mask", "none"),
+                                (TightropeSaveLora, "save_ema", True)):
+        optional = node.INPUT_TYPES()["optional"]
+        assert list(optional)[-1] == name  # optional widgets after all others: old widgets_values lists still fit
+        assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]
