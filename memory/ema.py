@@ -1,4 +1,9 @@
-"""Exponential moving average of the trainable weights, kept in fp32 on the CPU so it costs no device memory."""
+"""Exponential moving average of the trainable weights, kept in fp32 on the CPU so it costs no device memory.
+
+After each optimizer step: shadow = decay * shadow + (1 - decay) * weight. The weights are gathered into one flat
+fp32 vector on their device and copied to the CPU at once: one device-to-host transfer (and one sync) per step,
+not one per tensor.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,17 +11,36 @@ from torch import nn
 
 
 class CpuEma:
-    def __init__(self, params: dict[str, nn.Parameter], decay: float):
-        if not 0.0 < decay < 1.0:
+    def __init__(self, params: dict[str, nn.Parameter], decay: float, state: dict[str, torch.Tensor] | None = None):
+        """state: a `state_dict()` to go on from (a resumed or continued run); default the weights as they are."""
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
             raise ValueError(f"ema decay={decay!r} is out of range: use a number between 0 and 1, e.g. 0.999")
-        self.decay = decay
+        self.decay = float(decay)
         self.params = params
         self.shadow = {k: p.detach().to("cpu", torch.float32, copy=True) for k, p in params.items()}
+        if state is not None:
+            self.load_state_dict(state)
 
     @torch.no_grad()
     def update(self) -> None:
-        for k, p in self.params.items():
-            self.shadow[k].lerp_(p.detach().to("cpu", torch.float32), 1.0 - self.decay)
+        if not self.shadow:
+            return
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params.values()]).cpu()
+        shadows = list(self.shadow.values())
+        weights = [w.view_as(s) for w, s in zip(flat.split([s.numel() for s in shadows]), shadows)]
+        torch._foreach_lerp_(shadows, weights, 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.shadow)
+        """CPU fp32 copies (a later update does not change what was returned)."""
+        return {k: v.clone() for k, v in self.shadow.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state.keys() != self.shadow.keys():
+            missing, extra = sorted(self.shadow.keys() - state.keys()), sorted(state.keys() - self.shadow.keys())
+            raise ValueError(f"the EMA state does not match the trained weights (missing {missing[:2]}, extra "
+                             f"{extra[:2]}): it belongs to another LoRA setup")
+        for k, v in state.items():
+            if tuple(v.shape) != tuple(self.shadow[k].shape):
+                raise ValueError(f"the EMA state of {k!r} has shape {tuple(v.shape)}, the weight "
+                                 f"{tuple(self.shadow[k].shape)}: it belongs to another LoRA setup")
+            self.shadow[k] = v.detach().to("cpu", torch.float32, copy=True)

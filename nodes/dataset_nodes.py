@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..training.data.builder import dataset_from_conditioning, dataset_from_folder
 from ..training.data.image_folder import check_dataset_folder
+from ..training.data.masks import MASK_SOURCES
 from . import host
 from .input_validation import validation_result
 
@@ -30,6 +31,12 @@ class TightropeLoadDataset:
                                         "tooltip": "Honour kohya 'N_name' folder repeat counts."}),
             "strict": ("BOOLEAN", {"default": False,
                                    "tooltip": "Stop at a bad image or caption; otherwise skip it with a warning."}),
+        }, "optional": {
+            "mask": (list(MASK_SOURCES), {"default": "none",
+                                          "tooltip": "Loss mask per image (white = train, black = ignore): "
+                                                     "mask_files reads name.mask.png beside name.png, alpha the "
+                                                     "image's transparency. A missing or wrongly sized mask is an "
+                                                     "error."}),
         }}
 
     @classmethod
@@ -38,9 +45,9 @@ class TightropeLoadDataset:
         folder = inputs.get("folder")
         return validation_result(cls, inputs, lambda: folder is None or check_dataset_folder(folder))
 
-    def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict):
+    def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none"):
         return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
-                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir()),)
+                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask),)
 
 
 class TightropeDatasetFromLatents:

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from ..training.distributed import on_main_rank
 from ..training.input_checks import check_output_target
-from ..training.save_session import save_session_lora
+from ..training.save_session import save_session_ema, save_session_lora
 from . import host
 from .input_validation import validation_result
 
 
 class TightropeSaveLora:
     DESCRIPTION = "Writes the trained LoRA (.safetensors, keys ComfyUI's LoraLoader applies) to the loras folder "\
-                  "(the output folder headless). Never overwrites: a counter is added to the name."
+                  "(the output folder headless), and its EMA as a second file ending in _ema when the Train node "\
+                  "kept one. Never overwrites: a counter is added to the name."
     CATEGORY = "Tightrope/train"
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("path",)
@@ -24,6 +25,11 @@ class TightropeSaveLora:
             "filename_prefix": ("STRING", {"default": "tightrope/my_lora",
                                            "tooltip": "File name inside the loras folder; subfolders allowed, "
                                                       "'..' and absolute paths are not."}),
+        }, "optional": {
+            "save_ema": ("BOOLEAN", {"default": True,
+                                     "tooltip": "Also write the EMA weights (Train node ema_decay > 0) as "
+                                                "<prefix>_ema_NNNNN_.safetensors (its path is shown under the "
+                                                "node); nothing more without an EMA."}),
         }}
 
     @classmethod
@@ -32,8 +38,10 @@ class TightropeSaveLora:
         prefix = inputs.get("filename_prefix")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix))
 
-    def save(self, session, filename_prefix):
+    def save(self, session, filename_prefix, save_ema=True):
         check_output_target(host.loras_dir(), filename_prefix)
-        # under torchrun rank 0 writes and every rank gets its path
+        # under torchrun rank 0 writes and every rank gets its paths
         path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix))
-        return {"ui": {"text": [str(path)]}, "result": (str(path),)}
+        ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix)) if save_ema else None
+        paths = [str(path)] + ([str(ema)] if ema is not None else [])
+        return {"ui": {"text": paths}, "result": (str(path),)}

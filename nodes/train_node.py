@@ -29,7 +29,10 @@ class TightropeTrain:
             "learning_rate": ("FLOAT", {"default": _C.learning_rate, "min": 1e-7, "max": 1.0, "step": 1e-5,
                                         "round": False, "tooltip": "Peak learning rate of the LoRA weights."}),
             "optimizer": (list(OPTIMIZERS), {"default": _C.optimizer,
-                                              "tooltip": "adamw8bit needs bitsandbytes and CUDA."}),
+                                              "tooltip": "adamw8bit needs bitsandbytes and CUDA; adafactor uses the "
+                                                         "least memory; prodigy (prodigyopt) sets its own step size: "
+                                                         "use learning_rate 1.0; adamw_schedulefree (schedulefree) "
+                                                         "needs schedule constant."}),
             "schedule": (list(SCHEDULES), {"default": _C.schedule,
                                             "tooltip": "cosine decays the rate over this run's steps."}),
             "warmup_steps": ("INT", {"default": _C.warmup_steps, "min": 0, "max": 100_000,
@@ -64,6 +67,11 @@ class TightropeTrain:
             "lora": ("TIGHTROPE_LORA", {"tooltip": "From LoRA Setup."}),
             "strategy": ("TIGHTROPE_STRATEGY", {"tooltip": "From Memory Strategy (default: everything on the GPU, "
                                                            "bf16)."}),
+            "ema_decay": ("FLOAT", {"default": _C.ema_decay, "min": 0.0, "max": 0.999999, "step": 0.0001,
+                                    "round": False,
+                                    "tooltip": "0: off. Else keep an exponential moving average of the LoRA "
+                                               "weights on the CPU (no GPU memory), e.g. 0.999; Save LoRA writes it "
+                                               "as a second file ending in _ema."}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
@@ -82,9 +90,12 @@ class TightropeTrain:
         """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
         the device available, the optimizer installed and able to run on it."""
         prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
+        schedule = inputs.get("schedule")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
                                  lambda: device is None or resolve_device(device),
-                                 lambda: _optimizer_runs(optimizer, device))
+                                 lambda: _optimizer_runs(optimizer, device),
+                                 lambda: None in (optimizer, schedule) or TrainConfig(optimizer=optimizer,
+                                                                                      schedule=schedule))
 
 
 def _optimizer_runs(optimizer: str | None, device: str | None) -> None:

@@ -1,7 +1,14 @@
-"""The optimizer over the LoRA weights, and the learning-rate schedule as a pure function of the step."""
+"""The optimizer over the LoRA weights, and the learning-rate schedule as a pure function of the step.
+
+Optional optimizers come from well-kept packages imported only when chosen; a missing one is a ConfigError with a
+one-line install hint, raised by the Train node's input check before any node trains.
+"""
 from __future__ import annotations
 
+import importlib
 import math
+import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -9,24 +16,47 @@ from torch import nn
 from .train_config import ConfigError, TrainConfig
 
 
+class _Choice(NamedTuple):
+    module: str       # where the class lives ("torch.optim" or an optional package)
+    name: str
+    package: str      # what `pip install` needs, "" for torch itself
+    cuda_only: bool = False
+
+
+# the names of TrainConfig.OPTIMIZERS -> their classes
+CHOICES = {
+    "adamw": _Choice("torch.optim", "AdamW", ""),
+    "adamw8bit": _Choice("bitsandbytes.optim", "AdamW8bit", "bitsandbytes", cuda_only=True),
+    "adafactor": _Choice("torch.optim", "Adafactor", ""),
+    "prodigy": _Choice("prodigyopt", "Prodigy", "prodigyopt"),
+    "adamw_schedulefree": _Choice("schedulefree", "AdamWScheduleFree", "schedulefree"),
+}
+
+
 def optimizer_class(name: str, device: torch.device) -> type[torch.optim.Optimizer]:
     """The optimizer class for `name` on `device`; a ConfigError naming the fix when it cannot run here (the Train
     node's input check calls this too, so a missing package fails before any training)."""
-    if name == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ConfigError("optimizer='adamw8bit' needs bitsandbytes: `pip install bitsandbytes` (CUDA only), "
-                              "or choose optimizer='adamw'") from None
-        if device.type != "cuda":
-            raise ConfigError("optimizer='adamw8bit' runs on CUDA only: choose optimizer='adamw' on this device")
-        return bnb.optim.AdamW8bit
-    return torch.optim.AdamW
+    if name not in CHOICES:
+        raise ConfigError(f"optimizer={name!r} is not supported: choose one of {', '.join(CHOICES)}")
+    choice = CHOICES[name]
+    try:
+        module = importlib.import_module(choice.module)
+    except ImportError:
+        where = " (CUDA only)" if choice.cuda_only else ""
+        raise ConfigError(f"optimizer={name!r} needs the {choice.package} package: `pip install {choice.package}` "
+                          f"into ComfyUI's Python{where}, or choose optimizer='adamw'") from None
+    if choice.cuda_only and device.type != "cuda":
+        raise ConfigError(f"optimizer={name!r} runs on CUDA only: choose optimizer='adamw' on this device")
+    return getattr(module, choice.name)
 
 
 def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    return optimizer_class(config.optimizer, device)(params, lr=config.learning_rate,
-                                                     weight_decay=config.weight_decay)
+    cls = optimizer_class(config.optimizer, device)
+    if config.optimizer == "prodigy" and config.learning_rate < 0.1:
+        warnings.warn(f"optimizer='prodigy' finds the step size itself and learning_rate scales it: "
+                      f"learning_rate={config.learning_rate:g} makes it crawl; use 1.0", stacklevel=2)
+    extra = {"warmup_steps": 0} if config.optimizer == "adamw_schedulefree" else {}  # warmup is learning_rate_at's
+    return cls(params, lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
 
 
 def learning_rate_at(config: TrainConfig, step: int, run_start: int, run_steps: int) -> float:

@@ -30,6 +30,7 @@ class TrainingSession:
     stats: tuple[dict, ...] = ()
     saved: tuple[str, ...] = ()     # LoRA files written by this session, oldest first
     interrupted: bool = False
+    ema_state: dict[str, torch.Tensor] | None = None      # the LoRA weights' EMA (CPU fp32) when ema_decay > 0
 
     def advanced(self, **changes: Any) -> "TrainingSession":
         return dataclasses.replace(self, **changes)

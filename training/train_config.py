@@ -8,7 +8,7 @@ from typing import Any
 
 from .timesteps import SAMPLINGS
 
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree")
 SCHEDULES = ("constant", "cosine")
 ON_NONFINITE = ("stop", "skip")
 
@@ -22,7 +22,9 @@ class TrainConfig:
     learning_rate: float = 1e-4
     """Peak learning rate of the LoRA weights."""
     optimizer: str = "adamw"
-    """'adamw', or 'adamw8bit' (bitsandbytes, CUDA) for a quarter of the optimizer memory."""
+    """'adamw'; 'adamw8bit' (bitsandbytes, CUDA) for a quarter of the optimizer memory; 'adafactor' (torch, factored
+    second moments: the least memory); 'prodigy' (prodigyopt: finds the step size itself, use learning_rate 1.0);
+    'adamw_schedulefree' (schedulefree: needs no decay schedule, so schedule must be 'constant')."""
     weight_decay: float = 0.0
     warmup_steps: int = 0
     """Linear warmup from 0 over the first steps of the session."""
@@ -43,6 +45,9 @@ class TrainConfig:
     """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
     on_nonfinite: str = "stop"
     """A NaN/inf loss 'stop's the run (the last good LoRA is kept) or 'skip's that step."""
+    ema_decay: float = 0.0
+    """0: off; else keep an exponential moving average of the LoRA weights on the CPU, updated after every step
+    with this decay (0.999 averages over about the last 1000 steps); the Save node can write it as a second file."""
 
     def __post_init__(self) -> None:
         _positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
@@ -59,6 +64,11 @@ class TrainConfig:
         _positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
         _range("guidance", self.guidance, 0.0, 100.0)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _ema_decay(self.ema_decay)
+        if self.optimizer == "adamw_schedulefree" and self.schedule != "constant":
+            raise ConfigError(f"optimizer='adamw_schedulefree' replaces the learning-rate schedule, so "
+                              f"schedule={self.schedule!r} would fight it: set schedule='constant' (warmup_steps "
+                              "still applies)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,6 +95,12 @@ def _positive(name: str, value: Any, hint: str) -> None:
 def _range(name: str, value: Any, lo: float, hi: float) -> None:
     if not lo <= _number(name, value) <= hi:
         raise ConfigError(f"{name}={value!r} is out of range: use a value from {lo} to {hi}")
+
+
+def _ema_decay(value: Any) -> None:
+    if _number("ema_decay", value) != 0 and not 0 < value < 1:
+        raise ConfigError(f"ema_decay={value!r} is out of range: use a number between 0 and 1 (e.g. 0.999), "
+                          "or 0 to train without an EMA")
 
 
 def _int(name: str, value: Any, lo: int) -> None:

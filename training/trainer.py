@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..memory.ema import CpuEma
 from ..memory.runtime import MemoryRuntime
 from . import distributed
 from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
@@ -27,8 +28,10 @@ from .held_stops import held_stops
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
+from .data.masks import masked_flow_loss
 from .models import adapter_for
-from .optimizer import learning_rate_at, make_optimizer
+from .optimizer import learning_rate_at, make_optimizer, optimizer_class
+from .schedule_free import enter_train_mode, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
@@ -74,6 +77,7 @@ class _Run:
     end: int = 0     # the step this run ends at
     fingerprints: dict | None = None  # model + dataset, for the training state file
     saved_step: int = -1  # the step of the last LoRA + state saved
+    ema: CpuEma | None = None  # the EMA of the LoRA weights, when ema_decay > 0
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -94,6 +98,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     cfg = session.config
     session.dataset.steps_per_epoch(cfg.batch_size)  # fails early, naming batch_size, if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
+    optimizer_class(cfg.optimizer, device)  # a missing optimizer package fails before anything is set up
     adapter = adapter_for(session.model)
     run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps)
     started = time.time()
@@ -115,6 +120,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 optimizer = make_optimizer(list(params.values()), cfg, device)
                 if session.optimizer_state is not None:
                     optimizer.load_state_dict(clone_state(session.optimizer_state))
+                enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
+                run.ema = CpuEma(params, cfg.ema_decay, session.ema_state) if cfg.ema_decay else None
                 try:
                     _loop(session, steps, run, adapter, model, runtime, optimizer, params, save, progress,
                           should_stop)
@@ -132,19 +139,19 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                         torch.cuda.empty_cache()
                     _save_after_failure(session, run, module, save, optimizer)
                     raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
-                optimizer_state = clone_state(optimizer.state_dict())
+                state, optimizer_state = trained_states(module, optimizer)
             stopped_early = run.step < session.step + steps
             if stopped_early or (save is not None and save.every):
                 _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
             elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
                 _save_final_state(session, run, module, save, optimizer)
-            state = lora_state(module)
         finally:
             remove_lora(module)
     return session.advanced(step=run.step, lora_state=state, optimizer_state=optimizer_state,
                             losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
                             saved=session.saved + tuple(path for path, _ in run.saved),
-                            interrupted=run.step < session.step + steps)
+                            interrupted=run.step < session.step + steps,
+                            ema_state=run.ema.state_dict() if run.ema is not None else None)
 
 
 def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
@@ -167,6 +174,8 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
             _update(cfg, run, optimizer, params, scaler, loss)
             optimizer.zero_grad(set_to_none=True)
+            if run.ema is not None:
+                run.ema.update()
             stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
             run.step += 1
             run.losses.append(loss)
@@ -229,9 +238,11 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, sca
     # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
     x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
         noised(latents, noise, t), t, context, pooled, latents, noise))
+    mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
     with runtime.autocast():
         pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
-        loss = flow_matching_loss(pred, latents, noise)
+        loss = flow_matching_loss(pred, latents, noise) if mask is None else \
+            masked_flow_loss(pred, latents, noise, mask.to(dev))
     scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
     return loss.item() * weight / cfg.grad_accumulation
 
@@ -241,7 +252,7 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
     anything holding NaN/inf (NonFiniteDataError: the files of the last good step stay)."""
     if not distributed.current().is_main:
         return  # under torchrun only rank 0 writes
-    lora, optimizer_state = lora_state(module), clone_state(optimizer.state_dict())
+    lora, optimizer_state = trained_states(module, optimizer)
     check_finite(lora | _optimizer_tensors(optimizer_state), f"the training state of step {run.step}",
                  "it was not saved and the files of the last good step stay; lower learning_rate")
     if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
@@ -259,7 +270,8 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
 def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dict, optimizer_state: dict) -> None:
     save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
                lora_state=lora, optimizer_state=optimizer_state, losses=session.losses + tuple(run.losses),
-               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner)
+               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner,
+               ema_state=run.ema.state_dict() if run.ema is not None else None)
 
 
 def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
@@ -268,7 +280,7 @@ def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTar
     if not distributed.current().is_main:
         return
     try:
-        _save_state(session, run, save, lora_state(module), clone_state(optimizer.state_dict()))
+        _save_state(session, run, save, *trained_states(module, optimizer))
     except Exception as e:
         warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
                       f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "

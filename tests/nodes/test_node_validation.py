@@ -98,5 +98,5 @@ def test_an_optimizer_that_cannot_run_here_is_refused_at_queue_time():
     verdict = NODE_CLASS_MAPPINGS["TightropeTrain"].VALIDATE_INPUTS(**_queued("TightropeTrain", device="cpu",
                                                                              optimizer="adamw8bit"))
     assert verdict in ("optimizer='adamw8bit' runs on CUDA only: choose optimizer='adamw' on this device",
-                       "optimizer='adamw8bit' needs bitsandbytes: `pip install bitsandbytes` (CUDA only), or choose "
-                       "optimizer='adamw'")
+                       "optimizer='adamw8bit' needs the bitsandbytes package: `pip install bitsandbytes` into "
+                       "ComfyUI's Python (CUDA only), or choose optimizer='adamw'")

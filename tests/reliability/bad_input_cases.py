@@ -267,4 +267,51 @@ CASES += [
          ("lokr_00001_.safetensors", "(rank=2)", "set rank=4"), lokr_rank_mismatch),
     Case("loha_dropout", "LoHa with dropout", LORA, "LoraError", ("dropout=0.1", "algorithm='loha'", "set dropout=0"),
          lambda c: lora_setup(algorithm="loha", dropout=0.1)),
+# --- feats ---
+# Masks, EMA and optimizers: every one fails before any image is encoded or any step runs.
+import sys  # noqa: E402
+
+
+def mask_folder(ctx, mask: bytes | None = None, mask_mode="mask_files"):
+    folder = ctx.folder(*([("good.mask.png", mask)] if mask is not None else []))
+    TightropeLoadDataset().load(**dataset_inputs(folder), mask=mask_mode)
+
+
+def without_package(ctx, name: str, package: str):
+    real = sys.modules.get(package)
+    sys.modules[package] = None  # `import package` now raises ImportError, as when it is not installed
+    try:
+        train_with(ctx, optimizer=name)
+    finally:
+        if real is None:
+            del sys.modules[package]
+        else:
+            sys.modules[package] = real
+
+
+CASES += [
+    Case("ema_decay_1", "EMA decay 1 (would never move)", TRAIN, "ConfigError", ("ema_decay=1.0", "between 0 and 1"),
+         lambda c: train_with(c, ema_decay=1.0)),
+    Case("ema_decay_negative", "EMA decay < 0", TRAIN, "ConfigError", ("ema_decay=-0.5", "or 0 to train without"),
+         lambda c: train_with(c, ema_decay=-0.5)),
+    Case("optimizer_unknown", "optimizer that does not exist", TRAIN, "ConfigError",
+         ("optimizer='lion'", "choose one of adamw"), lambda c: train_with(c, optimizer="lion")),
+    Case("optimizer_prodigy_missing", "optimizer prodigy without prodigyopt installed", TRAIN, "ConfigError",
+         ("optimizer='prodigy'", "`pip install prodigyopt`"), lambda c: without_package(c, "prodigy", "prodigyopt")),
+    Case("optimizer_schedulefree_missing", "optimizer adamw_schedulefree without schedulefree installed", TRAIN,
+         "ConfigError", ("optimizer='adamw_schedulefree'", "`pip install schedulefree`"),
+         lambda c: without_package(c, "adamw_schedulefree", "schedulefree")),
+    Case("schedulefree_with_cosine", "adamw_schedulefree with a cosine schedule", TRAIN, "ConfigError",
+         ("schedule='cosine'", "set schedule='constant'"),
+         lambda c: train_with(c, optimizer="adamw_schedulefree", schedule="cosine")),
+    Case("mask_file_missing", "mask=mask_files, an image without name.mask.png", DATA, "DatasetError",
+         ("good.mask.png", "or choose mask='none'"), lambda c: mask_folder(c)),
+    Case("mask_file_wrong_size", "mask file of another size than its image", DATA, "DatasetError",
+         ("good.mask.png' is 16x16 but its image", "save the mask at the image's size"),
+         lambda c: mask_folder(c, png(Image.new("L", (16, 16), 255)))),
+    Case("mask_file_black", "mask file that is black everywhere", DATA, "DatasetError",
+         ("good.mask.png' is black everywhere", "whiten the part to train on"),
+         lambda c: mask_folder(c, png(Image.new("L", (32, 32), 0)))),
+    Case("mask_alpha_missing", "mask=alpha, an image without transparency", DATA, "DatasetError",
+         ("good.png", "save them as PNG with transparency"), lambda c: mask_folder(c, mask_mode="alpha")),
 ]

@@ -30,6 +30,7 @@ from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, load_image,
                            no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
+from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 
 # Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
 PREPROCESS_VERSION = "fit-lanczos-center-v1"
@@ -43,6 +44,7 @@ class _Sample:
     shape: tuple[int, ...]
     caption: str
     text: int  # index into the dataset's text store
+    mask: Tensor | Path | None = None  # (1, h, w) loss weights on the latent grid, or the cache file (= latent's)
 
 
 def _sha256(*parts: str | bytes) -> str:
@@ -101,9 +103,10 @@ class TrainingDataset:
     def __init__(self, folder: str | Path, image_encoder: ImageEncoder, text_encoder: TextEncoder, *,
                  max_pixels: int = 512 * 512, multiple: int | None = None, use_repeats: bool = True,
                  caption_dropout: float = 0.0, cache_dir: str | Path | None = None, strict: bool = True,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, mask: str = "none"):
         """multiple: bucket sides are multiples of this; default downscale * 2 (a patch-2 transformer
-        like Flux). use_repeats=False ignores kohya N_name repeat counts."""
+        like Flux). use_repeats=False ignores kohya N_name repeat counts. mask: 'none', 'mask_files' or 'alpha'
+        (training/masks.py): a loss mask per image, cached with its latent."""
         downscale = int(image_encoder.downscale)
         multiple = downscale * 2 if multiple is None else multiple
         if multiple < 1 or multiple % downscale:
@@ -115,6 +118,7 @@ class TrainingDataset:
         self.encoded_captions = self.caption_cache_hits = 0
 
         entries = scan_folder(folder, strict=strict)
+        masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
         captions = sorted({e.caption for e in entries} | {""})
         text_index = self._encode_captions(captions, text_encoder)
         self._empty_text = text_index[""]
@@ -122,13 +126,13 @@ class TrainingDataset:
         samples, repeats, problems, upscaled = [], [], [], []
         for entry in entries:
             try:
-                latent, shape = self._encode_image(entry.path, image_encoder, max_pixels, multiple, max_image_pixels,
-                                                   upscaled)
+                latent, shape, weights = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
+                                                            max_image_pixels, upscaled, masks.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
                 continue
-            samples.append(_Sample(latent, shape, entry.caption, text_index[entry.caption]))
+            samples.append(_Sample(latent, shape, entry.caption, text_index[entry.caption], weights))
             repeats.append(entry.repeats if use_repeats else 1)
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
@@ -222,8 +226,10 @@ class TrainingDataset:
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
-                      upscaled: list[tuple[Path, float]]) -> tuple[Tensor | Path, tuple[int, ...]]:
-        """upscaled: (path, factor) is appended when fitting the image to its bucket enlarges it a lot."""
+                      upscaled: list[tuple[Path, float]], mask: MaskSource | None = None
+                      ) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None]:
+        """(latent, its shape, its loss mask) as tensors or their cache file. upscaled: (path, factor) is appended
+        when fitting the image to its bucket enlarges it a lot."""
         try:
             data = path.read_bytes()
         except OSError as e:
@@ -235,20 +241,27 @@ class TrainingDataset:
             upscaled.append((path, factor))
         key = _sha256(hashlib.sha256(data).hexdigest(), encoder.cache_id, f"{bucket[0]}x{bucket[1]}",
                       PREPROCESS_VERSION)
+        if mask is not None:  # the mask is cached with the latent; without one the key stays as it was
+            key = _sha256(key, mask.cache_key, MASK_VERSION)
         cache_path = self._cache_path("latents", key)
-        shapes = _cached_shapes(cache_path, ("latent",)) if cache_path else None
+        shapes = _cached_shapes(cache_path, ("latent",) if mask is None else ("latent", "mask")) \
+            if cache_path else None
         if shapes:
             self.image_cache_hits += 1
-            return cache_path, shapes["latent"]
+            return cache_path, shapes["latent"], None if mask is None else cache_path
 
         image = fit_to_bucket(load_image(path, data=data, max_pixels=max_image_pixels), bucket)
         with torch.no_grad():
             latent = _cpu(encoder.encode(image_to_tensor(image)[None])[0]).clone()
         self.encoded_images += 1
+        weights = None if mask is None else latent_mask(mask, bucket, int(encoder.downscale), max_image_pixels)
+        if weights is not None and weights.shape[1:] != latent.shape[1:]:
+            raise DatasetError(f"the mask of '{path}' came out {tuple(weights.shape[1:])} but its latent is "
+                               f"{tuple(latent.shape[1:])}: the image encoder's downscale does not match its latents")
         if cache_path:
-            atomic_save_file({"latent": latent}, cache_path)
-            return cache_path, tuple(latent.shape)
-        return latent, tuple(latent.shape)
+            atomic_save_file({"latent": latent} | ({} if weights is None else {"mask": weights}), cache_path)
+            return cache_path, tuple(latent.shape), None if weights is None else cache_path
+        return latent, tuple(latent.shape), weights
 
     def _cache_path(self, kind: str, key: str) -> Path | None:
         # Two-character fan-out keeps directories small for big datasets.
@@ -285,6 +298,11 @@ class TrainingDataset:
     def latent(self, index: int) -> Tensor:
         """The latent of distinct image `index` (0 <= index < num_images)."""
         return _load(self._samples[index].latent, "latent")
+
+    def mask(self, index: int) -> Tensor | None:
+        """The loss mask (1, h, w) of distinct image `index` on its latent grid; None without masks."""
+        mask = self._samples[index].mask
+        return None if mask is None else _load(mask, "mask")
 
     def caption(self, index: int) -> str:
         return self._samples[index].caption
@@ -336,8 +354,9 @@ class TrainingDataset:
 
     def batches(self, batch_size: int, seed: int, start_step: int = 0,
                 shard: tuple[int, int] | None = None) -> Iterator[dict]:
-        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}; one bucket
-        per batch. start_step resumes: step S is the same batch a run from step 0 would see at S.
+        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}, plus "mask"
+        (B,1,h,w) for a dataset with loss masks; one bucket per batch. start_step resumes: step S is the same batch a
+        run from step 0 would see at S.
         shard=(rank, world): each global batch is cut as training/distributed.py says and only this rank's part
         is loaded, with "shard": (lo, hi, global batch size) added; the plan is the unsharded one."""
         if self.caption_dropout > 0 and self._empty_text is None:
@@ -360,13 +379,16 @@ class TrainingDataset:
         return part
 
     def _collate(self, batch: list[tuple[int, bool]]) -> dict:
-        latents, contexts, pooled, captions = [], [], [], []
+        latents, contexts, pooled, captions, masks = [], [], [], [], []
         for item, dropped in batch:
             sample = self._samples[self._items[item]]
             context, vec = self._text(self._empty_text if dropped else sample.text)
-            latents.append(_load(sample.latent, "latent"))
+            stored = _load_cached(sample.latent) if isinstance(sample.latent, Path) else None  # one read for both
+            latents.append(stored["latent"] if stored else sample.latent)
+            if sample.mask is not None:
+                masks.append(stored["mask"] if stored else sample.mask)
             contexts.append(context)
             pooled.append(vec)
             captions.append("" if dropped else sample.caption)
         return {"latents": torch.stack(latents), "context": torch.stack(contexts),
-                "pooled": torch.stack(pooled), "captions": captions}
+                "pooled": torch.stack(pooled), "captions": captions} | ({"mask": torch.stack(masks)} if masks else {})

@@ -30,6 +30,7 @@ _UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".he
 DEFAULT_MAX_IMAGE_PIXELS = 100_000_000
 # Upscaling an image by more than this into its bucket is warned about: it mostly teaches the LoRA blur.
 UPSCALE_WARNING_FACTOR = 2.0
+MASK_SUFFIX = ".mask.png"  # name.mask.png beside name.png (or name.jpg ...) is that image's loss mask
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXIF_ORIENTATION = 0x0112
 
@@ -90,7 +91,8 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
     """Supported images and would-be images in unsupported formats, both sorted, hidden names skipped."""
     images, unsupported = [], []
     for path in sorted(root.rglob("*")):
-        if any(part.startswith(".") for part in path.relative_to(root).parts) or not path.is_file():
+        if any(part.startswith(".") for part in path.relative_to(root).parts) or not path.is_file() \
+                or path.name.lower().endswith(MASK_SUFFIX):  # an image's mask (training/masks.py), not an image
             continue
         suffix = path.suffix.lower()
         if suffix in IMAGE_EXTENSIONS:
@@ -197,23 +199,41 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return image.convert("I").point(lambda v: v / 257).convert("L").convert("RGB")
     if mode == "F":
         return image.point(lambda v: v * 255).convert("L").convert("RGB")  # assumes 0..1 floats
-    has_alpha = mode in ("RGBA", "RGBa", "LA", "La", "PA") or (mode == "P" and "transparency" in image.info)
-    if has_alpha:
+    if _has_alpha(image):
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image if mode == "RGB" else image.convert("RGB")  # covers L, 1, P, CMYK, YCbCr, LAB, HSV
 
 
-def load_image(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode fully, apply EXIF orientation, and convert to RGB. `data` (the file's bytes) avoids a re-read."""
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (image.mode == "P" and "transparency" in image.info)
+
+
+def has_alpha(path: Path, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> bool:
+    """Whether the image has an alpha channel (from its header)."""
+    with _open(path, None, max_pixels) as image:
+        return _has_alpha(image)
+
+
+def load_oriented(path: Path, *, data: bytes | None = None,
+                  max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode fully and apply EXIF orientation, keeping the image's own mode (a mask's alpha or grey levels)."""
     image = _open(path, data, max_pixels)
     try:
         image.load()  # decodes now, so a truncated or corrupt file fails here, not mid-training
         try:
-            image = ImageOps.exif_transpose(image)
+            return ImageOps.exif_transpose(image)
         except Exception:  # a broken EXIF block is not worth losing the image over
-            pass
+            return image
+    except (OSError, SyntaxError, ValueError) as e:
+        raise _unreadable(path, e) from None
+
+
+def load_image(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode fully, apply EXIF orientation, and convert to RGB. `data` (the file's bytes) avoids a re-read."""
+    image = load_oriented(path, data=data, max_pixels=max_pixels)
+    try:
         return to_rgb(image)
     except (OSError, SyntaxError, ValueError) as e:
         raise _unreadable(path, e) from None

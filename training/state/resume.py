@@ -9,6 +9,7 @@ node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimi
 state, losses, stats, saved LoRA paths and fingerprints of the model (family, parameter names + shapes, a sample of
 base weights) and of the dataset. No random state: every draw of a step (data order, noise, timesteps, dropout) is a
 function of (seed, step), so resuming sets no global RNG (files of earlier versions hold `rng.*` tensors, ignored).
+With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class TrainingState:
     lora_state: dict[str, torch.Tensor]
     optimizer_state: dict
     info: dict       # the JSON part
+    ema_state: dict[str, torch.Tensor] | None = None  # the EMA of the LoRA weights (`ema.<peft name>`), if kept
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def model_fingerprint(module: torch.nn.Module, family: str) -> dict:
 
 
 def dataset_fingerprint(dataset: Any) -> str:
-    """Size, buckets, captions and the first and last latent: changes when the training data changes."""
+    """Size, buckets, captions and the first and last latent (and mask): changes when the training data changes."""
     try:
         n = dataset.num_images
         h = hashlib.sha256(repr((len(dataset), n, sorted(dataset.bucket_counts.items()))).encode())
@@ -102,6 +104,9 @@ def dataset_fingerprint(dataset: Any) -> str:
             h.update(dataset.caption(i).encode() + b"\0")
         for i in sorted({0, n - 1}):
             h.update(dataset.latent(i).detach().float().cpu().numpy().tobytes())
+            mask = dataset.mask(i) if hasattr(dataset, "mask") else None  # loss masks (training/masks.py)
+            if mask is not None:
+                h.update(mask.numpy().tobytes())
         return h.hexdigest()
     except (AttributeError, TypeError):  # a dataset type without these views: not checked
         return "unknown"
@@ -123,9 +128,10 @@ def _model_mismatch(saved: dict, now: dict) -> str | None:
 # ------------------------------------------------------------------------------------------------ save / load
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
-               fingerprints: dict, owner: StateOwner | None = None) -> Path:
+               fingerprints: dict, owner: StateOwner | None = None,
+               ema_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
-    tensors = {f"lora.{k}": v for k, v in lora_state.items()}
+    tensors = {f"lora.{k}": v for k, v in lora_state.items()} | {f"ema.{k}": v for k, v in (ema_state or {}).items()}
     scalars: dict[str, dict[str, Any]] = {}
     for index, entry in optimizer_state["state"].items():
         for key, value in entry.items():
@@ -166,8 +172,10 @@ def load_state(path: str | os.PathLike) -> TrainingState:
     groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
               for g in info["optimizer"]["param_groups"]]
     lora = {k[len("lora."):]: t for k, t in tensors.items() if k.startswith("lora.")}
+    ema = {k[len("ema."):]: t for k, t in tensors.items() if k.startswith("ema.")}
     result = TrainingState(step=info["step"], run_start=info["run_start"], run_end=info["run_end"], lora_state=lora,
-                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info)
+                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info,
+                           ema_state=ema or None)
     return result
 
 
@@ -210,7 +218,8 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     resumed = session.advanced(
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
-        strategy=Strategy.from_dict(info["strategy"]))  # a node given a strategy input resolves it again to train on
+        strategy=Strategy.from_dict(info["strategy"]),  # a node given a strategy input resolves it again to train on
+        ema_state=state.ema_state)
     return resumed, state
 
 

@@ -1,0 +1,99 @@
+"""EMA of the LoRA weights: equals a hand-computed EMA, carries over continued sessions, and the Save node writes it
+as a second ComfyUI LoRA file ending in _ema. (Resume restoring it bit for bit: test_optimizers.py.)"""
+import dataclasses
+
+import pytest
+import torch
+from demo_setup import demo_session
+
+from tightrope.memory.ema import CpuEma
+from tightrope.nodes import host
+from tightrope.nodes.save_node import TightropeSaveLora
+from tightrope.training.lora.files import lora_file_tensors, read_lora_file
+from tightrope.training.train_config import ConfigError, TrainConfig
+from tightrope.training.trainer import train
+
+CPU = torch.device("cpu")
+DECAY = 0.75
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    """A session one step in (no EMA), then 3 steps with the EMA: one step per call and in one call."""
+    start = train(demo_session(tmp_path_factory.mktemp("ema")), 1, device=CPU)
+    start = start.advanced(config=dataclasses.replace(start.config, ema_decay=DECAY))
+    steps = [start]
+    for _ in range(3):
+        steps.append(train(steps[-1], 1, device=CPU))
+    return steps, train(start, 3, device=CPU)
+
+
+def test_ema_equals_a_hand_computed_ema(ema_run):
+    steps, whole = ema_run
+    hand = {k: v.double() for k, v in steps[0].lora_state.items()}  # the EMA starts at the weights it starts from
+    for s in steps[1:]:
+        hand = {k: DECAY * hand[k] + (1 - DECAY) * s.lora_state[k].double() for k in hand}
+    biggest = max(v.abs().max().item() for v in hand.values())
+    # each of the 3 fp32 updates rounds once or twice (a lerp) by at most 2**-24 of the largest value, and earlier
+    # rounding errors only shrink (multiplied by DECAY < 1): 2 * 3 * 2**-24 * biggest bounds the difference
+    atol = 6 * 2**-24 * biggest
+    assert whole.ema_state.keys() == hand.keys()
+    for k, v in hand.items():
+        assert whole.ema_state[k].dtype == torch.float32
+        torch.testing.assert_close(whole.ema_state[k].double(), v, rtol=0, atol=atol)
+    assert any(not torch.equal(whole.ema_state[k], whole.lora_state[k]) for k in hand)  # it is not the weights
+    # continued sessions carry the EMA: one step per node run gives the one-call EMA, bit for bit
+    assert all(torch.equal(steps[-1].ema_state[k], v) for k, v in whole.ema_state.items())
+
+
+def test_save_node_writes_the_ema_as_a_second_comfyui_lora_file(ema_run, tmp_path):
+    _, whole = ema_run
+    host.set_headless_output_dir(tmp_path)
+    try:
+        paths = TightropeSaveLora().save(whole, "ema_test/run")["ui"]["text"]
+        only_lora = TightropeSaveLora().save(whole, "ema_test/no_ema", save_ema=False)["ui"]["text"]
+    finally:
+        host._headless_output = None
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["run_00001_.safetensors", "run_ema_00001_.safetensors"]
+    assert len(only_lora) == 1
+    normal, _ = read_lora_file(paths[0])
+    ema, meta = read_lora_file(paths[1])
+    assert ema.keys() == normal.keys()  # the same ComfyUI keys (lora_A/B + alpha), from the same writer
+    expected = lora_file_tensors(whole.ema_state, whole.lora)
+    assert all(torch.equal(ema[k], v) for k, v in expected.items())
+    assert meta["tightrope.ema_decay"] == repr(DECAY) and meta["tightrope.steps"] == "4"
+
+
+def test_a_session_without_ema_saves_one_file(tmp_path):
+    session = train(demo_session(tmp_path), 1, device=CPU)
+    assert session.ema_state is None
+    host.set_headless_output_dir(tmp_path / "out")
+    try:
+        assert len(TightropeSaveLora().save(session, "one")["ui"]["text"]) == 1
+    finally:
+        host._headless_output = None
+
+
+@pytest.mark.parametrize("decay", [1.0, -0.1, 1.5, float("nan")])
+def test_ema_decay_outside_0_1_is_a_config_error(decay):
+    with pytest.raises(ConfigError, match=rf"ema_decay={decay!r} (is out of range: use a number between 0 and 1|is "
+                                          "not a finite number)"):
+        TrainConfig(ema_decay=decay)
+
+
+def test_cpu_ema_refuses_a_state_of_other_weights():
+    params = {"a": torch.nn.Parameter(torch.zeros(2, 3))}
+    with pytest.raises(ValueError, match="the EMA state of 'a' has shape \\(3, 2\\)"):
+        CpuEma(params, 0.9, {"a": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="does not match the trained weights.*another LoRA setup"):
+        CpuEma(params, 0.9, {"b": torch.zeros(2, 3)})
+
+
+def test_new_inputs_come_last_with_tooltips_so_saved_workflows_keep_loading():
+    from tightrope.nodes.dataset_nodes import TightropeLoadDataset
+    from tightrope.nodes.train_node import TightropeTrain
+    for node, name, default in ((TightropeTrain, "ema_decay", 0.0), (TightropeLoadDataset, "mask", "none"),
+                                (TightropeSaveLora, "save_ema", True)):
+        optional = node.INPUT_TYPES()["optional"]
+        assert list(optional)[-1] == name  # optional widgets after all others: old widgets_values lists still fit
+        assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]

@@ -1,0 +1,123 @@
+"""Optimizers: each one steps, and a run interrupted at step k and resumed from its state file equals the
+uninterrupted run bit for bit (CPU fp32); schedule-free's two weight sets; missing packages fail before training."""
+import sys
+
+import pytest
+import torch
+from demo_setup import demo_session
+
+from tightrope.nodes.train_node import TightropeTrain
+from tightrope.training.optimizer import CHOICES, optimizer_class
+from tightrope.training.state.resume import load_state, resume_session, state_path
+from tightrope.training.schedule_free import TRAIN_WEIGHTS, eval_weights, trained_states
+from tightrope.training.train_config import OPTIMIZERS, ConfigError, TrainConfig
+from tightrope.training.trainer import SaveTarget, train
+
+CPU = torch.device("cpu")
+# learning rates each optimizer is used with (Prodigy scales its own step size by lr: 1.0 is its normal value)
+CPU_OPTIMIZERS = {"adamw": 1e-3, "adafactor": 1e-2, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
+
+
+def _needs(name):
+    package = CHOICES[name].package
+    if package:
+        pytest.importorskip(package, reason=f"optimizer {name!r} needs `pip install {package}` (not installed here)")
+
+
+def _stop_at(step):
+    def progress(done, total, loss):
+        if done == step:
+            raise KeyboardInterrupt
+    return progress
+
+
+def test_every_optimizer_has_a_class_entry():
+    assert set(CHOICES) == set(OPTIMIZERS)
+
+
+@pytest.mark.parametrize("name", CPU_OPTIMIZERS)
+def test_optimizer_steps_and_resumes_exactly(name, tmp_path):
+    _needs(name)
+    session = demo_session(tmp_path, optimizer=name, learning_rate=CPU_OPTIMIZERS[name], ema_decay=0.5)
+    whole = train(session, 3, device=CPU)
+    assert whole.lora_state.keys() and any(not torch.equal(v, torch.zeros_like(v)) for k, v in
+                                           whole.lora_state.items() if ".lora_B." in k)  # it stepped (B starts at 0)
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 3, device=CPU, save=save, progress=_stop_at(2))  # (schedule-free: after 1 step x == y)
+    path = state_path(save.folder, save.filename_prefix)
+    assert load_state(path)[0].step == 2
+    resumed, state = resume_session(path, session)
+    done = train(resumed, 1, device=CPU, run_start=state.run_start)
+    assert done.losses == whole.losses
+    for mine, theirs in ((done.lora_state, whole.lora_state), (done.ema_state, whole.ema_state)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], v) for k, v in theirs.items())
+    for i, entry in whole.optimizer_state["state"].items():
+        for key, value in entry.items():
+            same = torch.equal(done.optimizer_state["state"][i][key], value) if isinstance(value, torch.Tensor) \
+                else done.optimizer_state["state"][i][key] == value
+            assert same, (i, key)
+    assert done.optimizer_state["param_groups"] == whole.optimizer_state["param_groups"]
+
+
+def test_schedule_free_sessions_hold_its_eval_weights(tmp_path):
+    schedulefree = pytest.importorskip("schedulefree", reason="needs `pip install schedulefree` (not installed here)")
+    result = train(demo_session(tmp_path, optimizer="adamw_schedulefree"), 2, device=CPU)
+    # rebuild the optimizer at its train weights y and let the library itself compute the eval weights x
+    names = list(result.lora_state)
+    params = [torch.nn.Parameter(result.optimizer_state["state"][i][TRAIN_WEIGHTS].clone()) for i in range(len(names))]
+    opt = schedulefree.AdamWScheduleFree(params, lr=1e-3)
+    opt.load_state_dict(result.optimizer_state)
+    for p in params:
+        p.data.copy_(opt.state[p].pop(TRAIN_WEIGHTS))
+    assert opt.param_groups[0]["train_mode"]
+    opt.eval()
+    assert all(torch.equal(result.lora_state[n], p.detach()) for n, p in zip(names, params))
+    assert not all(torch.equal(result.lora_state[n], result.optimizer_state["state"][i][TRAIN_WEIGHTS])
+                   for i, n in enumerate(names))  # x and y differ: the session does not hold the train weights
+
+
+def test_eval_weights_restores_the_exact_train_weights_even_on_error():
+    schedulefree = pytest.importorskip("schedulefree", reason="needs `pip install schedulefree` (not installed here)")
+    p = torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))
+    opt = schedulefree.AdamWScheduleFree([p], lr=0.1)
+    opt.train()
+    for _ in range(3):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    y = p.detach().clone()
+    with pytest.raises(RuntimeError, match="mid-save"), eval_weights(opt):
+        assert not torch.equal(p, y)  # the eval weights inside
+        raise RuntimeError("mid-save")
+    assert torch.equal(p, y) and opt.param_groups[0]["train_mode"]  # bit for bit, train mode again
+    module = torch.nn.Module()
+    module.w = p
+    _, state = trained_states(module, opt)  # plain modules have no LoRA layers: only the optimizer part matters
+    assert torch.equal(state["state"][0][TRAIN_WEIGHTS], y) and torch.equal(p, y)
+
+
+@pytest.mark.parametrize("name", ["prodigy", "adamw_schedulefree", "adamw8bit"])
+def test_a_missing_package_is_a_one_line_install_hint_before_training(name, tmp_path, monkeypatch):
+    package = CHOICES[name].package
+    monkeypatch.setitem(sys.modules, CHOICES[name].module, None)  # `import` now raises ImportError
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(ConfigError, match=rf"optimizer='{name}' needs the {package} package: `pip install "
+                                          rf"{package}`.*or choose optimizer='adamw'"):
+        optimizer_class(name, CPU)
+    problem = TightropeTrain.VALIDATE_INPUTS(optimizer=name, device="cpu")
+    assert f"pip install {package}" in problem and "\n" not in problem
+    session = demo_session(tmp_path, optimizer=name)
+    with pytest.raises(ConfigError, match=f"pip install {package}"):
+        train(session, 1, device=CPU, save=SaveTarget(tmp_path / "out", "run"))
+    assert not (tmp_path / "out").exists()  # nothing ran: no LoRA, no state file
+
+
+def test_unknown_optimizer_and_schedule_free_with_a_schedule_are_config_errors():
+    with pytest.raises(ConfigError, match="optimizer='lion' is not supported: choose one of adamw, adamw8bit"):
+        TrainConfig(optimizer="lion")
+    with pytest.raises(ConfigError, match="optimizer='lion' is not supported"):
+        optimizer_class("lion", CPU)
+    with pytest.raises(ConfigError, match="replaces the learning-rate schedule.*set schedule='constant'"):
+        TrainConfig(optimizer="adamw_schedulefree", schedule="cosine")
+    assert "set schedule='constant'" in TightropeTrain.VALIDATE_INPUTS(optimizer="adamw_schedulefree",
+                                                                         schedule="cosine")

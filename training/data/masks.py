@@ -1,0 +1,107 @@
+"""Masked loss: a per-image weight map (white = train, black = ignore) that weights the loss on the latent grid.
+
+A mask comes from `name.mask.png` beside `name.png` (mask='mask_files') or from the image's own alpha channel
+(mask='alpha'). It goes through exactly the image's geometry (EXIF orientation, then ImageOps.fit's scale-to-cover
+and centre crop to the bucket), then is area-averaged to the latent grid: a latent cell stands for a
+downscale x downscale patch of pixels, so its weight is the fraction of that patch the mask keeps. Area averaging
+keeps the mask's mass (half a cell masked weighs half), never rings (a Lanczos mask would go below 0 or above 1
+at edges) and never flips a cell on or off the way nearest-neighbour sampling would. The loss grid is the latent
+grid, not the transformer's coarser patch grid: the loss is a mean over latent elements, so that is the finest
+resolution a weight can act on.
+
+A missing mask, one of the wrong size and an image without alpha (mask='alpha') are found from file headers before
+any image is encoded, and always raised, whatever `strict` says: training on without them would silently train on
+what the user chose to leave out. A mask that is black everywhere is found when it is read, and is treated like a
+bad image (raised, or skipped with a warning when strict=False).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+from torch import Tensor
+
+from .image_folder import MASK_SUFFIX, DatasetError, ImageEntry, has_alpha, load_oriented, read_image_size
+
+MASK_SOURCES = ("none", "mask_files", "alpha")
+MASK_VERSION = "box-fit-area-v1"  # bump when the mask preprocessing changes, so cached masks stop matching
+_SHOWN = 3  # files named in one error
+
+
+@dataclass(frozen=True)
+class MaskSource:
+    path: Path      # the file the mask is read from: the mask file, or the image itself (alpha)
+    alpha: bool     # read the alpha channel (else the grey levels)
+    cache_key: str  # what determines the mask besides the image: the mask file's bytes, or "alpha"
+
+
+def mask_path(image: Path) -> Path:
+    """Where mask='mask_files' looks for the mask of `image`: name.mask.png beside it (for any image format)."""
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def find_masks(entries: list[ImageEntry], source: str, max_pixels: int) -> dict[Path, MaskSource]:
+    """Each image's mask source (empty for 'none'), checked from file headers; DatasetError naming the files."""
+    if source not in MASK_SOURCES:
+        raise DatasetError(f"mask={source!r} is not supported: choose one of {', '.join(MASK_SOURCES)}")
+    if source == "none":
+        return {}
+    if source == "alpha":
+        opaque = [e.path for e in entries if not has_alpha(e.path, max_pixels=max_pixels)]
+        if opaque:
+            raise DatasetError(f"mask='alpha' but {len(opaque)} of {len(entries)} images have no alpha channel "
+                               f"({_names(opaque)}): save them as PNG with transparency (transparent = not trained), "
+                               "or choose mask='mask_files' or 'none'")
+        return {e.path: MaskSource(e.path, True, "alpha") for e in entries}
+    missing = [mask_path(e.path) for e in entries if not mask_path(e.path).is_file()]
+    if missing:
+        raise DatasetError(f"mask='mask_files' but {len(missing)} of {len(entries)} images have no mask file "
+                           f"({_names(missing)}): put a greyscale name.mask.png (white = train, black = ignore) of "
+                           "the image's size beside each image, or choose mask='none'")
+    found = {}
+    for e in entries:
+        path = mask_path(e.path)
+        size, image_size = read_image_size(path, max_pixels=max_pixels), read_image_size(e.path, max_pixels=max_pixels)
+        if size != image_size:
+            raise DatasetError(f"mask file '{path}' is {size[0]}x{size[1]} but its image '{e.path}' is "
+                               f"{image_size[0]}x{image_size[1]}: save the mask at the image's size")
+        found[e.path] = MaskSource(path, False, hashlib.sha256(path.read_bytes()).hexdigest())
+    return found
+
+
+def _names(paths: list[Path]) -> str:
+    more = f" and {len(paths) - _SHOWN} more" if len(paths) > _SHOWN else ""
+    return ", ".join(f"'{p}'" for p in paths[:_SHOWN]) + more
+
+
+def latent_mask(source: MaskSource, bucket: tuple[int, int], downscale: int, max_pixels: int) -> Tensor:
+    """The (1, h, w) fp32 weights in [0, 1] on the latent grid of an image fitted to `bucket` (width, height)."""
+    image = load_oriented(source.path, max_pixels=max_pixels)
+    grey = image.convert("RGBA").getchannel("A") if source.alpha else image.convert("L")
+    weights = grey.convert("F").point(lambda v: v / 255.0)
+    if weights.size != tuple(bucket):  # the image's geometry (buckets.fit_to_bucket), with an area filter
+        weights = ImageOps.fit(weights, tuple(bucket), method=Image.Resampling.BOX, centering=(0.5, 0.5))
+    w, h = weights.size
+    pixels = torch.frombuffer(bytearray(weights.tobytes()), dtype=torch.float32).view(1, 1, h, w)
+    mask = F.avg_pool2d(pixels.clamp(0.0, 1.0), downscale)[0]
+    if not mask.sum() > 0:
+        raise DatasetError(f"the mask of '{source.path}' is black everywhere: nothing of this image would be "
+                           "trained; whiten the part to train on, or remove the image")
+    return mask
+
+
+def masked_mean(elementwise: Tensor, mask: Tensor) -> Tensor:
+    """The mask-weighted mean of a (B, C, h, w) loss: sum(mask * loss) / (C * sum(mask)). A fully white mask gives
+    the plain mean; masked-out elements contribute exactly nothing, to the loss or its gradient. Weights are
+    normalised by the kept area so a small mask does not shrink the learning rate."""
+    mask = mask.to(elementwise.dtype)
+    return (elementwise * mask).sum() / (mask.sum() * elementwise.shape[1])
+
+
+def masked_flow_loss(prediction: Tensor, latents: Tensor, noise: Tensor, mask: Tensor) -> Tensor:
+    """flow_loss.flow_matching_loss (the velocity's squared error, fp32) weighted by the mask."""
+    return masked_mean(F.mse_loss(prediction.float(), (noise - latents).float(), reduction="none"), mask)

@@ -1,0 +1,74 @@
+"""Schedule-free optimizers' two sets of weights, kept apart exactly.
+
+A schedule-free optimizer (`schedulefree.AdamWScheduleFree`) trains at interpolated weights y ("train mode") but
+its result is the averaged weights x ("eval mode"); `optimizer.eval()` / `.train()` move the parameters between
+the two with a lerp that is not bit-exact both ways. So:
+- whatever leaves the step loop (a saved LoRA file, a session's LoRA for previews and the Save node, validation)
+  reads x under `eval_weights`, which puts back the exact y afterwards, in `finally`;
+- the y weights travel in the optimizer state (`TRAIN_WEIGHTS`, per parameter; the training state file stores it
+  like any optimizer tensor), and `enter_train_mode` restores them after the state is loaded, so a resumed or
+  continued run goes on from exactly the weights an uninterrupted one has.
+Every other optimizer passes through these functions untouched.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .lora.layers import lora_state
+from .session import clone_state
+
+TRAIN_WEIGHTS = "tightrope_train_weights"
+
+
+def is_schedule_free(optimizer: torch.optim.Optimizer) -> bool:
+    return callable(getattr(optimizer, "eval", None)) and "train_mode" in optimizer.param_groups[0]
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@torch.no_grad()
+def enter_train_mode(optimizer: torch.optim.Optimizer) -> None:
+    """Before the first step (after loading a state): train mode, with the exact y weights a saved state holds."""
+    if not is_schedule_free(optimizer):
+        return
+    optimizer.train()  # sets the mode (and moves x towards y, approximately: overwritten below when y was kept)
+    for p in _params(optimizer):
+        y = optimizer.state.get(p, {}).pop(TRAIN_WEIGHTS, None)
+        if y is not None:
+            p.copy_(y)
+
+
+@contextmanager
+def eval_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The parameters hold the weights to save or evaluate (x) inside; the exact train weights again after."""
+    if not is_schedule_free(optimizer):
+        yield
+        return
+    params = _params(optimizer)
+    with torch.no_grad():
+        kept = [p.detach().clone() for p in params]
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
+        with torch.no_grad():
+            for p, y in zip(params, kept):
+                p.copy_(y)
+
+
+def trained_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(the LoRA to save and preview, the optimizer state to go on from), as CPU copies."""
+    optimizer_state = clone_state(optimizer.state_dict())
+    if not is_schedule_free(optimizer):
+        return lora_state(module), optimizer_state
+    for index, p in enumerate(_params(optimizer)):  # state_dict numbers the parameters in this order
+        optimizer_state["state"].setdefault(index, {})[TRAIN_WEIGHTS] = p.detach().to("cpu", copy=True)
+    with eval_weights(optimizer):
+        return lora_state(module), optimizer_state
