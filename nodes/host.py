@@ -12,6 +12,7 @@ from typing import Callable
 _headless_output: Path | None = None
 _headless_run_dir: Path | None = None
 _resume = False
+_log_dir: Path | None = None
 
 
 def set_headless_output_dir(path: str | Path) -> None:
@@ -47,6 +48,20 @@ def set_resume(flag: bool) -> None:
 
 def resume_requested() -> bool:
     return _resume
+
+
+def set_log_dir(path: str | Path | None) -> None:
+    """`tightrope run --log-dir`: TensorBoard's folder for Train nodes whose own log_dir is empty."""
+    global _log_dir
+    _log_dir = Path(path).absolute() if path else None
+
+
+def tensorboard_dir(node_log_dir: str) -> Path | None:
+    """Where a Train node writes TensorBoard scalars: its log_dir (relative to the output folder), else the run's
+    --log-dir, else nowhere (None)."""
+    if node_log_dir:
+        return output_dir() / node_log_dir
+    return _log_dir
 
 
 def in_comfyui() -> bool:

@@ -7,7 +7,7 @@ It holds tensors under `lora.<peft name>`, `optimizer.<index>.<key>` and `rng.*`
 metadata key `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of
 the session the node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups
 and non-tensor state, losses, stats, saved LoRA paths, RNG states (Python, NumPy) and fingerprints of the model
-(family, parameter names + shapes, a sample of base weights) and of the dataset.
+(family, parameter names + shapes, a sample of base weights) and of the dataset, and the validation losses.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def restore_rng(state: TrainingState, tensors: dict[str, torch.Tensor]) -> None:
 # ------------------------------------------------------------------------------------------------ save / load
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
-               fingerprints: dict, owner: StateOwner | None = None) -> Path:
+               fingerprints: dict, owner: StateOwner | None = None, validation=()) -> Path:
     """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
     tensors = {f"lora.{k}": v for k, v in lora_state.items()}
     scalars: dict[str, dict[str, Any]] = {}
@@ -167,6 +167,7 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
             "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
             "losses": list(losses), "stats": list(stats), "saved": list(saved), "rng": rng_info, **fingerprints,
+            "validation": [list(p) for p in validation],
             "owner": None if owner is None else asdict(owner),
             "layout": distributed.resume_fields(session.config.batch_size)}
     return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
@@ -241,7 +242,8 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     resumed = session.advanced(
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
-        strategy=Strategy.from_dict(info["strategy"]))  # a node given a strategy input resolves it again to train on
+        strategy=Strategy.from_dict(info["strategy"]),  # a node given a strategy input resolves it again to train on
+        validation_losses=tuple((step, loss) for step, loss in info.get("validation", ())))
     return resumed, state
 
 

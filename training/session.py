@@ -30,6 +30,8 @@ class TrainingSession:
     stats: tuple[dict, ...] = ()
     saved: tuple[str, ...] = ()     # LoRA files written by this session, oldest first
     interrupted: bool = False
+    validation_dataset: Any = None  # a second dataset scored for the validation loss (else config.validation_fraction)
+    validation_losses: tuple[tuple[int, float], ...] = ()  # (step, validation loss), oldest first
 
     def advanced(self, **changes: Any) -> "TrainingSession":
         return dataclasses.replace(self, **changes)

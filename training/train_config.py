@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .flow_loss import LOSSES
 from .timesteps import SAMPLINGS
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -43,6 +44,15 @@ class TrainConfig:
     """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
     on_nonfinite: str = "stop"
     """A NaN/inf loss 'stop's the run (the last good LoRA is kept) or 'skip's that step."""
+    loss: str = "mse"
+    """'mse', 'huber' (quadratic below huber_delta, linear above) or 'l1' distance to the flow-matching target."""
+    huber_delta: float = 1.0
+    """Where the Huber loss turns from quadratic to linear (loss='huber' only)."""
+    validation_fraction: float = 0.0
+    """Fraction of the dataset's images held out of training for the validation loss (0: none held out); the split
+    is drawn from the seed."""
+    validation_every: int = 100
+    """Validation loss every N steps (and at the run's first and last step) when there is a validation set."""
 
     def __post_init__(self) -> None:
         _positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
@@ -59,6 +69,12 @@ class TrainConfig:
         _positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
         _range("guidance", self.guidance, 0.0, 100.0)
         _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        _choice("loss", self.loss, LOSSES)
+        _positive("huber_delta", self.huber_delta, "e.g. 1.0; smaller treats more errors as outliers")
+        if not 0.0 <= _number("validation_fraction", self.validation_fraction) < 1.0:
+            raise ConfigError(f"validation_fraction={self.validation_fraction!r} is out of range: hold out a fraction "
+                              "above 0 and below 1 of the images (e.g. 0.1), or 0 for no held-out set")
+        _int("validation_every", self.validation_every, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,7 +15,8 @@ def fake_cli(monkeypatch, mappings):
     host_calls = []
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
     monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
-    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: host_calls.append((output_dir, resume)))
+    monkeypatch.setattr(cli, "configure_host",
+                        lambda output_dir, resume, log_dir=None: host_calls.append((output_dir, resume, log_dir)))
     return host_calls
 
 
@@ -28,7 +29,7 @@ def _write(tmp_path, workflow, name="w.json"):
 def test_run_succeeds_and_prints_the_output_nodes(tmp_path, ui_workflow, fake_cli, capsys):
     out_dir = tmp_path / "out"
     assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--resume"]) == 0
-    assert fake_cli == [(str(out_dir), True)] and out_dir.is_dir()
+    assert fake_cli == [(str(out_dir), True, None)] and out_dir.is_dir()
     captured = capsys.readouterr()
     assert "node 3 'Record':\n  text: sum=12" in captured.out and "text: size=4" in captured.out
     assert "ran 6 node(s)" in captured.out
@@ -71,7 +72,7 @@ def _failing_graph(tmp_path, mappings, error: Exception) -> str:
 
 def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
     from tightrope.training.image_folder import DatasetError
-    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume: None)
+    monkeypatch.setattr(cli, "configure_host", lambda output_dir, resume, log_dir=None: None)
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
     assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
