@@ -44,9 +44,6 @@ def split_for_validation(session: Any) -> tuple[Any, Any | None]:
     if held_out < 1:
         raise DatasetError(f"validation_fraction={cfg.validation_fraction} of {n} images holds out 0 images: raise it "
                            f"to at least {1 / n:.3g} (1 image), or connect a validation_dataset")
-    if held_out >= n:
-        raise DatasetError(f"validation_fraction={cfg.validation_fraction} of {n} images leaves none to train on: "
-                           "lower it, or connect a validation_dataset")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(_stream_seed(cfg.seed, "split"))).tolist()
     return dataset.subset(sorted(order[held_out:])), dataset.subset(sorted(order[:held_out]))
 
