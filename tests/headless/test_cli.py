@@ -36,6 +36,13 @@ def test_run_succeeds_and_prints_the_output_nodes(tmp_path, ui_workflow, fake_cl
     assert "[1/6] node 1 'Constant'" in captured.err  # progress goes to stderr
 
 
+def test_log_dir_reaches_the_nodes(tmp_path, ui_workflow, fake_cli):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: --log-dir is refused (test_tensorboard_log)")
+    out_dir = tmp_path / "out"
+    assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--log-dir", "tb"]) == 0
+    assert fake_cli == [(str(out_dir), False, "tb")]
+
+
 def test_workflow_error_exits_2_with_a_message_and_no_traceback(tmp_path, fake_cli, capsys):
     path = _write(tmp_path, {"7": {"class_type": "KSampler", "inputs": {}}})
     assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 2
