@@ -34,8 +34,6 @@ def split_for_validation(session: Any) -> tuple[Any, Any | None]:
                           "hold out part of the dataset or validate on the second dataset, not both (set "
                           "validation_fraction to 0 or disconnect validation_dataset)")
     if second is not None:
-        if second.num_images < 1:
-            raise DatasetError("the validation_dataset has no images: give it a folder with images, or disconnect it")
         return dataset, second
     if cfg.validation_fraction == 0:
         return dataset, None

@@ -413,3 +413,39 @@ def fake_comfyui(folder, version: str):
         (folder / name).write_text("")
     (folder / "comfyui_version.py").write_text(f'__version__ = "{version}"\n')
     return folder
+
+
+# --- valid ---
+def tensorboard_missing(ctx):
+    import sys
+    saved = sys.modules.get("torch.utils.tensorboard")
+    sys.modules["torch.utils.tensorboard"] = None  # `import torch.utils.tensorboard` fails, as without the package
+    try:
+        train_with(ctx, log_dir="tb")
+    finally:
+        if saved is None:
+            del sys.modules["torch.utils.tensorboard"]
+        else:
+            sys.modules["torch.utils.tensorboard"] = saved
+
+
+CASES += [
+    Case("validation_fraction_1", "validation fraction 1", TRAIN, "ConfigError",
+         ("validation_fraction=1.0", "above 0 and below 1"), lambda c: train_with(c, validation_fraction=1.0)),
+    Case("validation_fraction_negative", "validation fraction < 0", TRAIN, "ConfigError",
+         ("validation_fraction=-0.2", "above 0 and below 1"), lambda c: train_with(c, validation_fraction=-0.2)),
+    Case("validation_holds_out_nothing", "validation fraction that holds out no image", TRAIN, "DatasetError",
+         ("validation_fraction=0.1 of 4 images holds out 0 images", "raise it to at least 0.25"),
+         lambda c: train_with(c, validation_fraction=0.1)),
+    Case("validation_every_0", "validation every 0 steps", TRAIN, "ConfigError",
+         ("validation_every=0", ">= 1"), lambda c: train_with(c, validation_every=0)),
+    Case("validation_fraction_and_dataset", "validation fraction and a validation dataset", TRAIN, "ConfigError",
+         ("validation_fraction=0.5 and a validation_dataset", "set validation_fraction to 0"),
+         lambda c: train_with(c, validation_fraction=0.5, validation_dataset=load_dataset())),
+    Case("huber_delta_0", "Huber delta 0", TRAIN, "ConfigError", ("huber_delta=0.0", "greater than 0"),
+         lambda c: train_with(c, loss="huber", huber_delta=0.0)),
+    Case("huber_delta_negative", "Huber delta < 0", TRAIN, "ConfigError", ("huber_delta=-1.0", "greater than 0"),
+         lambda c: train_with(c, loss="huber", huber_delta=-1.0)),
+    Case("tensorboard_missing", "log_dir without tensorboard installed", TRAIN, "ConfigError",
+         ("log_dir='<output>/tb'", "pip install tensorboard", "leave log_dir empty"), tensorboard_missing),
+]
