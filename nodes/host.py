@@ -95,7 +95,8 @@ def state_dir() -> Path:
 def notify(message: str) -> None:
     """A one-line note for the user (ComfyUI's console, or stderr headless); torchrun ranks other than 0 stay quiet."""
     if is_main():
-        print(f"tightrope: {message}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"tightrope: {message}", file=sys.stderr)  # on a line of its own, above a running progress bar
 
 
 def preview_dir() -> tuple[Path, str]:
