@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .flow_loss import flow_matching_loss, noised
 from .image_folder import DatasetError
 from .timesteps import sample_timesteps
@@ -47,7 +48,8 @@ def split_for_validation(session: Any) -> tuple[Any, Any | None]:
 
 
 class Validation:
-    """Scores the LoRA on a validation set; `history` holds the (step, loss) pairs scored in this run."""
+    """Scores the LoRA on a validation set. Under torchrun every rank scores every image (the same numbers), in
+    batches no larger than a rank's part of a training batch."""
 
     def __init__(self, dataset: Any, config: TrainConfig, *, run_start: int, run_end: int,
                  recorded: tuple[tuple[int, float], ...] = ()):
@@ -59,7 +61,7 @@ class Validation:
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i in range(dataset.num_images):
             by_shape.setdefault(tuple(dataset.latent(i).shape), []).append(i)
-        size = config.batch_size
+        size = -(-config.batch_size // distributed.current().world_size)  # a rank's part of a training batch
         self.batches = [images[k:k + size] for _, images in sorted(by_shape.items())
                         for k in range(0, len(images), size)]
 

@@ -37,7 +37,7 @@ def test_run_succeeds_and_prints_the_output_nodes(tmp_path, ui_workflow, fake_cl
 
 
 def test_log_dir_reaches_the_nodes(tmp_path, ui_workflow, fake_cli):
-    pytest.importorskip("tensorboard", reason="tensorboard is not installed: --log-dir is refused (test_tensorboard_log)")
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: --log-dir is refused, as tested elsewhere")
     out_dir = tmp_path / "out"
     assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--log-dir", "tb"]) == 0
     assert fake_cli == [(str(out_dir), False, "tb")]

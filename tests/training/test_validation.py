@@ -162,7 +162,8 @@ def test_the_report_and_the_loss_plot_show_the_validation_loss(tmp_path):
     validation_colour = tuple(int(PALETTE[2][k:k + 2], 16) for k in (1, 3, 5))  # the third series' colour
     colours = {c for _, c in loss_chart(session).getcolors(1 << 16)}
     assert validation_colour in colours
-    assert validation_colour not in {c for _, c in loss_chart(session.advanced(validation_losses=())).getcolors(1 << 16)}
+    without = loss_chart(session.advanced(validation_losses=()))
+    assert validation_colour not in {c for _, c in without.getcolors(1 << 16)}
     assert "validation" not in report(session.advanced(validation_losses=()), 2)
 
 
