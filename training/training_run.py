@@ -100,8 +100,9 @@ def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
     if stats:
         lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
                      f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
-    if validation_report_line(session.validation_losses):
-        lines.append(validation_report_line(session.validation_losses))
+    validation = validation_report_line(session.validation_losses)
+    if validation:
+        lines.append(validation)
     if session.last_saved:
         lines.append(f"saved: {session.last_saved}")
     if explanation:
