@@ -1,6 +1,7 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
     tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug] [--comfyui DIR] [--models-dir DIR]
+                                [--log-dir DIR]
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
     return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp,
-                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir)
+                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir, log_dir=args.log_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,19 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
                      "run with the python ComfyUI runs in")
     run.add_argument("--models-dir", metavar="DIR", help="with ComfyUI: also look for model files in DIR, laid "
                      "out like ComfyUI's models/ folder (diffusion_models/, text_encoders/, vae/, loras/ ...)")
+    run.add_argument("--log-dir", metavar="DIR", help="write TensorBoard scalars (loss, validation loss, learning "
+                     "rate, peak VRAM, H2D GB/s) of every Train node whose own log_dir is empty to DIR (needs "
+                     "`pip install tensorboard`)")
     commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
     return parser
 
 
 def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False,
-                comfyui: str | None = None, models_dir: str | None = None) -> int:
+                comfyui: str | None = None, models_dir: str | None = None, log_dir: str | None = None) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
     from .headless.stop_signals import polite_stops, report_stop
     from .training.distributed import DistributedError, launched
     try:
         with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
-            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir)
+            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir)
     except (WorkflowError, DistributedError) as exc:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
@@ -108,13 +112,15 @@ def user_error_types() -> tuple[type[Exception], ...]:
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,
-         models_dir: str | None = None) -> int:
+         models_dir: str | None = None, log_dir: str | None = None) -> int:
     from .headless.comfyui_library import comfyui_dir, load_comfyui
     from .headless.executor import run_workflow, summary_lines
     from .headless.graph import WorkflowError
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .training.distributed import current
 
+    if log_dir:  # before anything runs: --log-dir without tensorboard installed is a command-line problem
+        _check_tensorboard(log_dir)
     data = read_workflow_json(workflow_path)
     comfy_dir = comfyui_dir(comfyui, data, load_node_mappings())
     library = load_comfyui(comfy_dir) if comfy_dir else None
@@ -124,7 +130,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     except OSError as exc:
         raise WorkflowError(f"cannot create output dir {output_dir!r} ({exc.strerror}): pass --output-dir "
                             f"a folder you can write to") from None
-    with headless_host(output_dir, resume), _comfyui_folders(library, models_dir):
+    with headless_host(output_dir, resume, log_dir), _comfyui_folders(library, models_dir):
         try:
             graph = load_workflow(data, node_mappings)
         except WorkflowError as exc:  # with ComfyUI, a missing model file is named with the folders searched
@@ -165,12 +171,24 @@ def _comfyui_folders(library, models_dir: str | None):
     return library.run_folders(host.output_dir(), host.loras_dir(), models_dir)
 
 
-def headless_host(output_dir: str, resume: bool):
-    """The nodes run headless inside this block: where to write, and whether to resume; restored on exit."""
+def headless_host(output_dir: str, resume: bool, log_dir: str | None = None):
+    """The nodes run headless inside this block: where to write, whether to resume, where TensorBoard logs go;
+    restored on exit."""
     from .nodes import host
     from .training.distributed import current
     scratch = current().scratch_dir  # torchrun ranks other than 0 write only into a private folder
-    return host.headless(output_dir if scratch is None else scratch, run_dir=output_dir, resume=resume)
+    return host.headless(output_dir if scratch is None else scratch, run_dir=output_dir, resume=resume,
+                         log_dir=log_dir)
+
+
+def _check_tensorboard(log_dir: str) -> None:
+    from .headless.graph import WorkflowError
+    from .training.tensorboard_log import summary_writer_class
+    from .training.train_config import ConfigError
+    try:
+        summary_writer_class(log_dir, setting="--log-dir")
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
 
 
 def run_bench(argv: list[str]) -> int:

@@ -20,6 +20,7 @@ class HeadlessRun:
     output: Path   # this process's outputs: --output-dir (on other torchrun ranks a private scratch folder)
     run_dir: Path  # the run's --output-dir, the same on every rank: LoRAs, the cache and resume state are read here
     resume: bool   # --resume: go on from the training state files in run_dir
+    log_dir: Path | None = None  # --log-dir: TensorBoard's folder for Train nodes whose own log_dir is empty
 
 
 _headless: HeadlessRun | None = None  # set only inside `with headless(...)`
@@ -27,11 +28,12 @@ _headless: HeadlessRun | None = None  # set only inside `with headless(...)`
 
 @contextlib.contextmanager
 def headless(output_dir: str | Path, *, run_dir: str | Path | None = None,
-             resume: bool = False) -> Iterator[HeadlessRun]:
+             resume: bool = False, log_dir: str | Path | None = None) -> Iterator[HeadlessRun]:
     """Run the nodes headless for the block: outputs go to `output_dir` (created), shared reads come from `run_dir`
     (default: `output_dir`). The previous host is restored on exit, however the block ends."""
     global _headless
-    run = HeadlessRun(Path(output_dir), Path(run_dir if run_dir is not None else output_dir), bool(resume))
+    run = HeadlessRun(Path(output_dir), Path(run_dir if run_dir is not None else output_dir), bool(resume),
+                      Path(log_dir).absolute() if log_dir else None)
     run.output.mkdir(parents=True, exist_ok=True)
     previous, _headless = _headless, run
     try:
@@ -54,6 +56,14 @@ def is_main() -> bool:
 
 def resume_requested() -> bool:
     return _headless is not None and _headless.resume
+
+
+def tensorboard_dir(node_log_dir: str) -> Path | None:
+    """Where a Train node writes TensorBoard scalars: its log_dir (relative to the output folder), else the run's
+    --log-dir, else nowhere (None)."""
+    if node_log_dir:
+        return output_dir() / node_log_dir
+    return _headless.log_dir if _headless is not None else None
 
 
 def in_comfyui() -> bool:
@@ -87,7 +97,8 @@ def state_dir() -> Path:
 def notify(message: str) -> None:
     """A one-line note for the user (ComfyUI's console, or stderr headless); torchrun ranks other than 0 stay quiet."""
     if is_main():
-        print(f"tightrope: {message}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"tightrope: {message}", file=sys.stderr)  # on a line of its own, above a running progress bar
 
 
 def preview_dir() -> tuple[Path, str]:

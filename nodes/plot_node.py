@@ -9,7 +9,8 @@ from .input_validation import validation_result
 
 
 class TightropePlots:
-    DESCRIPTION = "Loss curve and per-step memory / transfer chart of a training session, as images."
+    DESCRIPTION = ("Loss curve (with the validation loss when the session has one) and per-step memory / transfer "
+                   "chart of a training session, as images.")
     CATEGORY = "Tightrope/train"
     RETURN_TYPES = ("IMAGE", "IMAGE")
     RETURN_NAMES = ("loss_curve", "memory_chart")

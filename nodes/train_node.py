@@ -1,9 +1,11 @@
 """The training-step node: N steps on a new or continued session (train, preview, train on)."""
 from __future__ import annotations
 
+from ..training.flow_loss import LOSSES
 from ..training.input_checks import check_output_target
 from ..training.optimizer import optimizer_class
 from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigError, TrainConfig
+from ..training.tensorboard_log import summary_writer_class
 from ..training.timesteps import SAMPLINGS
 from ..training.trainer import resolve_device
 from ..training.training_run import run_training_node
@@ -11,6 +13,28 @@ from . import host
 from .input_validation import validation_result
 
 _C = TrainConfig()
+
+# added after the inputs saved workflows already hold, so their widget values keep their places
+_VALIDATION_AND_LOSS_INPUTS = {
+    "loss": (list(LOSSES), {"default": _C.loss,
+                            "tooltip": "Distance to the flow-matching target: mse (standard), huber (large errors "
+                                       "pull less), l1. No min-SNR timestep weighting: it weights by the noise level "
+                                       "of epsilon/v-prediction models; flow matching's velocity target has one scale "
+                                       "at every timestep, and timestep_sampling/shift set where training focuses."}),
+    "huber_delta": ("FLOAT", {"default": _C.huber_delta, "min": 1e-4, "max": 100.0, "step": 0.01, "round": False,
+                              "tooltip": "loss=huber: errors above this count linearly, not squared."}),
+    "validation_fraction": ("FLOAT", {"default": _C.validation_fraction, "min": 0.0, "max": 0.99, "step": 0.01,
+                                      "tooltip": "Hold this fraction of the dataset's images out of training (drawn "
+                                                 "from the seed) and report their loss (0: none held out)."}),
+    "validation_every": ("INT", {"default": _C.validation_every, "min": 1, "max": 1_000_000,
+                                 "tooltip": "Validation loss every N steps (and at the run's first and last step), "
+                                            "with fixed noise and timesteps: same seed, same curve."}),
+    "validation_dataset": ("TIGHTROPE_DATASET", {"tooltip": "A second dataset (e.g. another Load Dataset folder) "
+                                                            "to validate on, instead of validation_fraction."}),
+    "log_dir": ("STRING", {"default": "", "tooltip": "Write TensorBoard scalars (loss, validation loss, learning "
+                                                     "rate, peak VRAM, H2D GB/s) to this folder, relative to the "
+                                                     "output folder (needs `pip install tensorboard`; empty: off)."}),
+}
 
 
 class TightropeTrain:
@@ -72,15 +96,17 @@ class TightropeTrain:
                                     "tooltip": "0: off. Else keep an exponential moving average of the LoRA "
                                                "weights on the CPU (no GPU memory), e.g. 0.999; Save LoRA writes it "
                                                "as a second file ending in _ema."}),
+            **_VALIDATION_AND_LOSS_INPUTS,
         }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
-              strategy=None, unique_id=None, **config):
+              strategy=None, unique_id=None, validation_dataset=None, log_dir="", **config):
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
-            resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify)
+            resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
+            validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir))
         if result.interrupted:
             host.raise_interrupt()
         return (result, model_out, report)
@@ -88,14 +114,17 @@ class TightropeTrain:
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
         """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
-        the device available, the optimizer installed and able to run on it."""
+        the device available, the optimizer installed and able to run on it, tensorboard installed if logs are asked
+        for."""
         prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
         schedule = inputs.get("schedule")
+        log_dir = host.tensorboard_dir(inputs.get("log_dir") or "")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
                                  lambda: device is None or resolve_device(device),
                                  lambda: _optimizer_runs(optimizer, device),
                                  lambda: None in (optimizer, schedule) or TrainConfig(optimizer=optimizer,
-                                                                                      schedule=schedule))
+                                                                                      schedule=schedule),
+                                 lambda: log_dir is None or summary_writer_class(log_dir))
 
 
 def _optimizer_runs(optimizer: str | None, device: str | None) -> None:

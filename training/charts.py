@@ -247,8 +247,11 @@ def loss_chart(session: TrainingSession) -> Image.Image:
     window = max(1, len(losses) // 20)
     smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
               for i in range(len(losses))]
-    return line_chart({"loss": losses, f"mean of {window}": smooth}, title="Training loss", xlabel="step",
-                      ylabel="flow-matching loss")
+    series = {"loss": losses, f"mean of {window}": smooth}
+    if session.validation_losses:  # at the steps done when scored; a training loss at the steps done before it
+        series["validation"] = [(float(step), loss) for step, loss in session.validation_losses]
+    title = "Training and validation loss" if session.validation_losses else "Training loss"
+    return line_chart(series, title=title, xlabel="step", ylabel=f"flow-matching loss ({session.config.loss})")
 
 
 def memory_chart(session: TrainingSession) -> Image.Image:

@@ -1,8 +1,17 @@
-"""The rectified-flow (flow-matching) objective used by Flux, SD3, Lumina 2, Wan and Qwen-Image."""
+"""The rectified-flow (flow-matching) objective used by Flux, SD3, Lumina 2, Wan and Qwen-Image.
+
+The model predicts the velocity noise - x_0 and is trained on a distance to it: mean squared error (the standard
+objective), Huber (quadratic below `huber_delta`, linear above: large errors pull less) or L1. Timestep weighting
+such as min-SNR belongs to epsilon/v-prediction diffusion, where the SNR of each timestep sets the weight; flow
+matching's velocity target already has a bounded scale at every t and its timestep emphasis comes from the
+timestep sampling (logit-normal, shift), so no such weighting is offered.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+LOSSES = ("mse", "huber", "l1")
 
 
 def noised(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -11,6 +20,21 @@ def noised(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch
     return (1 - t) * latents + t * noise
 
 
-def flow_matching_loss(prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The model predicts the velocity noise - x_0; the loss is its mean squared error, in fp32."""
-    return F.mse_loss(prediction.float(), (noise - latents).float())
+def flow_matching_loss(prediction: torch.Tensor, latents: torch.Tensor, noise: torch.Tensor, *, kind: str = "mse",
+                       huber_delta: float = 1.0, reduction: str = "mean") -> torch.Tensor:
+    """The `kind` loss of the predicted velocity against noise - x_0, in fp32. reduction='none' gives one loss per
+    sample (the mean over its elements), shape (B,); 'element' the unreduced loss (for masks/data/masks.py)."""
+    pred, target = prediction.float(), (noise - latents).float()
+    element = reduction == "element"
+    reduction = "none" if element else reduction
+    if kind == "mse":
+        loss = F.mse_loss(pred, target, reduction=reduction)
+    elif kind == "huber":
+        loss = F.huber_loss(pred, target, reduction=reduction, delta=huber_delta)
+    elif kind == "l1":
+        loss = F.l1_loss(pred, target, reduction=reduction)
+    else:
+        raise ValueError(f"loss={kind!r} is not supported: choose one of {', '.join(LOSSES)}")
+    if element:
+        return loss
+    return loss.flatten(1).mean(1) if reduction == "none" else loss

@@ -31,6 +31,8 @@ class TrainingSession:
     saved: tuple[str, ...] = ()     # LoRA files written by this session, oldest first
     interrupted: bool = False
     ema_state: dict[str, torch.Tensor] | None = None      # the LoRA weights' EMA (CPU fp32) when ema_decay > 0
+    validation_dataset: Any = None  # a second dataset scored for the validation loss (else config.validation_fraction)
+    validation_losses: tuple[tuple[int, float], ...] = ()  # (step, validation loss), oldest first
 
     def advanced(self, **changes: Any) -> "TrainingSession":
         return dataclasses.replace(self, **changes)

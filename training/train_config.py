@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .flow_loss import LOSSES
 from .timesteps import SAMPLINGS
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree")
@@ -48,6 +49,15 @@ class TrainConfig:
     ema_decay: float = 0.0
     """0: off; else keep an exponential moving average of the LoRA weights on the CPU, updated after every step
     with this decay (0.999 averages over about the last 1000 steps); the Save node can write it as a second file."""
+    loss: str = "mse"
+    """'mse', 'huber' (quadratic below huber_delta, linear above) or 'l1' distance to the flow-matching target."""
+    huber_delta: float = 1.0
+    """Where the Huber loss turns from quadratic to linear (loss='huber' only)."""
+    validation_fraction: float = 0.0
+    """Fraction of the dataset's images held out of training for the validation loss (0: none held out); the split
+    is drawn from the seed."""
+    validation_every: int = 100
+    """Validation loss every N steps (and at the run's first and last step) when there is a validation set."""
 
     def __post_init__(self) -> None:
         _positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
@@ -69,6 +79,12 @@ class TrainConfig:
             raise ConfigError(f"optimizer='adamw_schedulefree' replaces the learning-rate schedule, so "
                               f"schedule={self.schedule!r} would fight it: set schedule='constant' (warmup_steps "
                               "still applies)")
+        _choice("loss", self.loss, LOSSES)
+        _positive("huber_delta", self.huber_delta, "e.g. 1.0; smaller treats more errors as outliers")
+        if not 0.0 <= _number("validation_fraction", self.validation_fraction) < 1.0:
+            raise ConfigError(f"validation_fraction={self.validation_fraction!r} is out of range: hold out a fraction "
+                              "above 0 and below 1 of the images (e.g. 0.1), or 0 for no held-out set")
+        _int("validation_every", self.validation_every, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -31,11 +31,13 @@ from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import adapter_for
 from .optimizer import learning_rate_at, make_optimizer, optimizer_class
+from .run_monitor import RunMonitor
 from .schedule_free import enter_train_mode, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 from .train_config import ConfigError
+from .validation import split_for_validation
 
 Progress = Callable[[int, int, float], None]  # (steps done in this run, steps of this run, last loss)
 
@@ -78,6 +80,8 @@ class _Run:
     fingerprints: dict | None = None  # model + dataset, for the training state file
     saved_step: int = -1  # the step of the last LoRA + state saved
     ema: CpuEma | None = None  # the EMA of the LoRA weights, when ema_decay > 0
+    data: object = None   # the images trained on: the dataset less a held-out validation part
+    monitor: RunMonitor | None = None  # validation loss, TensorBoard, log lines
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -90,17 +94,23 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def train(session: TrainingSession, steps: int, *, device: torch.device, save: SaveTarget | None = None,
           progress: Progress | None = None, should_stop: Callable[[], bool] | None = None,
-          run_start: int | None = None) -> TrainingSession:
+          run_start: int | None = None, log_dir: str | Path | None = None,
+          notify: Callable[[str], None] | None = None) -> TrainingSession:
     """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
-    schedule and progress count from there); default session.step."""
+    schedule and progress count from there); default session.step. log_dir: TensorBoard scalars go there; notify:
+    gets the run's log lines (validation losses)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     cfg = session.config
-    session.dataset.steps_per_epoch(cfg.batch_size)  # fails early, naming batch_size, if it exceeds the dataset
+    data, validation_set = split_for_validation(session)  # fails early, naming the input, on a bad validation set
+    data.steps_per_epoch(cfg.batch_size)  # fails early, naming batch_size, if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package fails before anything is set up
     adapter = adapter_for(session.model)
-    run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps)
+    run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps,
+               data=data)
+    run.monitor = RunMonitor(session, validation_set, run_start=run.start, run_end=run.end, log_dir=log_dir,
+                             notify=notify)
     started = time.time()
     # ComfyUI runs nodes under inference_mode; training needs autograd (restored when this block exits)
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
@@ -147,11 +157,13 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 _save_final_state(session, run, module, save, optimizer)
         finally:
             remove_lora(module)
+            run.monitor.close()
     return session.advanced(step=run.step, lora_state=state, optimizer_state=optimizer_state,
                             losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
                             saved=session.saved + tuple(path for path, _ in run.saved),
                             interrupted=run.step < session.step + steps,
-                            ema_state=run.ema.state_dict() if run.ema is not None else None)
+                            ema_state=run.ema.state_dict() if run.ema is not None else None,
+                            validation_losses=session.validation_losses + run.monitor.validation_losses)
 
 
 def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
@@ -159,8 +171,9 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
     first = session.step
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.compute_dtype == "fp16")
-    batches = session.dataset.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
-                                      shard=distributed.current().shard)
+    batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
+                               shard=distributed.current().shard)
+    run.monitor.validate(run.step, adapter, module, runtime)  # the run's first step (or one a stop left unscored)
     while run.step < first + steps:
         if should_stop is not None and should_stop():
             return
@@ -182,6 +195,8 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             run.stats.append(stats.to_dict())
         if progress is not None:
             progress(run.step - run.start, run.end - run.start, loss)
+        run.monitor.step_done(run.step, loss, optimizer.param_groups[0]["lr"], run.stats[-1])
+        run.monitor.validate(run.step, adapter, module, runtime)  # before the save: the state file holds it
         if save is not None and save.every and run.step % save.every == 0:
             _save(session, run, module, save, optimizer)
 
@@ -241,8 +256,9 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, sca
     mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
     with runtime.autocast():
         pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
-        loss = flow_matching_loss(pred, latents, noise) if mask is None else \
-            masked_flow_loss(pred, latents, noise, mask.to(dev))
+        loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
+            if mask is None else masked_flow_loss(pred, latents, noise, mask.to(dev), kind=cfg.loss,
+                                                  huber_delta=cfg.huber_delta)
     scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
     return loss.item() * weight / cfg.grad_accumulation
 
@@ -271,7 +287,8 @@ def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dic
     save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
                lora_state=lora, optimizer_state=optimizer_state, losses=session.losses + tuple(run.losses),
                stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner,
-               ema_state=run.ema.state_dict() if run.ema is not None else None)
+               ema_state=run.ema.state_dict() if run.ema is not None else None,
+               validation=session.validation_losses + run.monitor.validation_losses)
 
 
 def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:

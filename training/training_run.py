@@ -13,17 +13,20 @@ from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
 from .trainer import SaveTarget, resolve_device, train
+from .validation import report_line as validation_report_line
 
 
 def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
                       dataset: Any, lora: Any, strategy: Any, device: str, save_dir: Path, filename_prefix: str,
                       save_every: int, progress: Callable | None, should_stop: Callable[[], bool] | None,
                       resume: bool = False, state_dir: Path | None = None, node_id: str | None = None,
-                      notify: Callable[[str], None] | None = None) -> tuple[TrainingSession, Any, str]:
+                      notify: Callable[[str], None] | None = None, validation_dataset: Any = None,
+                      log_dir: str | Path | None = None) -> tuple[TrainingSession, Any, str]:
     """One Train node. Its training state file is `state_dir` (default save_dir)/`filename_prefix`, keyed by
     `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's
     of this run (`tightrope run --resume`), training only the steps this node has left; a node that had finished
-    returns its saved outputs again, untrained (notify says so)."""
+    returns its saved outputs again, untrained (notify says so). validation_dataset: scored for the validation loss
+(a continued session keeps its own unless given one); log_dir: TensorBoard's folder (None: no TensorBoard)."""
     dev = resolve_device(device)
     safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -33,13 +36,15 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
         if missing:
             raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora "
                               "(to start) or a session from another Train node (to continue)")
-        session = TrainingSession(model=model, dataset=dataset, lora=lora, strategy=Strategy(), config=config)
+        session = TrainingSession(model=model, dataset=dataset, lora=lora, strategy=Strategy(), config=config,
+                                  validation_dataset=validation_dataset)
     else:
         for name, given in (("model", model), ("lora", lora)):
             if given is not None and given is not getattr(session, name):
                 raise ConfigError(f"the Train node got both a session and a different {name}: a continued session "
                                   f"keeps its {name}; disconnect the {name} input or start a new session")
-        session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False)
+        session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False,
+                                   validation_dataset=validation_dataset or session.validation_dataset)
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
@@ -58,7 +63,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
         save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
-                       run_start=run_start)
+                       run_start=run_start, log_dir=log_dir, notify=notify)
     node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)
 
@@ -95,6 +100,9 @@ def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
     if stats:
         lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
                      f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
+    validation = validation_report_line(session.validation_losses)
+    if validation:
+        lines.append(validation)
     if session.last_saved:
         lines.append(f"saved: {session.last_saved}")
     if explanation:

@@ -17,8 +17,8 @@ def fake_cli(monkeypatch, mappings):
     host_calls = []
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: dict(mappings))
     monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
-    monkeypatch.setattr(cli, "headless_host",
-                        lambda output_dir, resume: contextlib.nullcontext(host_calls.append((output_dir, resume))))
+    monkeypatch.setattr(cli, "headless_host", lambda output_dir, resume, log_dir=None:
+                        contextlib.nullcontext(host_calls.append((output_dir, resume, log_dir))))
     return host_calls
 
 
@@ -31,11 +31,18 @@ def _write(tmp_path, workflow, name="w.json"):
 def test_run_succeeds_and_prints_the_output_nodes(tmp_path, ui_workflow, fake_cli, capsys):
     out_dir = tmp_path / "out"
     assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--resume"]) == 0
-    assert fake_cli == [(str(out_dir), True)] and out_dir.is_dir()
+    assert fake_cli == [(str(out_dir), True, None)] and out_dir.is_dir()
     captured = capsys.readouterr()
     assert "node 3 'Record':\n  text: sum=12" in captured.out and "text: size=4" in captured.out
     assert "ran 6 node(s)" in captured.out
     assert "[1/6] node 1 'Constant'" in captured.err  # progress goes to stderr
+
+
+def test_log_dir_reaches_the_nodes(tmp_path, ui_workflow, fake_cli):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: --log-dir is refused, as tested elsewhere")
+    out_dir = tmp_path / "out"
+    assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir), "--log-dir", "tb"]) == 0
+    assert fake_cli == [(str(out_dir), False, "tb")]
 
 
 def test_workflow_error_exits_2_with_a_message_and_no_traceback(tmp_path, fake_cli, capsys):
@@ -74,7 +81,7 @@ def _failing_graph(tmp_path, mappings, error: Exception) -> str:
 
 def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monkeypatch, capsys):
     from tightrope.training.data.image_folder import DatasetError
-    monkeypatch.setattr(cli, "headless_host", lambda output_dir, resume: contextlib.nullcontext())
+    monkeypatch.setattr(cli, "headless_host", lambda output_dir, resume, log_dir=None: contextlib.nullcontext())
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
     assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1

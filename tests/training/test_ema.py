@@ -48,12 +48,9 @@ def test_ema_equals_a_hand_computed_ema(ema_run):
 
 def test_save_node_writes_the_ema_as_a_second_comfyui_lora_file(ema_run, tmp_path):
     _, whole = ema_run
-    host.set_headless_output_dir(tmp_path)
-    try:
+    with host.headless(tmp_path):
         paths = TightropeSaveLora().save(whole, "ema_test/run")["ui"]["text"]
         only_lora = TightropeSaveLora().save(whole, "ema_test/no_ema", save_ema=False)["ui"]["text"]
-    finally:
-        host._headless_output = None
     assert [p.rsplit("/", 1)[1] for p in paths] == ["run_00001_.safetensors", "run_ema_00001_.safetensors"]
     assert len(only_lora) == 1
     normal, _ = read_lora_file(paths[0])
@@ -67,11 +64,8 @@ def test_save_node_writes_the_ema_as_a_second_comfyui_lora_file(ema_run, tmp_pat
 def test_a_session_without_ema_saves_one_file(tmp_path):
     session = train(demo_session(tmp_path), 1, device=CPU)
     assert session.ema_state is None
-    host.set_headless_output_dir(tmp_path / "out")
-    try:
+    with host.headless(tmp_path / "out"):
         assert len(TightropeSaveLora().save(session, "one")["ui"]["text"]) == 1
-    finally:
-        host._headless_output = None
 
 
 @pytest.mark.parametrize("decay", [1.0, -0.1, 1.5, float("nan")])

@@ -62,6 +62,7 @@ def test_a_numerics_change_is_far_outside_the_tolerance(change, tmp_path, monkey
         losses = _demo_losses(tmp_path, steps=4, timestep_shift=1.1)
     else:
         objective = trainer.flow_matching_loss
-        monkeypatch.setattr(trainer, "flow_matching_loss", lambda pred, x0, noise: objective(pred, x0 * 1.01, noise))
+        monkeypatch.setattr(trainer, "flow_matching_loss",
+                            lambda pred, x0, noise, **kw: objective(pred, x0 * 1.01, noise, **kw))
         losses = _demo_losses(tmp_path, steps=4)
     assert _max_relative_difference(losses, json.loads(GOLDEN.read_text())["losses"][:4]) > 10 * RTOL

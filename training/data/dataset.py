@@ -13,8 +13,10 @@ steps, so a run resumed at step S regenerates exactly the batches it would have 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,6 +281,12 @@ class TrainingDataset:
         for item, sample in enumerate(self._items):
             buckets.setdefault(self._samples[sample].shape, []).append(item)
         self._buckets = dict(sorted(buckets.items()))
+
+    def subset(self, images: list[int]) -> TrainingDataset:
+        """A dataset of the distinct images `images` (with their repeats), sharing this one's tensors and cache."""
+        part, repeats = copy.copy(self), Counter(self._items)
+        part._finish([self._samples[i] for i in images], [repeats[i] for i in images])
+        return part
 
     # -- access --------------------------------------------------------------------------------------
 

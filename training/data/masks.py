@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch import Tensor
 
+from ..flow_loss import flow_matching_loss
 from .image_folder import MASK_SUFFIX, DatasetError, ImageEntry, has_alpha, load_oriented, read_image_size
 
 MASK_SOURCES = ("none", "mask_files", "alpha")
@@ -102,6 +103,9 @@ def masked_mean(elementwise: Tensor, mask: Tensor) -> Tensor:
     return (elementwise * mask).sum() / (mask.sum() * elementwise.shape[1])
 
 
-def masked_flow_loss(prediction: Tensor, latents: Tensor, noise: Tensor, mask: Tensor) -> Tensor:
-    """flow_loss.flow_matching_loss (the velocity's squared error, fp32) weighted by the mask."""
-    return masked_mean(F.mse_loss(prediction.float(), (noise - latents).float(), reduction="none"), mask)
+def masked_flow_loss(prediction: Tensor, latents: Tensor, noise: Tensor, mask: Tensor, *, kind: str = "mse",
+                     huber_delta: float = 1.0) -> Tensor:
+    """flow_loss.flow_matching_loss (the `kind` distance of the velocity, fp32) weighted by the mask."""
+    elementwise = flow_matching_loss(prediction, latents, noise, kind=kind, huber_delta=huber_delta,
+                                     reduction="element")
+    return masked_mean(elementwise, mask)

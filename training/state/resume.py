@@ -9,7 +9,7 @@ node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimi
 state, losses, stats, saved LoRA paths and fingerprints of the model (family, parameter names + shapes, a sample of
 base weights) and of the dataset. No random state: every draw of a step (data order, noise, timesteps, dropout) is a
 function of (seed, step), so resuming sets no global RNG (files of earlier versions hold `rng.*` tensors, ignored).
-With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`.
+With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`; the JSON also holds the validation losses.
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def _model_mismatch(saved: dict, now: dict) -> str | None:
 def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: int,
                lora_state: dict[str, torch.Tensor], optimizer_state: dict, losses, stats, saved,
                fingerprints: dict, owner: StateOwner | None = None,
-               ema_state: dict[str, torch.Tensor] | None = None) -> Path:
+               ema_state: dict[str, torch.Tensor] | None = None, validation=()) -> Path:
     """Write the state of `session` at `step` atomically (a crash mid-write leaves the previous file)."""
     tensors = {f"lora.{k}": v for k, v in lora_state.items()} | {f"ema.{k}": v for k, v in (ema_state or {}).items()}
     scalars: dict[str, dict[str, Any]] = {}
@@ -143,6 +143,7 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
             "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
             "losses": list(losses), "stats": list(stats), "saved": list(saved), **fingerprints,
+            "validation": [list(p) for p in validation],
             "owner": None if owner is None else asdict(owner),
             "layout": distributed.resume_fields(session.config.batch_size)}
     return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
@@ -219,7 +220,8 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
         strategy=Strategy.from_dict(info["strategy"]),  # a node given a strategy input resolves it again to train on
-        ema_state=state.ema_state)
+        ema_state=state.ema_state,
+        validation_losses=tuple((step, loss) for step, loss in info.get("validation", ())))
     return resumed, state
 
 

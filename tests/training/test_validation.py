@@ -1,0 +1,186 @@
+"""Validation loss: a deterministic held-out split, fixed noise and timesteps (same seed, same curve, bit for bit on
+CPU), scored in the training's memory strategy without touching the training trajectory, and resumed exactly."""
+import dataclasses
+
+import pytest
+import torch
+from demo_setup import demo_session
+
+from tightrope.memory.strategy import Strategy
+from tightrope.training.data.dataset import TrainingDataset
+from tightrope.demo.model import demo_encoders
+from tightrope.demo.data import make_demo_dataset
+from tightrope.training.flow_loss import noised
+from tightrope.training.data.image_folder import DatasetError
+from tightrope.training.lora.layers import LoraSpec
+from tightrope.training.charts import PALETTE
+from tightrope.training.state.resume import load_state, resume_session, state_path
+from tightrope.training.charts import loss_chart
+from tightrope.training.timesteps import sample_timesteps
+from tightrope.training.train_config import ConfigError
+from tightrope.training.trainer import SaveTarget, train
+from tightrope.training.training_run import report
+from tightrope.training.validation import _stream_seed, split_for_validation
+
+CPU = torch.device("cpu")
+OFFLOADED = Strategy(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", activation_offload=True)
+
+
+def second_dataset(tmp_path, n=3) -> TrainingDataset:
+    folder = make_demo_dataset(tmp_path / "val_images", n_images=n, size=32, seed=1)
+    vae, clip = demo_encoders()
+    return TrainingDataset(folder, vae, clip, max_pixels=32 * 32, cache_dir=tmp_path / "cache")
+
+
+def _latent_keys(dataset) -> set[bytes]:
+    return {dataset.latent(i).numpy().tobytes() for i in range(dataset.num_images)}
+
+
+def test_the_split_is_drawn_from_the_seed_disjoint_and_training_never_sees_it(tmp_path):
+    session = demo_session(tmp_path, validation_fraction=0.25)
+    train_part, held_out = split_for_validation(session)
+    assert (train_part.num_images, held_out.num_images) == (6, 2)
+    assert _latent_keys(train_part).isdisjoint(_latent_keys(held_out))
+    assert _latent_keys(train_part) | _latent_keys(held_out) == _latent_keys(session.dataset)
+    again = split_for_validation(session)[1]
+    assert _latent_keys(again) == _latent_keys(held_out)  # same seed, same split
+    other = split_for_validation(session.advanced(config=dataclasses.replace(session.config, seed=1)))[1]
+    assert _latent_keys(other) != _latent_keys(held_out)  # checked once: seed 1 draws another pair
+    batches = train_part.batches(2, 0)
+    seen = {row.numpy().tobytes() for _ in range(train_part.steps_per_epoch(2) * 3) for row in next(batches)["latents"]}
+    assert seen == _latent_keys(train_part)  # three epochs of training batches: every training image, no held-out one
+
+
+def test_subset_keeps_repeats(tmp_path):
+    dataset = demo_session(tmp_path).dataset
+    part = dataset.subset([1, 4])
+    assert part.num_images == 2 and len(part) == 2 and len(dataset) == 8
+    assert torch.equal(part.latent(1), dataset.latent(4)) and part.caption(0) == dataset.caption(1)
+
+
+def test_same_seed_same_curve_scored_at_first_last_and_every_n(tmp_path):
+    session = demo_session(tmp_path, validation_fraction=0.25, validation_every=2)
+    a, b = train(session, 5, device=CPU), train(session, 5, device=CPU)
+    assert [step for step, _ in a.validation_losses] == [0, 2, 4, 5]
+    assert a.validation_losses == b.validation_losses  # bit for bit: floats compared exactly
+    assert a.validation_losses[-1][1] < a.validation_losses[0][1]  # the LoRA learned something the held-out set shows
+
+
+def test_the_first_validation_loss_is_the_plain_torch_loss_with_fixed_noise_and_timesteps(tmp_path):
+    """At step 0 the LoRA is the identity (peft's B = 0), so the score is the base model's per-image MSE on the
+    held-out images, with each image's noise and timestep drawn from its own (seed, 'validation', index) stream."""
+    session = demo_session(tmp_path, validation_fraction=0.25, batch_size=1)
+    scored = train(session, 1, device=CPU).validation_losses[0]
+    held_out = split_for_validation(session)[1]
+    cfg, losses = session.config, []
+    with torch.no_grad():
+        for i in range(held_out.num_images):
+            latent = held_out.latent(i)[None]
+            context, pooled = (x[None] for x in held_out.text(i))
+            gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
+            noise = torch.randn(latent.shape[1:], generator=gen)[None]
+            t = sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
+            pred = session.model.predict(session.model.flux, noised(latent, noise, t), t, context, pooled,
+                                         cfg.guidance)
+            losses.append(torch.mean((pred - (noise - latent)) ** 2).item())
+    assert scored[0] == 0
+    # the same fp32 operations on the same inputs (batch_size=1 both ways); only the order in which the two per-image
+    # means are summed (float64 there, Python floats here) may differ, by an ulp or so
+    assert scored[1] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+
+
+def test_validation_does_not_change_the_training_trajectory(tmp_path):
+    session = demo_session(tmp_path).advanced(lora=LoraSpec(rank=4, targets="attention_mlp", dropout=0.1))
+    plain = train(session, 4, device=CPU)
+    validated = train(session.advanced(validation_dataset=second_dataset(tmp_path),
+                                       config=dataclasses.replace(session.config, validation_every=1)), 4, device=CPU)
+    assert [s for s, _ in validated.validation_losses] == [0, 1, 2, 3, 4] and not plain.validation_losses
+    assert validated.losses == plain.losses  # bit for bit: dropout (train mode restored), data, noise untouched
+    assert all(torch.equal(validated.lora_state[k], v) for k, v in plain.lora_state.items())
+
+
+@pytest.mark.parametrize("strategy", [OFFLOADED, Strategy(compute_dtype="fp32", offload_fraction=0.5,
+                                                          checkpoint="every_n", checkpoint_every=2)],
+                         ids=["offload_all_checkpoint_all_activation_offload", "offload_half_checkpoint_every_2"])
+def test_validation_runs_in_the_memory_strategy(tmp_path, strategy):
+    """No-grad forwards through offloaded blocks (unloaded weights are NaN placeholders, so a block used unloaded
+    would make the score NaN), with checkpointing and activation offload applied, between training steps."""
+    cfg = dict(validation_fraction=0.25)
+    plain = train(demo_session(tmp_path, validation_every=1, **cfg), 3, device=CPU)
+    managed = train(demo_session(tmp_path, strategy=strategy, validation_every=1, **cfg), 3, device=CPU)
+    unvalidated = train(demo_session(tmp_path, strategy=strategy, validation_every=100, **cfg), 3, device=CPU)
+    assert [s for s, _ in unvalidated.validation_losses] == [0, 3]
+    assert managed.losses == unvalidated.losses  # scoring between steps leaves the runtime as the step left it
+    # a scoring pass is a step of its own: a training step after one streams what a cold first step does (the pass
+    # left the last blocks in the slots, not the first ones), never the scoring pass's own transfers on top
+    assert [s["h2d_bytes"] for s in managed.stats] == [unvalidated.stats[0]["h2d_bytes"]] * 3
+    # as test_trainer's strategy-vs-plain check: the LoRA trained under offload drifts from the plain one by fp32
+    # rounding in a different operation order, and the scores with it
+    torch.testing.assert_close(torch.tensor([v for _, v in managed.validation_losses]),
+                               torch.tensor([v for _, v in plain.validation_losses]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_continued_session_does_not_score_its_first_step_again(tmp_path):
+    session = demo_session(tmp_path, validation_fraction=0.25, validation_every=3)
+    whole = train(session, 4, device=CPU)
+    halves = train(train(session, 2, device=CPU), 2, device=CPU)
+    assert [s for s, _ in whole.validation_losses] == [0, 3, 4]
+    assert [s for s, _ in halves.validation_losses] == [0, 2, 3, 4]  # 2: the first node run's last step
+    scores = dict(halves.validation_losses)
+    assert all(scores[s] == v for s, v in whole.validation_losses)  # continuation is exact, so are the scores
+
+
+def _ctrl_c_at(step):
+    def progress(done, total, loss):
+        if done == step:
+            raise KeyboardInterrupt
+    return progress
+
+
+def test_resume_restores_the_validation_history_exactly(tmp_path):
+    """Stopped after step 4, before its validation: the state file lacks that score and the resumed run makes it."""
+    session = demo_session(tmp_path, validation_fraction=0.25, validation_every=2)
+    whole = train(session, 6, device=CPU)
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 6, device=CPU, save=save, progress=_ctrl_c_at(4))
+    path = state_path(save.folder, save.filename_prefix)
+    assert load_state(path)[0].info["validation"] == [[0, whole.validation_losses[0][1]],
+                                                      [2, whole.validation_losses[1][1]]]
+    resumed, state = resume_session(path, session)
+    assert resumed.validation_losses == whole.validation_losses[:2]
+    done = train(resumed, 2, device=CPU, run_start=state.run_start)
+    assert done.losses == whole.losses and done.validation_losses == whole.validation_losses
+
+
+def test_the_report_and_the_loss_plot_show_the_validation_loss(tmp_path):
+    session = train(demo_session(tmp_path, validation_fraction=0.25, validation_every=1), 2, device=CPU)
+    (s0, v0), _, (s2, v2) = session.validation_losses
+    best = min(session.validation_losses, key=lambda p: p[1])
+    assert f"validation loss: step 0 {v0:.4f}, step 2 {v2:.4f} (best {best[1]:.4f} at step {best[0]}, 3 evaluations)" \
+        in report(session, 2)
+    validation_colour = tuple(int(PALETTE[2][k:k + 2], 16) for k in (1, 3, 5))  # the third series' colour
+    colours = {c for _, c in loss_chart(session).getcolors(1 << 16)}
+    assert validation_colour in colours
+    without = loss_chart(session.advanced(validation_losses=()))
+    assert validation_colour not in {c for _, c in without.getcolors(1 << 16)}
+    assert "validation" not in report(session.advanced(validation_losses=()), 2)
+
+
+@pytest.mark.parametrize("config, error, words", [
+    (dict(validation_fraction=0.05), DatasetError, "validation_fraction=0.05 of 8 images holds out 0 images: raise it "
+                                                   "to at least 0.125"),
+    (dict(validation_fraction=1.0), ConfigError, r"validation_fraction=1.0 is out of range: hold out a fraction above "
+                                                 "0 and below 1"),
+    (dict(validation_fraction=-0.1), ConfigError, "validation_fraction=-0.1 is out of range"),
+    (dict(validation_every=0), ConfigError, r"validation_every=0 is invalid: use a whole number >= 1"),
+], ids=["holds_out_nothing", "fraction_1", "fraction_negative", "every_0"])
+def test_bad_validation_settings_fail_before_training(tmp_path, config, error, words):
+    with pytest.raises(error, match=words):
+        train(demo_session(tmp_path, **config), 1, device=CPU)
+
+
+def test_a_fraction_and_a_second_dataset_are_refused_together(tmp_path):
+    session = demo_session(tmp_path, validation_fraction=0.25).advanced(validation_dataset=second_dataset(tmp_path))
+    with pytest.raises(ConfigError, match="validation_fraction=0.25 and a validation_dataset are both given"):
+        train(session, 1, device=CPU)
