@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .blocks import discover_blocks
+from .dtypes import TORCH_DTYPES
 from .layer_offload import _aligned, streams_in_place
 from .plan_cost import Prediction
 from .strategy import Strategy, StrategyError
@@ -139,7 +140,6 @@ class HostNeeds:
 
 def host_needs(model: nn.Module, strategy: Strategy, budget_gb: float = 0.0) -> HostNeeds:
     """HostNeeds of `model` under `strategy`'s weight dtype and block lists; budget_gb 0: the default budget."""
-    from .runtime import TORCH_DTYPES
     blocks = [b.module for b in discover_blocks(model, strategy.block_lists)]
     dtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
     return HostNeeds.measure(model, blocks, dtype, int(budget_gb * 2**30) if budget_gb else None)

@@ -25,6 +25,7 @@ from .activation_offload import ActivationOffload
 from .block_compile import compile_block, compiled_graph_count
 from .blocks import Block, discover_blocks
 from .checkpointing import checkpointed_call
+from .dtypes import TORCH_DTYPES
 from .host_memory import release_freed_host_memory
 from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
@@ -32,8 +33,6 @@ from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_we
 from .offload_selection import select_offloaded
 from .stats import StepStats, StepTimer
 from .strategy import Strategy, StrategyError
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class MemoryRuntime:

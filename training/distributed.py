@@ -39,6 +39,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from ..memory.dtypes import TORCH_DTYPES
 from .train_config import ConfigError
 
 T = TypeVar("T")
@@ -321,7 +322,6 @@ def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     from ..memory.blocks import discover_blocks
-    from ..memory.runtime import TORCH_DTYPES
 
     params = list(module.parameters())
     clone = copy.deepcopy(module, memo={id(p): p for p in params})  # shares every parameter, copies the rest

@@ -36,7 +36,7 @@ RUNNER = textwrap.dedent("""
     import comfy.sd, comfy.utils
     from safetensors.torch import load_file
     from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_layers, lora_parameters, lora_state
-    from tightrope.training.models.adapter import adapter_for
+    from tightrope.training.models import adapter_for
     from tightrope.training.lora.algorithms import ADAPTER
     from tightrope.training.lora.files import save_lora
 

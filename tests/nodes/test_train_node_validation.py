@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tightrope.headless.input_spec import widget_specs
-from tightrope.headless.ui_widget_values import widget_values_by_name
+from tightrope.headless.ui_format import widget_values_by_name
 from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages, TightropeDemoModel

@@ -86,8 +86,12 @@ def test_cpu_ema_refuses_a_state_of_other_weights():
 def test_new_inputs_come_last_with_tooltips_so_saved_workflows_keep_loading():
     from tightrope.nodes.dataset_nodes import TightropeLoadDataset
     from tightrope.nodes.train_node import TightropeTrain
-    for node, name, default in ((TightropeTrain, "ema_decay", 0.0), (TightropeLoadDataset, "mask", "none"),
-                                (TightropeSaveLora, "save_ema", True)):
+    # each comes after every widget its node had in version 0.1 (the last of those named here), so old
+    # widgets_values lists still fit; later features may follow it
+    for node, name, default, last_of_0_1 in ((TightropeTrain, "ema_decay", 0.0, "strategy"),
+                                             (TightropeLoadDataset, "mask", "none", None),
+                                             (TightropeSaveLora, "save_ema", True, None)):
+        optional = list(node.INPUT_TYPES()["optional"])
+        assert optional.index(name) == (optional.index(last_of_0_1) + 1 if last_of_0_1 else len(optional) - 1)
         optional = node.INPUT_TYPES()["optional"]
-        assert list(optional)[-1] == name  # optional widgets after all others: old widgets_values lists still fit
         assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]

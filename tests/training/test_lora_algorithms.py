@@ -17,7 +17,7 @@ from tightrope.training.lora.layers import LoraError, LoraSpec, inject_lora, lor
     merge_and_remove_lora
 from tightrope.training.lora.algorithms import ADAPTER
 from merge_lora import merge_lora_into
-from tightrope.training.lora.files import read_lora_file, save_lora
+from tightrope.training.lora.files import inject_lora_continuing, read_lora_file, save_lora
 from tightrope.training.lora.lycoris import file_algorithm
 from tightrope.training.trainer import SaveTarget, train
 
@@ -43,7 +43,7 @@ def output(model):
 
 def continued(spec, path):
     model = tiny_flux()
-    inject_lora(model, LoraSpec.from_dict({**spec.to_dict(), "existing_lora": str(path)}), "flux")
+    inject_lora_continuing(model, LoraSpec.from_dict({**spec.to_dict(), "existing_lora": str(path)}), "flux")
     return model
 
 
@@ -230,7 +230,7 @@ def test_train_save_and_continue_under_layer_offload(tmp_path, algorithm):
     assert meta["tightrope.algorithm"] == algorithm and file_algorithm(tensors) == algorithm
     fresh = tiny_flux()
     continued_spec = dataclasses.replace(spec, existing_lora=path)
-    inject_lora(fresh, continued_spec, "flux")
+    inject_lora_continuing(fresh, continued_spec, "flux")
     again = dataclasses.replace(session, lora=continued_spec)
     assert train(again, 1, device="cpu").step == 1
     state = lora_parameters(fresh)

@@ -13,7 +13,7 @@ from tightrope.demo.model import demo_encoders
 from tightrope.training.data.image_folder import DatasetError
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
 from tightrope.training.data.masks import masked_flow_loss
-from tightrope.training.models.adapter import adapter_for
+from tightrope.training.models import adapter_for
 from tightrope.training.trainer import train
 
 CPU = torch.device("cpu")

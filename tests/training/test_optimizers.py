@@ -46,7 +46,7 @@ def test_optimizer_steps_and_resumes_exactly(name, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train(session, 3, device=CPU, save=save, progress=_stop_at(2))  # (schedule-free: after 1 step x == y)
     path = state_path(save.folder, save.filename_prefix)
-    assert load_state(path)[0].step == 2
+    assert load_state(path).step == 2
     resumed, state = resume_session(path, session)
     done = train(resumed, 1, device=CPU, run_start=state.run_start)
     assert done.losses == whole.losses

@@ -145,7 +145,7 @@ def test_resume_restores_the_validation_history_exactly(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         train(session, 6, device=CPU, save=save, progress=_ctrl_c_at(4))
     path = state_path(save.folder, save.filename_prefix)
-    assert load_state(path)[0].info["validation"] == [[0, whole.validation_losses[0][1]],
+    assert load_state(path).info["validation"] == [[0, whole.validation_losses[0][1]],
                                                       [2, whole.validation_losses[1][1]]]
     resumed, state = resume_session(path, session)
     assert resumed.validation_losses == whole.validation_losses[:2]

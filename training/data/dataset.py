@@ -64,8 +64,6 @@ def _epoch_stream_seed(*parts) -> int:
 
 def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
     """Shapes of the named tensors in a cache file, read from its header; None if missing or unreadable."""
-    if not path.is_file():
-        return None
     try:
         with safe_open(str(path), framework="pt") as f:
             return {n: tuple(f.get_slice(n).get_shape()) for n in names}
@@ -289,7 +287,6 @@ class TrainingDataset:
         return part
 
     # -- access --------------------------------------------------------------------------------------
-
     def __len__(self) -> int:
         """Items per epoch, after repeats."""
         return len(self._items)
