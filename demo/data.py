@@ -1,7 +1,8 @@
 """A tiny captioned dataset drawn on the fly, so the demo and the tests need no downloads.
 
 Each image is one shape (circle, square or triangle) in one colour on a contrasting background, at a
-varied position and size; its caption says which ("a red circle on a blue background").
+varied position and size; its caption says which ("a red circle on a blue background"). With masks=True each
+image also gets a loss mask, NNN.mask.png: the shape white (trained), the background black (ignored).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw
+
+from ..training.data.image_folder import MASK_SUFFIX
 
 COLOURS = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210), "yellow": (240, 210, 40),
@@ -36,8 +39,10 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int,
         draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
 
 
-def make_demo_dataset(folder: str | Path, n_images: int = 16, size: int = 64, seed: int = 0) -> Path:
-    """Write NNN.png + NNN.txt pairs into `folder` (created if needed); same seed -> same bytes."""
+def make_demo_dataset(folder: str | Path, n_images: int = 16, size: int = 64, seed: int = 0,
+                      masks: bool = False) -> Path:
+    """Write NNN.png + NNN.txt pairs into `folder` (created if needed), and NNN.mask.png (the shape's region, for
+    Load Dataset's mask='mask_files') when `masks`; same seed -> same bytes, the same images with or without masks."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -51,8 +56,13 @@ def make_demo_dataset(folder: str | Path, n_images: int = 16, size: int = 64, se
         side = rng.randint(size * 3 // 10, size * 7 // 10)
         x0, y0 = rng.randint(0, size - side), rng.randint(0, size - side)
 
+        box = (x0, y0, x0 + side - 1, y0 + side - 1)
         image = Image.new("RGB", (size, size), COLOURS[background])
-        _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + side - 1, y0 + side - 1), COLOURS[colour])
+        _draw_shape(ImageDraw.Draw(image), shape, box, COLOURS[colour])
         image.save(folder / f"{i:03d}.png", format="PNG")
+        if masks:
+            mask = Image.new("L", (size, size), 0)
+            _draw_shape(ImageDraw.Draw(mask), shape, box, 255)
+            mask.save(folder / f"{i:03d}{MASK_SUFFIX}", format="PNG")
         (folder / f"{i:03d}.txt").write_text(f"{_a(colour)} {shape} on {_a(background)} background\n", encoding="utf-8")
     return folder

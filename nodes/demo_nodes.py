@@ -39,7 +39,8 @@ class TightropeDemoEncoders:
 
 
 class TightropeDemoImages:
-    DESCRIPTION = "Draws a small captioned dataset (coloured shapes) into a folder and returns the folder's path."
+    DESCRIPTION = ("Draws a small captioned dataset (coloured shapes), optionally with loss masks, into a folder and "
+                   "returns the folder's path.")
     CATEGORY = "Tightrope/demo"
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("folder",)
@@ -54,12 +55,16 @@ class TightropeDemoImages:
             "size": ("INT", {"default": 64, "min": 16, "max": 1024, "step": 16,
                              "tooltip": "Side of each square image in pixels."}),
             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Same seed, same images."}),
+        }, "optional": {
+            "masks": ("BOOLEAN", {"default": False,
+                                  "tooltip": "Also draw a loss mask per image (name.mask.png: the shape white, the "
+                                             "background black), for Load Dataset's mask = mask_files."}),
         }}
 
-    def make(self, subfolder, count, size, seed):
+    def make(self, subfolder, count, size, seed, masks=False):
         from ..training.state.atomic_write import safe_output_path
         folder = safe_output_path(host.output_dir(), subfolder)
-        return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed)),)
+        return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed, masks=masks)),)
 
 
 class TightropeDemoConditioning:

@@ -123,12 +123,16 @@ def build(nodes: list[dict]) -> dict:
 
 
 LORA = {"rank": 8, "alpha": 8.0, "rslora": False, "dropout": 0.0, "targets": "attention_mlp", "init": "default",
-        "target_regex": "", "existing_lora": ""}
+        "target_regex": "", "existing_lora": "", "algorithm": "lora"}
+DEMO_IMAGES = {"subfolder": "tightrope_demo_images", "count": 16, "size": 32, "seed": 0, "masks": False}
+DATASET = {"folder": "", "resolution": 32, "caption_dropout": 0.0, "use_repeats": True, "strict": False,
+           "mask": "none"}
 TRAIN = {"learning_rate": 1e-3, "optimizer": "adamw", "schedule": "constant", "warmup_steps": 10, "batch_size": 4,
          "grad_accumulation": 1, "seed": 0, "timestep_sampling": "logit_normal", "timestep_shift": 1.0,
          "guidance": 1.0, "save_every": 50, "filename_prefix": "tightrope/demo_checkpoint", "device": "auto",
          "on_nonfinite": "stop"}
-TRAIN.update(loss="mse", huber_delta=1.0, validation_fraction=0.0, validation_every=100, log_dir="")  # added inputs
+TRAIN.update(ema_decay=0.0, loss="mse", huber_delta=1.0, validation_fraction=0.0, validation_every=100,
+             log_dir="")  # added inputs (optional widgets, after the required ones), at their defaults: off
 STRATEGY = {"mode": "manual", "vram_budget_gb": 0.0, "offload_fraction": 0.5, "offload_policy": "spread",
             "prefetch_depth": 1, "activation_offload": False, "checkpoint": "every_n", "checkpoint_every": 2,
             "compile": "off", "activation_memory_budget": 1.0, "compile_mode": "default", "compute_dtype": "fp32",
@@ -139,10 +143,8 @@ def demo() -> dict:
     return build([
         {"id": 1, "type": "TightropeDemoModel", "col": 0, "row": 0, "widgets": {"seed": 0}},
         {"id": 2, "type": "TightropeDemoEncoders", "col": 0, "row": 1, "widgets": {"seed": 0}},
-        {"id": 3, "type": "TightropeDemoImages", "col": 0, "row": 2,
-         "widgets": {"subfolder": "tightrope_demo_images", "count": 16, "size": 32, "seed": 0}},
-        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1,
-         "widgets": {"folder": "", "resolution": 32, "caption_dropout": 0.0, "use_repeats": True, "strict": False},
+        {"id": 3, "type": "TightropeDemoImages", "col": 0, "row": 2, "widgets": DEMO_IMAGES},
+        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1, "widgets": DATASET,
          "links": {"folder": (3, 0), "vae": (2, 0), "clip": (2, 1)}},
         {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "widgets": LORA},
         {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0, "widgets": STRATEGY},
@@ -152,9 +154,35 @@ def demo() -> dict:
         {"id": 8, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (50 more steps)",
          "widgets": {**TRAIN, "steps": 50, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
         {"id": 9, "type": "TightropeSaveLora", "col": 4, "row": 0,
-         "widgets": {"filename_prefix": "tightrope/demo_lora"}, "links": {"session": (8, 0)}},
+         "widgets": {"filename_prefix": "tightrope/demo_lora", "save_ema": True}, "links": {"session": (8, 0)}},
         {"id": 10, "type": "TightropePlots", "col": 4, "row": 1,
          "widgets": {"filename_prefix": "tightrope/demo"}, "links": {"session": (8, 0)}},
+    ])
+
+
+def demo_features() -> dict:
+    """The demo with the training features on: LoKr, masked loss (each image's shape), a held-out validation quarter
+    scored every 10 steps, an EMA saved as a second file; half the blocks streamed and all checkpointed."""
+    return build([
+        {"id": 1, "type": "TightropeDemoModel", "col": 0, "row": 0, "widgets": {"seed": 0}},
+        {"id": 2, "type": "TightropeDemoEncoders", "col": 0, "row": 1, "widgets": {"seed": 0}},
+        {"id": 3, "type": "TightropeDemoImages", "col": 0, "row": 2,
+         "widgets": {**DEMO_IMAGES, "subfolder": "tightrope_demo_masked_images", "masks": True}},
+        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1, "title": "Load Dataset (masks: the shapes)",
+         "widgets": {**DATASET, "mask": "mask_files"}, "links": {"folder": (3, 0), "vae": (2, 0), "clip": (2, 1)}},
+        {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "title": "LoRA Setup (LoKr)",
+         "widgets": {**LORA, "algorithm": "lokr"}},
+        {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0,
+         "widgets": {**STRATEGY, "offload_fraction": 0.5, "checkpoint": "all"}},
+        {"id": 7, "type": "TightropeTrain", "col": 2, "row": 0, "title": "Train (validation, EMA)",
+         "widgets": {**TRAIN, "steps": 40, "save_every": 0, "filename_prefix": "tightrope/demo_features_checkpoint",
+                     "ema_decay": 0.9, "validation_fraction": 0.25, "validation_every": 10},
+         "links": {"model": (1, 0), "dataset": (4, 0), "lora": (5, 0), "strategy": (6, 0)}},
+        {"id": 8, "type": "TightropeSaveLora", "col": 3, "row": 0,
+         "widgets": {"filename_prefix": "tightrope/demo_features_lokr", "save_ema": True},
+         "links": {"session": (7, 0)}},
+        {"id": 9, "type": "TightropePlots", "col": 3, "row": 1,
+         "widgets": {"filename_prefix": "tightrope/demo_features"}, "links": {"session": (7, 0)}},
     ])
 
 
@@ -169,8 +197,8 @@ def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
                      "device": "default"}},
         {"id": 3, "type": "VAELoader", "col": 0, "row": 2, "widgets": {"vae_name": "ae.safetensors"}},
         {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1,
-         "widgets": {"folder": "my_dataset", "resolution": 1024, "caption_dropout": 0.05, "use_repeats": True,
-                     "strict": False}, "links": {"vae": (3, 0), "clip": (2, 0)}},
+         "widgets": {**DATASET, "folder": "my_dataset", "resolution": 1024, "caption_dropout": 0.05},
+         "links": {"vae": (3, 0), "clip": (2, 0)}},
         {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "widgets": {**LORA, "rank": 16, "alpha": 16.0,
                                                                               "targets": "attention"}},
         {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0, "title": title, "widgets": strategy},
@@ -192,7 +220,7 @@ def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
         {"id": 14, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (500 more steps)",
          "widgets": {**train, "steps": 500, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
         {"id": 15, "type": "TightropeSaveLora", "col": 4, "row": 0,
-         "widgets": {"filename_prefix": "tightrope/flux_dev_lora"}, "links": {"session": (14, 0)}},
+         "widgets": {"filename_prefix": "tightrope/flux_dev_lora", "save_ema": True}, "links": {"session": (14, 0)}},
         {"id": 16, "type": "TightropePlots", "col": 5, "row": 0, "widgets": {"filename_prefix": "tightrope/flux_dev"},
          "links": {"session": (14, 0)}},
     ])
@@ -200,6 +228,7 @@ def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
 
 WORKFLOWS = {
     "demo.json": demo,
+    "demo_features.json": demo_features,
     # 24 GB: Flux-dev's 23.8 GB of bf16 weights do not fit beside activations; stream half of them and checkpoint
     # every second block.
     "flux_dev_lora_24gb.json": lambda: flux_dev(

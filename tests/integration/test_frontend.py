@@ -2,8 +2,8 @@
 websocket client from comfy_server), opens the fixture server's page, loads each workflows/*.json with
 app.loadGraphData and checks that every node type is known (no missing-nodes dialog) and that each Tightrope node's
 widgets hold the saved widgets_values (not reset or shifted; combos hold one of their options), and that no node
-overlaps another as the frontend sizes them. A PNG of each loaded
-graph goes to $TIGHTROPE_ARTIFACTS (default: a pytest tmp dir); the paths are printed.
+overlaps another as the frontend sizes them; demo_features.json is also queued from the frontend and run. A PNG of
+each loaded graph goes to $TIGHTROPE_ARTIFACTS (default: a pytest tmp dir); the paths are printed.
 
 Skipped, with the reason printed, without COMFYUI_DIR or without a Chromium binary (CHROMIUM, or chromium /
 chromium-browser / google-chrome on PATH; Debian: apt-get install chromium).
@@ -235,3 +235,22 @@ def test_workflow_loads_in_the_frontend(page, workflow, artifacts):
                     problems.append(f"node {saved['id']} {saved['type']}: combo {w['name']}={w['value']!r} "
                                     f"not in its options {w['values']}")
     assert not problems, "\n".join(problems + ["page console:"] + page.console[-30:] + [f"screenshot: {shot}"])
+
+
+def test_demo_features_queues_from_the_frontend_and_runs(page, comfy_server):
+    """workflows/demo_features.json as the frontend turns it into a prompt (app.graphToPrompt, what Queue sends), run
+    by the server: the LoKr file and its _ema twin are written to the loras folder, the plots are shown."""
+    data = json.loads((REPO / "workflows" / "demo_features.json").read_text())
+    page.js(f"window.app.loadGraphData({json.dumps(data)}).then(() => true)")
+    prompt = page.js("window.app.graphToPrompt().then(p => p.output)")
+    assert {node["class_type"] for node in prompt.values()} == {n["type"] for n in data["nodes"]}
+    outputs = comfy_server.run(prompt, timeout=580)["outputs"]
+    save = next(node_id for node_id, node in prompt.items() if node["class_type"] == "TightropeSaveLora")
+    paths = [Path(p) for p in outputs[save]["text"]]
+    assert [p.name for p in paths] == ["demo_features_lokr_00001_.safetensors",
+                                       "demo_features_lokr_ema_00001_.safetensors"], paths
+    loras = (comfy_server.base / "models" / "loras" / "tightrope").resolve()
+    assert all(p.exists() and p.resolve().parent == loras for p in paths), paths
+    plots = next(node_id for node_id, node in prompt.items() if node["class_type"] == "TightropePlots")
+    assert [image["filename"] for image in outputs[plots]["images"]] == ["demo_features_loss_00001_.png",
+                                                                          "demo_features_memory_00001_.png"]

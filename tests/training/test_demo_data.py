@@ -1,6 +1,7 @@
+import torch
 from PIL import Image
 
-from tightrope.demo.data import make_demo_dataset
+from tightrope.demo.data import COLOURS, make_demo_dataset
 
 
 def _contents(folder):
@@ -20,3 +21,21 @@ def test_demo_dataset_is_deterministic_and_captioned(tmp_path):
     with Image.open(tmp_path / "a" / "000.png") as image:
         assert image.size == (48, 48) and image.mode == "RGB"
         assert len(image.getcolors()) >= 2  # a shape on a background, not a blank canvas
+
+
+def test_demo_masks_cover_each_shape_and_leave_the_images_unchanged(tmp_path):
+    plain = _contents(make_demo_dataset(tmp_path / "plain", n_images=6, size=48, seed=3))
+    masked = _contents(make_demo_dataset(tmp_path / "a", n_images=6, size=48, seed=3, masks=True))
+    assert masked == _contents(make_demo_dataset(tmp_path / "b", n_images=6, size=48, seed=3, masks=True))
+    assert sorted(masked) == sorted([*plain, *(f"{i:03d}.mask.png" for i in range(6))])
+    assert {k: v for k, v in masked.items() if not k.endswith(".mask.png")} == plain  # same images, same captions
+    for i in range(6):
+        with Image.open(tmp_path / "a" / f"{i:03d}.png") as image, \
+                Image.open(tmp_path / "a" / f"{i:03d}.mask.png") as mask:
+            assert mask.size == image.size and mask.mode == "L"
+            white, pixels = torch.tensor(list(mask.tobytes())) == 255, torch.tensor(list(image.tobytes())).view(-1, 3)
+            # white exactly where the shape is: the pixels of the caption's colour (no anti-aliasing, and the
+            # background's colour always differs from the shape's)
+            colour = COLOURS[(tmp_path / "a" / f"{i:03d}.txt").read_text().split()[1]]
+            assert torch.equal(white, (pixels == torch.tensor(colour)).all(1)) and 0 < white.sum() < white.numel()
+            assert set(mask.tobytes()) == {0, 255}
