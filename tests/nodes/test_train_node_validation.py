@@ -15,13 +15,13 @@ from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.train_node import TightropeTrain
 
 NEW = ["loss", "huber_delta", "validation_fraction", "validation_every", "log_dir"]
-DEMO = Path(__file__).resolve().parents[2] / "workflows" / "demo.json"
+DEMO = Path(__file__).resolve().parents[1] / "workflows" / "data" / "demo_0_1.json"  # demo.json as 0.1 saved it
 
 
 def test_new_widgets_are_last_and_optional_so_a_saved_workflow_keeps_its_values():
     specs = widget_specs(TightropeTrain)
     assert [s.name for s in specs[-len(NEW):]] == NEW and not any(s.required for s in specs[-len(NEW):])
-    node = next(n for n in json.loads(DEMO.read_text())["nodes"] if n["type"] == "TightropeTrain")  # saved before
+    node = next(n for n in json.loads(DEMO.read_text())["nodes"] if n["type"] == "TightropeTrain")
     problems = []
     values = widget_values_by_name(node, TightropeTrain, str(node["id"]), problems)
     assert not problems and not set(NEW) & set(values)  # the new widgets take their defaults
