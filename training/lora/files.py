@@ -105,6 +105,9 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
     meta = {**metadata, **lora_settings_metadata(spec, dtype)}
     if spec.algorithm == "dora":
         meta[META_KEY] = DORA_FOR[dora_for]
+        check_finite(tensors, f"the DoRA file {filename_prefix!r}", "it was not saved: its dora_scale was computed "
+                     "from base weights that were not readable (NaN); report this as a Tightrope bug, or save with "
+                     "dora_for='standard'")
     for _ in range(100):  # another writer may take the same counter between choosing it and writing
         try:
             return atomic_save_file(tensors, next_free_path(folder, filename_prefix), meta, overwrite=False)
