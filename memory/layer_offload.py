@@ -167,6 +167,16 @@ class LayerOffload:
             self.area, self._area_ptr, self.resident, self.ready = None, None, {}, {}
             self._views = []
 
+    def host_source(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The host tensor an offloaded frozen parameter streams from (the model's own tensor, or its host copy in
+        weight_dtype), or None for a parameter this object does not offload. Valid whether or not its block is
+        loaded, while attached."""
+        for lay in self.layouts.values():
+            for (q, *_), src in zip(lay.params, lay.sources):
+                if q is p:
+                    return src
+        return None
+
     def host_copy_bytes(self) -> int:
         """Host bytes this object allocated: copies of weights that could not stream from their own storage."""
         return sum(lay.copy.numel() for lay in self.layouts.values() if lay.copy is not None)

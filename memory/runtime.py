@@ -195,6 +195,12 @@ class MemoryRuntime:
         """A parameter, or a view of one's storage (compiled graphs save weights and their transposes)."""
         return isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages
 
+    def host_weight(self, p: nn.Parameter) -> torch.Tensor:
+        """The value of frozen parameter `p` now, whatever the runtime did to it: the host tensor it streams from
+        while its block is offloaded (its `data` is then a placeholder or a slot view), else `p` itself."""
+        source = self.offload.host_source(p) if self.offload is not None else None
+        return source if source is not None else p.detach()
+
     def _model_tensors(self) -> list[torch.Tensor]:
         return list(self.model.parameters()) + list(self.model.buffers())
 

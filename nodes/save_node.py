@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..training.distributed import on_main_rank
 from ..training.input_checks import check_output_target
+from ..training.lora.dora_scale import DORA_FOR, check_dora_for
 from ..training.save_session import save_session_ema, save_session_lora
 from . import host
 from .input_validation import validation_result
@@ -30,6 +31,14 @@ class TightropeSaveLora:
                                      "tooltip": "Also write the EMA weights (Train node ema_decay > 0) as "
                                                 "<prefix>_ema_NNNNN_.safetensors (its path is shown under the "
                                                 "node); nothing more without an EMA."}),
+            "dora_for": (list(DORA_FOR), {"default": "comfyui",
+                                          "tooltip": "DoRA only: where the file will be used. 'comfyui': exact in "
+                                                     "ComfyUI as released, which divides DoRA's rows by the base "
+                                                     "weight's norm (the file folds that in; recorded in its "
+                                                     "metadata). 'standard': the LyCORIS/peft DoRA scale, for "
+                                                     "tools that divide by the norm of the updated weight (and "
+                                                     "ComfyUI once PR #15458 lands). Continuing training reads "
+                                                     "either back exactly."}),
         }}
 
     @classmethod
@@ -38,10 +47,12 @@ class TightropeSaveLora:
         prefix = inputs.get("filename_prefix")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix))
 
-    def save(self, session, filename_prefix, save_ema=True):
+    def save(self, session, filename_prefix, save_ema=True, dora_for="comfyui"):
         check_output_target(host.loras_dir(), filename_prefix)
+        check_dora_for(dora_for)
         # under torchrun rank 0 writes and every rank gets its paths
-        path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix))
-        ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix)) if save_ema else None
+        path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix, dora_for))
+        ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix, dora_for)) \
+            if save_ema else None
         paths = [str(path)] + ([str(ema)] if ema is not None else [])
         return {"ui": {"text": paths}, "result": (str(path),)}

@@ -26,6 +26,7 @@ from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .held_stops import held_stops
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
+from .lora.dora_scale import base_weight_of
 from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
@@ -82,6 +83,7 @@ class _Run:
     ema: CpuEma | None = None  # the EMA of the LoRA weights, when ema_decay > 0
     data: object = None   # the images trained on: the dataset less a held-out validation part
     monitor: RunMonitor | None = None  # validation loss, TensorBoard, log lines
+    host_weight: Callable | None = None  # a frozen parameter -> its value (the runtime's host master while offloaded)
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -125,6 +127,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 load_lora_state(module, session.lora_state)
             with distributed.sharded_base(module, session.strategy, device) as model, \
                     MemoryRuntime(model, session.strategy, device) as runtime:  # model: module, or its FSDP copy
+                run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
                 optimizer = make_optimizer(list(params.values()), cfg, device)
@@ -273,7 +276,8 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
                  "it was not saved and the files of the last good step stay; lower learning_rate")
     if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
         path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
-                               metadata=run_metadata(session, run.step))
+                               metadata=run_metadata(session, run.step),
+                               base_weight=base_weight_of(module, run.host_weight))
         run.saved.append((str(path), run.step))
     try:
         _save_state(session, run, save, lora, optimizer_state)
@@ -331,7 +335,7 @@ def _unsaved_message(session: TrainingSession, run: _Run, module, save: SaveTarg
     if isinstance(error, OSError):
         return str(rescue_lora(error, lora_state(module), session.lora, folder=save.folder,
                                filename_prefix=save.filename_prefix, metadata=run_metadata(session, run.step),
-                               step=run.step))
+                               step=run.step, base_weight=base_weight_of(module, run.host_weight)))
     return f"could not save the LoRA of step {run.step}: {type(error).__name__}: {error}"
 
 

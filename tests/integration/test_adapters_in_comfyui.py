@@ -6,8 +6,9 @@ loaded by ComfyUI's LoRA loading (load_lora_for_models, LoraLoaderModelOnly's co
 Tolerance: both sides compute in fp32; ComfyUI adds the update into the weight (W + s * update) where peft runs the
 update as a separate branch (LoRA/DoRA) or a separate delta weight (LoHa/LoKr), so outputs of size ~1 differ by
 rounding only: 1e-5, the bound the plain-LoRA check (tests/training/test_lora_file_vs_comfyui.py) uses.
-DoRA: ComfyUI 0.33 divides by the base weight's row norms (see training/lycoris_file.py), so the patched model is
-compared with the trained DoRA whose magnitudes carry exactly that factor; the plain difference is printed.
+DoRA: ComfyUI 0.33 divides by the base weight's row norms; the default file (dora_for='comfyui',
+training/lora/dora_scale.py) folds |W_i| / |W_i + update_i| into dora_scale, so it too is compared with the trained
+output directly. The 'standard' file (peft's magnitude) is loaded too, to show that factor is not rounding.
 """
 import json
 import subprocess
@@ -35,9 +36,8 @@ RUNNER = textwrap.dedent("""
     import comfy.model_management as mm
     import comfy.sd, comfy.utils
     from safetensors.torch import load_file
-    from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_layers, lora_parameters, lora_state
+    from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters, lora_state
     from tightrope.training.models import adapter_for
-    from tightrope.training.lora.algorithms import ADAPTER
     from tightrope.training.lora.files import save_lora
 
     class Collect(logging.Handler):
@@ -81,20 +81,20 @@ RUNNER = textwrap.dedent("""
         node_out = run(via_node.model.diffusion_model)
         logging.getLogger().removeHandler(collect)
 
+        standard_diff = None
+        if algorithm == "dora":  # the LyCORIS/peft convention, which ComfyUI 0.33 applies off by |W+dW|/|W| per row
+            std = comfy.utils.load_torch_file(str(save_lora(folder, "std", trained, spec, metadata={},
+                                                            dora_for="standard")), safe_load=True)
+            fresh = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
+            std_patched, _ = comfy.sd.load_lora_for_models(fresh, None, std, 1.0, 0.0)
+            mm.load_models_gpu([std_patched])
+            standard_diff = (run(std_patched.model.diffusion_model) - trained_out).abs().max().item()
         expected = trained_out
-        if algorithm == "dora":  # ComfyUI 0.33's DoRA: row norms of the base weight, not of W + update
-            with torch.no_grad():
-                for layer in lora_layers(trained).values():
-                    w = layer.get_base_layer().weight
-                    update = layer.scaling[ADAPTER] * layer.lora_B[ADAPTER].weight @ layer.lora_A[ADAPTER].weight
-                    layer.lora_magnitude_vector[ADAPTER].weight.mul_(
-                        torch.linalg.norm(w + update, dim=1) / (torch.linalg.norm(w, dim=1) + torch.finfo(w.dtype).eps))
-            expected = run(trained)
         results[algorithm] = {
             "layers": sorted(f"diffusion_model.{n}.weight" for n in names), "patched": sorted(patched.patches),
             "keys": len(lora), "warnings": collect.messages,
             "diff": (comfy_out - expected).abs().max().item(), "node_diff": (node_out - comfy_out).abs().max().item(),
-            "diff_to_trained": (comfy_out - trained_out).abs().max().item(),
+            "standard_diff": standard_diff,
             "effect": (comfy_out - base_out).abs().max().item(), "scale": trained_out.abs().max().item()}
     print("RESULT " + json.dumps(results))
 """)
@@ -125,12 +125,13 @@ def test_comfyui_applies_each_adapter_as_trained(tmp_path, family, make_inputs):
     for algorithm, r in json.loads(lines[-1][len("RESULT "):]).items():
         log = "\n".join(r["warnings"])
         print(f"\n{family} {algorithm}: {len(r['layers'])} layers, {r['keys']} keys; max |ComfyUI - expected| = "
-              f"{r['diff']:.2e}, |ComfyUI - trained| = {r['diff_to_trained']:.2e}, effect {r['effect']:.3f}",
+              f"{r['diff']:.2e}, effect {r['effect']:.3f}" + (f"; the standard DoRA file misses by {r['standard_diff']:.2e}"
+              if r["standard_diff"] is not None else ""),
               file=sys.stderr)
         assert "lora key not loaded" not in log and "ERROR" not in log, log
         assert r["patched"] == r["layers"] and r["layers"]
         assert r["effect"] > 1e-2, "the adapter did nothing: the comparison would prove nothing"
         assert r["diff"] <= 1e-5 * max(1.0, r["scale"])
         assert r["node_diff"] == 0.0, "the Train node's MODEL output differs from the saved file loaded by ComfyUI"
-        if algorithm != "dora":
-            assert r["diff_to_trained"] == r["diff"]
+        if algorithm == "dora":  # the factor the comfyui file folds in is no rounding: the comparison can fail
+            assert r["standard_diff"] > 100 * 1e-5 * max(1.0, r["scale"])

@@ -1,11 +1,12 @@
 """Bad inputs of the training features: LoRA algorithms (adapters), masks, EMA and optimizers (feats), validation,
-losses and TensorBoard (valid). Each fails before any image is encoded or any step runs. The shared helpers are in
+losses and TensorBoard (valid), the Save node's DoRA convention (dora). Each fails before any image is encoded or
+any step runs (the Save node's after the one step that gives it a session). The shared helpers are in
 bad_input_cases.py; bad_input_run_cases.py appends these CASES to the whole list."""
 from __future__ import annotations
 
 import sys
 
-from bad_input_cases import DATA, LORA, TRAIN, Case, dataset_inputs, png, train_with
+from bad_input_cases import DATA, LORA, SAVE, TRAIN, Case, dataset_inputs, png, train_with
 from PIL import Image
 from reliability_kit import load_dataset, train_node, world
 
@@ -130,4 +131,17 @@ CASES += [
          lambda c: train_with(c, loss="huber", huber_delta=-1.0)),
     Case("tensorboard_missing", "log_dir without tensorboard installed", TRAIN, "ConfigError",
          ("log_dir='<output>/tb'", "pip install tensorboard", "leave log_dir empty"), tensorboard_missing),
+]
+
+
+# --- dora ---
+def dora_for_unknown(ctx):
+    model, dataset, _, strat = world(ctx.out)
+    session = train_node(model, dataset, lora_setup(algorithm="dora"), strat, steps=1)[0]
+    TightropeSaveLora().save(session, "dora", dora_for="lycoris")
+
+
+CASES += [
+    Case("dora_for_unknown", "Save LoRA dora_for that is not a choice", SAVE, "LoraError",
+         ("dora_for='lycoris'", "choose 'comfyui'", "'standard'"), dora_for_unknown),
 ]

@@ -30,6 +30,7 @@ from ..finite_check import check_finite
 from ..state.atomic_write import atomic_save_file, next_free_path
 from .algorithms import layer_algorithm
 from .layers import ADAPTER, LoraSpec, inject_lora, lora_layers, lora_state, remove_lora
+from .dora_scale import DORA_FOR, META_KEY, BaseWeight, base_weight_of, check_dora_for
 from .lycoris import check_file_algorithm, file_tensors, load_into
 from .targets import LoraError
 
@@ -58,12 +59,15 @@ def file_alpha(spec: LoraSpec) -> float:
     return spec.alpha * math.sqrt(spec.rank) if spec.rslora else spec.alpha
 
 
-def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp32") -> dict[str, Tensor]:
-    """A `lora_state` (peft parameter names) -> the tensors of a ComfyUI LoRA file."""
+def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp32", *, dora_for: str = "comfyui",
+                      base_weight: BaseWeight | None = None) -> dict[str, Tensor]:
+    """A `lora_state` (peft parameter names) -> the tensors of a ComfyUI LoRA file. DoRA: `dora_for` and
+    `base_weight` (layer name -> base weight) give its dora_scale (dora_scale.py)."""
     if dtype not in LORA_DTYPES:
         raise LoraError(f"LoRA file dtype={dtype!r} is not supported: choose one of {', '.join(LORA_DTYPES)}")
     if spec.algorithm != "lora":
-        return file_tensors(state, spec.algorithm, spec.scale, file_alpha(spec), LORA_DTYPES[dtype])
+        return file_tensors(state, spec.algorithm, spec.scale, file_alpha(spec), LORA_DTYPES[dtype],
+                            dora_for=dora_for, base_weight=base_weight)
     alpha = torch.tensor(file_alpha(spec), dtype=torch.float32)
     out = {}
     for key, t in state.items():
@@ -76,25 +80,34 @@ def lora_file_tensors(state: dict[str, Tensor], spec: LoraSpec, dtype: str = "fp
 
 
 def save_lora(folder: str | os.PathLike, filename_prefix: str, module: nn.Module, spec: LoraSpec, *,
-              metadata: dict[str, str], dtype: str = "fp32") -> Path:
-    """Write the LoRA injected in `module` (see save_lora_state)."""
+              metadata: dict[str, str], dtype: str = "fp32", dora_for: str = "comfyui") -> Path:
+    """Write the LoRA injected in `module` (see save_lora_state); a DoRA's base weights are read from `module`."""
     state = lora_state(module)
     if not state:
         raise LoraError(f"{type(module).__name__} has no LoRA layers to save: inject_lora(module, ...) first")
-    return save_lora_state(folder, filename_prefix, state, spec, metadata=metadata, dtype=dtype)
+    return save_lora_state(folder, filename_prefix, state, spec, metadata=metadata, dtype=dtype, dora_for=dora_for,
+                           base_weight=base_weight_of(module))
 
 
 def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict[str, Tensor], spec: LoraSpec, *,
-                    metadata: dict[str, str], dtype: str = "fp32") -> Path:
+                    metadata: dict[str, str], dtype: str = "fp32", dora_for: str = "comfyui",
+                    base_weight: BaseWeight | None = None) -> Path:
     """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
 
     `metadata`: the run's facts as strings (trainer.run_metadata gives tightrope.base_model, .family, .steps,
     .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here. A LoRA
-    holding NaN or inf is never written (NonFiniteDataError)."""
+    holding NaN or inf is never written (NonFiniteDataError). DoRA: `dora_for` picks the dora_scale convention
+    (recorded as tightrope.dora_scale); 'comfyui' needs `base_weight`, layer name -> base weight (dora_scale.py)."""
+    check_dora_for(dora_for)
     check_finite(state, f"the LoRA to save as {filename_prefix!r}", "it was not saved; the training diverged: lower "
                  "learning_rate and train again from the last saved LoRA")
-    tensors = lora_file_tensors(state, spec, dtype)
+    tensors = lora_file_tensors(state, spec, dtype, dora_for=dora_for, base_weight=base_weight)
     meta = {**metadata, **lora_settings_metadata(spec, dtype)}
+    if spec.algorithm == "dora":
+        meta[META_KEY] = DORA_FOR[dora_for]
+        check_finite(tensors, f"the DoRA file {filename_prefix!r}", "it was not saved: its dora_scale was computed "
+                     "from base weights that were not readable (NaN); report this as a Tightrope bug, or save with "
+                     "dora_for='standard'")
     for _ in range(100):  # another writer may take the same counter between choosing it and writing
         try:
             return atomic_save_file(tensors, next_free_path(folder, filename_prefix), meta, overwrite=False)

@@ -12,12 +12,10 @@ Scales: ComfyUI multiplies the update by alpha / rank, rank read from the file: 
 (loha), the factor's _b rows (lokr). A LoKr layer with no factorised weight (rank >= half the factor sizes) gets
 scale 1 in ComfyUI whatever alpha says, so the trained scale is folded into lokr_w1 there.
 
-DoRA: dora_scale is peft's magnitude vector (one per output row), shaped (out, 1): ComfyUI then normalises per
-output row, as peft does (a 1-D vector would broadcast to (out, out) in ComfyUI's weight_decompose). peft divides
-each row of W + update by its own norm; ComfyUI 0.33 divides by the norm of the base weight's row, so a DoRA applied
-by ComfyUI 0.33 differs from the trained one by the factor |W_i + update_i| / |W_i| on output row i (1 at the start
-of training, about 1 + |update_i|^2 / (2 |W_i|^2) while the update stays orthogonal to W). The file keeps the
-trained magnitude, the DoRA convention LyCORIS and ComfyUI's open fix (Comfy-Org/ComfyUI#15458) apply exactly.
+DoRA: dora_scale is shaped (out, 1), one per output row, so ComfyUI normalises per output row as peft does (a 1-D
+vector would broadcast to (out, out) in ComfyUI's weight_decompose). Its value depends on the tool that will apply
+it (dora_for): peft's magnitude ('standard'), or that magnitude times |W_i| / |W_i + update_i|, which ComfyUI as
+released applies exactly ('comfyui', the default); see dora_scale.py.
 """
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from . import dora_scale
 from .algorithms import ADAPTER, NAMES, adapter_parameters, layer_algorithm
 from .targets import LoraError
 
@@ -63,10 +62,11 @@ def check_file_algorithm(keys: Iterable[str], algorithm: str, what: str) -> None
 
 
 # ------------------------------------------------------------------------------------------------------- save
-def file_tensors(state: dict[str, Tensor], algorithm: str, scale: float, alpha: float,
-                 dtype: torch.dtype) -> dict[str, Tensor]:
+def file_tensors(state: dict[str, Tensor], algorithm: str, scale: float, alpha: float, dtype: torch.dtype, *,
+                 dora_for: str = "comfyui", base_weight: dora_scale.BaseWeight | None = None) -> dict[str, Tensor]:
     """A `lora_state` of a DoRA / LoHa / LoKr adapter -> the tensors of its ComfyUI file. `scale`: the trained
-    scale (LoraSpec.scale); `alpha`: the alpha to write (alpha / rank == scale)."""
+    scale (LoraSpec.scale); `alpha`: the alpha to write (alpha / rank == scale). DoRA: `dora_for` picks the
+    dora_scale convention; 'comfyui' needs `base_weight` (dora_scale.py)."""
     parts = PARTS[algorithm]
     layers: dict[str, dict[str, Tensor]] = {}
     for key, t in state.items():
@@ -74,6 +74,8 @@ def file_tensors(state: dict[str, Tensor], algorithm: str, scale: float, alpha: 
         if not m:
             raise LoraError(f"state key {key!r} is not a peft {NAMES[algorithm]} weight: pass lora_state(module)")
         layers.setdefault(m.group(1), {})[parts[m.group(2)]] = t.detach().to("cpu", torch.float32)
+    if algorithm == "dora":
+        dora_scale.to_file(layers, scale, dora_for, base_weight)
     out = {}
     for name, p in layers.items():
         if algorithm == "dora":
@@ -164,6 +166,10 @@ def load_into(module: nn.Module, layers: dict[str, nn.Module], tensors: dict[str
     for name, layer in layers.items():
         p = entries[name]
         ratio = file_scale(p, algorithm) / layer.scaling[ADAPTER]
+        if algorithm == "dora":
+            p = {**p, "dora_scale": dora_scale.magnitude_from_file(
+                p["dora_scale"], meta, layer.get_base_layer().weight, p["lora_A.weight"], p["lora_B.weight"],
+                file_scale(p, algorithm))}
         for pname, param in adapter_parameters(layer).items():
             t = p[parts[pname]].reshape(param.shape)
             param.copy_(t.float() * ratio if parts[pname] in _SCALED[algorithm] and abs(ratio - 1) >= 1e-6 else t)

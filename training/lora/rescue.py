@@ -10,6 +10,7 @@ from pathlib import Path
 from torch import Tensor
 
 from ..state.atomic_write import FileWriteError, safe_output_path
+from .dora_scale import BaseWeight
 from .layers import LoraSpec
 from .files import save_lora_state
 
@@ -29,9 +30,11 @@ class LoraNotSavedError(OSError):
 
 
 def rescue_lora(error: OSError, state: dict[str, Tensor], spec: LoraSpec, *, folder: str | os.PathLike,
-                filename_prefix: str, metadata: dict[str, str], step: int) -> LoraNotSavedError:
+                filename_prefix: str, metadata: dict[str, str], step: int, dora_for: str = "comfyui",
+                base_weight: BaseWeight | None = None) -> LoraNotSavedError:
     """Write `state` to a fallback file after writing it to `folder`/`filename_prefix` failed with `error`; returns
-    the error to raise or warn with (it names both files, or every place tried if no copy could be written)."""
+    the error to raise or warn with (it names both files, or every place tried if no copy could be written).
+    `dora_for`, `base_weight`: as for save_lora_state (a DoRA's dora_scale)."""
     failed = error if isinstance(error, FileWriteError) else \
         FileWriteError(Path(error.filename or safe_output_path(folder, filename_prefix)), error.errno,
                        error.strerror or str(error))
@@ -40,7 +43,8 @@ def rescue_lora(error: OSError, state: dict[str, Tensor], spec: LoraSpec, *, fol
     tried = []
     for place in dict.fromkeys([Path(folder), Path(tempfile.gettempdir())]):
         try:
-            kept = save_lora_state(place, name, state, spec, metadata=metadata)
+            kept = save_lora_state(place, name, state, spec, metadata=metadata, dora_for=dora_for,
+                                   base_weight=base_weight)
         except OSError as e:
             tried.append(f"'{place}' ({e.strerror or e})")
             continue

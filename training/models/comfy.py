@@ -198,10 +198,15 @@ class ComfyModelAdapter:
     def with_lora_state(self, spec, state: dict[str, torch.Tensor], strength: float = 1.0):
         """A clone of the MODEL with the LoRA patched in by ComfyUI's own LoRA loading (LoraLoaderModelOnly's
         code path), so it samples exactly as the saved file through the core loader does."""
+        from ..lora.dora_scale import base_weight_of
         from ..lora.files import lora_file_tensors
         if strength == 0:
             return self.patcher
-        tensors = lora_file_tensors(state, spec)
+        if spec.algorithm == "dora":  # its dora_scale in ComfyUI's convention needs the unpatched base weights
+            with self.training_module() as module:
+                tensors = lora_file_tensors(state, spec, base_weight=base_weight_of(module))
+        else:
+            tensors = lora_file_tensors(state, spec)
         patched, _ = comfy.sd.load_lora_for_models(self.patcher, None, tensors, strength, 0.0)
         expected = {k[: -len(".alpha")] + ".weight" for k in tensors if k.endswith(".alpha")}  # one per layer
         missing = sorted(expected - set(patched.patches))
