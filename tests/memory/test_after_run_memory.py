@@ -11,6 +11,7 @@ from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.train_node import TightropeTrain
+from tightrope.training import training_run
 from tightrope.training.lora.layers import inject_lora, load_lora_state, merge_and_remove_lora
 
 
@@ -71,3 +72,18 @@ def test_train_node_model_output_is_the_merged_lora_when_used(tmp_path):
         assert torch.equal(merged[k], v), k
     for k, v in model.flux.state_dict().items():
         assert torch.equal(v, original[k]), k
+
+
+def test_train_node_returns_freed_heap_memory_once_the_run_is_gone(tmp_path, monkeypatch):
+    """The runtime's undo trims the heap, but the optimizer, its state and the LoRA layers are freed later, when
+    train() returns (in a ComfyUI server: +5 % of the loaded RSS kept, W = 1.3 GB); the node trims again then, once,
+    with no optimizer left alive."""
+    calls = []
+
+    def trim():
+        calls.append(sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects()))
+        return True
+
+    monkeypatch.setattr(training_run, "release_freed_host_memory", trim)
+    train_node_outputs(tmp_path, demo_model(0), runs=1)
+    assert calls == [0]
