@@ -62,6 +62,10 @@ class ReferenceFluxModel:
             self._flux, self._lora = flux, None
         return self._flux
 
+    @flux.setter
+    def flux(self, flux: Flux) -> None:
+        self._flux, self._lora = flux, None
+
     @contextlib.contextmanager
     def training_module(self) -> Iterator[nn.Module]:
         tensors = list(itertools.chain(self.flux.parameters(), self.flux.buffers()))
