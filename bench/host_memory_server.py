@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_REASON = "COMFYUI_DIR is not set: set it to a ComfyUI source dir to measure inside a real ComfyUI server"
-PROMPTS = 2        # training prompts per server
+PROMPTS = 3        # training prompts per server (does what a prompt keeps repeat?)
 SETTLE_S = 3.0     # after a prompt, before reading the RSS it settled at
 
 

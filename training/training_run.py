@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
 from .state.atomic_write import safe_output_path
 from .models.model_with_lora import model_with_lora
@@ -64,6 +65,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
                        run_start=run_start, log_dir=log_dir, notify=notify)
+    release_freed_host_memory()  # train() has returned: its optimizer, LoRA layers and save buffers are freed now
     node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)
 

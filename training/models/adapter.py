@@ -45,9 +45,26 @@ class ReferenceFluxModel:
     """The embedded default's MODEL: our plain-PyTorch Flux (see reference_flux.py)."""
     family = "flux"
 
-    def __init__(self, flux: Flux, base_name: str = "tightrope-reference-flux"):
-        self.flux = flux
+    def __init__(self, flux: Flux, base_name: str = "tightrope-reference-flux", *,
+                 lora: tuple[LoraSpec, dict[str, torch.Tensor], float] | None = None):
+        """lora: (spec, state, strength) merged into a copy of `flux` the first time the module is asked for."""
+        self._flux, self._lora = flux, lora
         self.base_name = base_name
+
+    @property
+    def flux(self) -> Flux:
+        if self._lora is not None:  # the merge of with_lora_state, made when used (at most once)
+            spec, state, strength = self._lora
+            flux = copy.deepcopy(self._flux)
+            inject_lora(flux, spec, self.family)
+            load_lora_state(flux, state)
+            merge_and_remove_lora(flux, strength)
+            self._flux, self._lora = flux, None
+        return self._flux
+
+    @flux.setter
+    def flux(self, flux: Flux) -> None:
+        self._flux, self._lora = flux, None
 
     @contextlib.contextmanager
     def training_module(self) -> Iterator[nn.Module]:
@@ -63,7 +80,7 @@ class ReferenceFluxModel:
             yield self.flux
 
     def conditioning_dims(self) -> tuple[int, int]:
-        return self.flux.params.context_in_dim, self.flux.params.vec_in_dim
+        return self._flux.params.context_in_dim, self._flux.params.vec_in_dim  # the same with the LoRA merged
 
     def predict(self, module, x_t, t, context, pooled, guidance):
         g = torch.full((x_t.shape[0],), float(guidance), device=x_t.device) if module.params.guidance_embed else None
@@ -74,12 +91,9 @@ class ReferenceFluxModel:
 
     def with_lora_state(self, spec: LoraSpec, state: dict[str, torch.Tensor],
                         strength: float = 1.0) -> "ReferenceFluxModel":
-        """A copy with the LoRA merged into its weights."""
-        flux = copy.deepcopy(self.flux)
-        inject_lora(flux, spec, self.family)
-        load_lora_state(flux, state)
-        merge_and_remove_lora(flux, strength)
-        return ReferenceFluxModel(flux, self.base_name)
+        """A copy with the LoRA merged into its weights, made when it is first used (e.g. by another Train node): a
+        Train node's MODEL output that nothing uses holds no second copy of the weights (ComfyUI caches it)."""
+        return ReferenceFluxModel(self.flux, self.base_name, lora=(spec, state, strength))
 
 
 def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
