@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from . import distributed
+from .schedule_free import eval_weights
 from .tensorboard_log import TensorBoardLog
 from .validation import Validation
 
@@ -28,9 +29,14 @@ class RunMonitor:
         """The (step, validation loss) pairs scored in this run."""
         return tuple(self.validation.scored) if self.validation is not None else ()
 
-    def validate(self, step: int, adapter: Any, module: torch.nn.Module, runtime: Any) -> None:
-        """Score the validation set at `step` (steps done) if it is due there."""
-        loss = None if self.validation is None else self.validation.score_if_due(step, adapter, module, runtime)
+    def validate(self, step: int, adapter: Any, module: torch.nn.Module, runtime: Any,
+                 optimizer: torch.optim.Optimizer) -> None:
+        """Score the validation set at `step` (steps done) if it is due there, at the weights a save would write
+        (a schedule-free optimizer's averaged weights; the train weights are back afterwards, exactly)."""
+        if self.validation is None or not self.validation.due(step):
+            return
+        with eval_weights(optimizer):
+            loss = self.validation.score_if_due(step, adapter, module, runtime)
         if loss is None:
             return
         if self.notify is not None:

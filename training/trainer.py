@@ -176,7 +176,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.compute_dtype == "fp16")
     batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
                                shard=distributed.current().shard)
-    run.monitor.validate(run.step, adapter, module, runtime)  # the run's first step (or one a stop left unscored)
+    run.monitor.validate(run.step, adapter, module, runtime, optimizer)  # the run's first step (or one a stop left unscored)
     while run.step < first + steps:
         if should_stop is not None and should_stop():
             return
@@ -199,7 +199,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
         if progress is not None:
             progress(run.step - run.start, run.end - run.start, loss)
         run.monitor.step_done(run.step, loss, optimizer.param_groups[0]["lr"], run.stats[-1])
-        run.monitor.validate(run.step, adapter, module, runtime)  # before the save: the state file holds it
+        run.monitor.validate(run.step, adapter, module, runtime, optimizer)  # before the save: the state file holds it
         if save is not None and save.every and run.step % save.every == 0:
             _save(session, run, module, save, optimizer)
 

@@ -184,3 +184,29 @@ def test_a_fraction_and_a_second_dataset_are_refused_together(tmp_path):
     session = demo_session(tmp_path, validation_fraction=0.25).advanced(validation_dataset=second_dataset(tmp_path))
     with pytest.raises(ConfigError, match="validation_fraction=0.25 and a validation_dataset are both given"):
         train(session, 1, device=CPU)
+
+
+def test_a_schedule_free_run_scores_the_weights_it_saves(tmp_path, monkeypatch):
+    """Schedule-free AdamW trains at y but saves its average x: validation scores x, like a save, and training goes
+    on from y exactly (the trajectory equals a run without validation)."""
+    pytest.importorskip("schedulefree", reason="schedulefree is not installed (optional): nothing to check")
+    from tightrope.training import validation as validation_module
+    from tightrope.training.lora.layers import lora_state
+    seen = []
+    real_loss = validation_module.Validation.loss
+
+    def spying_loss(self, adapter, module, runtime):
+        seen.append({k: v.clone() for k, v in lora_state(module).items()})
+        return real_loss(self, adapter, module, runtime)
+
+    monkeypatch.setattr(validation_module.Validation, "loss", spying_loss)
+    session = demo_session(tmp_path, optimizer="adamw_schedulefree", learning_rate=1e-2, validation_every=3)
+    plain = train(session, 3, device=CPU)
+    validated = train(session.advanced(validation_dataset=second_dataset(tmp_path)), 3, device=CPU)
+    assert [s for s, _ in validated.validation_losses] == [0, 3]
+    saved = validated.lora_state  # the session's LoRA: x, what a save writes
+    assert all(torch.equal(seen[-1][k], v) for k, v in saved.items())
+    # the train weights y travel in the optimizer state; they differ from x, so scoring y would have failed above
+    y = [entry["tightrope_train_weights"] for entry in validated.optimizer_state["state"].values()]
+    assert y and any(not any(torch.equal(t, v) for v in saved.values()) for t in y)
+    assert validated.losses == plain.losses  # scoring x left the training at y untouched
