@@ -59,17 +59,17 @@ def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
         if act and ckpt == "off":
             continue  # activation offload only moves checkpointed blocks' inputs: the same run as without
         out.append((f"off{off:g} ckpt-{ckpt}" + (" actoff" if act else ""),
-                    Strategy(compute_dtype="fp32", offload_fraction=off, checkpoint=ckpt, activation_offload=act)))
-    out.append(("off0.5 ckpt-every2 actoff depth2", Strategy(compute_dtype="fp32", offload_fraction=0.5,
-                                                            checkpoint="every_n", checkpoint_every=2,
-                                                            activation_offload=True, prefetch_depth=2)))
+                    Strategy.of(compute_dtype="fp32", offload_fraction=off, checkpoint=ckpt, activation_offload=act)))
+    out.append(("off0.5 ckpt-every2 actoff depth2", Strategy.of(compute_dtype="fp32", offload_fraction=0.5,
+                                                               checkpoint="every_n", checkpoint_every=2,
+                                                               activation_offload=True, prefetch_depth=2)))
     return [out[k] for k in (3, 8, 9)] if tiny else out
 
 
 def compiled_matrix(backend: str) -> list[tuple[str, Strategy]]:
-    return [(f"compile@{b:g} off0.5 actoff", Strategy(compute_dtype="fp32", offload_fraction=0.5, compile="per_block",
-                                                       compile_backend=backend, activation_memory_budget=b,
-                                                       activation_offload=True, **ckpt))
+    return [(f"compile@{b:g} off0.5 actoff", Strategy.of(compute_dtype="fp32", offload_fraction=0.5,
+                                                          compile="per_block", compile_backend=backend,
+                                                          activation_memory_budget=b, activation_offload=True, **ckpt))
             for b, ckpt in ((1.0, {"checkpoint": "all"}), (0.5, {}))]
 
 
@@ -127,7 +127,7 @@ def run_matrix(device_type: str, configs: list[tuple[str, Strategy]], *, injecti
         rows = []
         for injection in injections:
             for name, strategy in configs:
-                if injection != "none" and strategy.compile != "off":
+                if injection != "none" and strategy.compiler.per_block:
                     continue  # a dispatch mode or patched stream context under the compiler tests the compiler
                 rows.append(_one(ts, reference, name, strategy, spellings, injection, device_type))
                 log(f"  [{'PASS' if rows[-1]['passed'] else 'FAIL'}] {injection}: {name}")
@@ -136,7 +136,7 @@ def run_matrix(device_type: str, configs: list[tuple[str, Strategy]], *, injecti
 
 def _one(ts, reference, name, strategy, spellings, injection, device_type) -> dict[str, Any]:
     row: dict[str, Any] = {"check": "equivalence", "injection": injection, "config": name,
-                           "strategy": strategy.to_dict(), "passed": False}
+                           "strategy": strategy.to_flat(), "passed": False}
     t0 = time.perf_counter()
     try:
         counters = {}
@@ -151,9 +151,9 @@ def _one(ts, reference, name, strategy, spellings, injection, device_type) -> di
         row["counters"] = counters
         if first != second:
             raise AssertionError(f"'{spellings[0]}' and '{spellings[1]}' moved different bytes: {first} vs {second}")
-        if strategy.offload_fraction and not first["h2d_bytes"]:
+        if strategy.offload.fraction and not first["h2d_bytes"]:
             raise AssertionError("offloaded blocks were never streamed in")
-        if strategy.activation_offload and strategy.checkpoint != "off" and not first["d2h_bytes"]:
+        if strategy.activations.enabled and strategy.checkpointing.mode != "off" and not first["d2h_bytes"]:
             raise AssertionError("activation offload sent nothing to the host")
         row["passed"] = True
     except Exception as exc:  # a failed check is a result: the next one still runs

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from ..memory.strategy import Strategy
+from ..memory.strategy import Keep, Strategy
 from .models import BenchModel, _meta_model
 
 # dense bf16 tensor-core TFLOP/s (no sparsity), by substring of torch.cuda.get_device_name()
@@ -74,9 +74,9 @@ def step_flops(fwd: dict, strategy: Strategy, block_names: list[str]) -> dict[st
     model = 2 * fwd["base"] + 3 * fwd["lora"] + 3 * fwd["attention"]
     per_block = [fwd["block_matmul"].get(_block_of(b + ".w"), 0.0) + fwd["attention_per_block"] for b in block_names]
     block_total = sum(per_block)
-    recomputed = sum(f for i, f in enumerate(per_block) if strategy.checkpoints_block(i))
-    if strategy.compile == "per_block" and strategy.activation_memory_budget < 1.0:
-        recomputed = 0.0  # the partitioner recomputes cheap pointwise ops, not matmuls
+    # only eager checkpointing recomputes a block's matmuls; under a compile budget (Keep.BUDGET) the partitioner
+    # recomputes cheap pointwise ops, which are not counted here
+    recomputed = sum(f for i, f in enumerate(per_block) if strategy.keeps(i) is Keep.INPUTS)
     return {"model": model, "hardware": model + recomputed, "recompute_fraction": recomputed / max(block_total, 1.0)}
 
 

@@ -82,8 +82,8 @@ def _planner(device: torch.device, spec: dict, log) -> dict[str, Any]:
     cuda = device.type == "cuda"
     bench = build_bench_model(spec["model"])
     try:
-        frugal = Strategy(compute_dtype="bf16" if cuda else "fp32", offload_fraction=1.0, checkpoint="all",
-                          activation_offload=True)
+        frugal = Strategy.of(compute_dtype="bf16" if cuda else "fp32", offload_fraction=1.0, checkpoint="all",
+                             activation_offload=True)
         log(f"probing {spec['model']} at {spec['resolution']} px ...")
         profile = probe_model(bench.model, bench.inputs_maker(spec["batch"], spec["resolution"], device), device,
                               frugal, repeats=1)
@@ -112,7 +112,7 @@ def _one_plan(bench, profile, budget: int, spec: dict, device: torch.device) -> 
     with memory_budget(device, budget):
         measured = run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"])
     peak = max(measured.get("peak_reserved_bytes", 0), measured.get("device_used_bytes", 0))
-    return {"budget_bytes": budget, "label": strategy_label(p.strategy), "strategy": p.strategy.to_dict(),
+    return {"budget_bytes": budget, "label": strategy_label(p.strategy), "strategy": p.strategy.to_flat(),
             "explanation": p.explanation, "predicted_peak_bytes": p.predicted_peak_bytes,
             "predicted_step_s": p.predicted_step_s, "predicted_bound_s": p.prediction.bound_s,
             "breakdown": p.prediction.breakdown, "measured": measured, "measured_peak_bytes": peak,
@@ -140,8 +140,8 @@ def _summarise_plan(run: Run, row: dict) -> None:
 def _compile(device: torch.device, spec: dict, log) -> dict[str, Any]:
     cuda = device.type == "cuda"
     bench = build_bench_model(spec["model"])
-    base = Strategy(compute_dtype="bf16" if cuda else "fp32",
-                    compile_backend="inductor" if cuda else "aot_eager_decomp_partition")
+    base = Strategy.of(compute_dtype="bf16" if cuda else "fp32",
+                       compile_backend="inductor" if cuda else "aot_eager_decomp_partition")
     records = {}
     try:
         for key, strategy in (("eager", base.replace(checkpoint="all")),

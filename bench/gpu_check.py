@@ -40,8 +40,8 @@ LEAST_PEAK = {"offload_fraction": 1.0, "prefetch_depth": 0}
 
 
 def headline_configs(device_type: str, resolution: int, batch: int) -> list[BenchConfig]:
-    base = Strategy(compute_dtype="bf16" if device_type == "cuda" else "fp32", checkpoint="all",
-                    activation_offload=True)
+    base = Strategy.of(compute_dtype="bf16" if device_type == "cuda" else "fp32", checkpoint="all",
+                       activation_offload=True)
     return with_references([BenchConfig(base.replace(offload_fraction=0.9), batch, resolution),
                             BenchConfig(base.replace(offload_fraction=1.0), batch, resolution),
                             BenchConfig(base.replace(**LEAST_PEAK), batch, resolution)])

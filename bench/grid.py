@@ -33,13 +33,14 @@ class BenchConfig:
 
 def strategy_label(s: Strategy) -> str:
     """Short and unique within a grid: 'off0.50/d2 ckpt-all actoff compile@0.5'."""
-    parts = [f"off{s.offload_fraction:.2f}" + (f"/d{s.prefetch_depth}" if s.offload_fraction and
-                                                 s.prefetch_depth != 1 else "")]
-    parts.append({"off": "ckpt-off", "all": "ckpt-all", "every_n": f"ckpt-every{s.checkpoint_every}"}[s.checkpoint])
-    if s.activation_offload:
+    off, ckpt = s.offload, s.checkpointing
+    parts = [f"off{off.fraction:.2f}" + (f"/d{off.prefetch_depth}" if off.fraction and off.prefetch_depth != 1
+                                         else "")]
+    parts.append({"off": "ckpt-off", "all": "ckpt-all", "every_n": f"ckpt-every{ckpt.every}"}[ckpt.mode])
+    if s.activations.enabled:
         parts.append("actoff")
-    if s.compile == "per_block":
-        parts.append(f"compile@{s.activation_memory_budget:g}")
+    if s.compiler.per_block:
+        parts.append(f"compile@{s.compiler.activation_memory_budget:g}")
     return " ".join(parts)
 
 
@@ -63,7 +64,7 @@ def _sweep(base: Strategy, batch: int, res: int, extra_points: list[tuple[int, i
 def quick_grid() -> list[BenchConfig]:
     """Tiny model on CPU: 14 configurations, about half a minute on 2 cores. Compile uses the partitioner without code
     generation (aot_eager_decomp_partition) so no C++ compiler runs."""
-    base = Strategy(compute_dtype="fp32", compile_backend="aot_eager_decomp_partition")
+    base = Strategy.of(compute_dtype="fp32", compile_backend="aot_eager_decomp_partition")
     return _sweep(base, 2, 128, [(1, 128), (4, 128), (2, 256)], (0.5, 1.0), (0.5,))
 
 
@@ -71,16 +72,16 @@ def full_grid(device: str) -> list[BenchConfig]:
     """The GPU grid (bf16, inductor): offload 0-1 in quarters, checkpoint modes, activation offload, per-block
     compile at budgets 1.0/0.5; batch 1-4 at 512 and 1024 px."""
     if device == "cpu":
-        base = Strategy(compute_dtype="fp32", compile_backend="aot_eager_decomp_partition")
+        base = Strategy.of(compute_dtype="fp32", compile_backend="aot_eager_decomp_partition")
         return _sweep(base, 2, 256, [(1, 256), (4, 256), (2, 512)], (0.25, 0.5, 0.75, 1.0), (1.0, 0.5))
-    base = Strategy(compute_dtype="bf16")
+    base = Strategy.of(compute_dtype="bf16")
     return _sweep(base, 1, 1024, [(2, 1024), (4, 1024), (1, 512), (4, 512)], (0.25, 0.5, 0.75, 1.0), (1.0, 0.5))
 
 
 def with_references(configs: list[BenchConfig]) -> list[BenchConfig]:
     """The grid, de-duplicated, plus an offload-0 twin for every offloading configuration that lacks one."""
     out: list[BenchConfig] = []
-    for c in configs + [c.twin_without_offload() for c in configs if c.strategy.offload_fraction > 0]:
+    for c in configs + [c.twin_without_offload() for c in configs if c.strategy.offload.fraction > 0]:
         if c not in out:
             out.append(c)
     return out

@@ -127,14 +127,14 @@ def _model_inputs(params, batch: int, resolution: int, n_txt: int, mode: FakeTen
 
 
 def headline_strategies() -> dict[str, Strategy]:
-    base = Strategy(compute_dtype="bf16", checkpoint="all", activation_offload=True)
+    base = Strategy.of(compute_dtype="bf16", checkpoint="all", activation_offload=True)
     return {"offload 0.9": base.replace(offload_fraction=0.9), "offload 1.0": base.replace(offload_fraction=1.0)}
 
 
 def least_peak(profile: Profile) -> tuple[Strategy, Prediction]:
     """The planner's candidate with the least predicted peak (what no budget below it can be given)."""
     scored = [(s, predict(profile, s, offloaded=off)) for s, off in
-              candidate_strategies(profile, Strategy(compute_dtype="bf16"), allow_compile=False)]
+              candidate_strategies(profile, Strategy.of(compute_dtype="bf16"), allow_compile=False)]
     return min(scored, key=lambda sp: (sp[1].peak_bytes, sp[1].step_s))
 
 
@@ -168,7 +168,8 @@ def report(resolution: int = 2048, budget: int = HEADLINE_BUDGET) -> str:
               f"{profile.trainable_numel / 1e6:.1f} M parameters.", ""]
     for name, strategy in headline_strategies().items():
         p = predict(profile, strategy)
-        lines += [f"## {name} + activation offload + checkpoint all, prefetch depth {strategy.prefetch_depth}", "",
+        depth = strategy.offload.prefetch_depth
+        lines += [f"## {name} + activation offload + checkpoint all, prefetch depth {depth}", "",
                   f"Offloaded blocks: {len(p.offloaded)} of {profile.n_blocks}.", "", "| part | bytes |",
                   "| --- | --- |"]
         lines += [f"| {what} | {_gib(n)} |" for what, n in breakdown_rows(profile, p)]

@@ -65,7 +65,7 @@ def child(offload: float) -> dict:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
     loaded = _status("VmRSS")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    with MemoryRuntime(model, Strategy(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
         slots = rt.offload.slot_bytes() if rt.offload else 0
         for _ in range(2):
             F.mse_loss(model(**inputs), target).backward()

@@ -54,7 +54,7 @@ def rank_child(model_spec: dict, offload: float, share: bool) -> None:
     mark("shared")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     steps = []
-    with MemoryRuntime(model, Strategy(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
         slots = rt.offload.slot_bytes() if rt.offload else 0
         for _ in range(2):
             F.mse_loss(model(**inputs), target).backward()

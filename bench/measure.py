@@ -26,7 +26,7 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
     device = torch.device(device)
     model = bench.model
     record: dict[str, Any] = {"name": config.name, "label": config.label, "batch": config.batch,
-                              "resolution": config.resolution, "strategy": config.strategy.to_dict()}
+                              "resolution": config.resolution, "strategy": config.strategy.to_flat()}
     inputs, target = bench.make_inputs(config.batch, config.resolution, device=device)
     steps_data: list[dict[str, float]] = []
     try:

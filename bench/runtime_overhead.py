@@ -84,7 +84,7 @@ def _overhead(reps: int, steps: int, threads: int) -> dict:
     bench, inputs, target = _build(OVERHEAD_MODEL)
     model = bench.model
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    strategy = Strategy(compute_dtype="fp32")
+    strategy = Strategy.of(compute_dtype="fp32")
     _steps(model, inputs, target, opt, 2, None)  # warm-up: allocator, kernels, optimizer state
     plain, managed, apply_s = [], [], []
     for rep in range(reps):
@@ -97,7 +97,7 @@ def _overhead(reps: int, steps: int, threads: int) -> dict:
                     apply_s.append(time.perf_counter() - t0)
                     managed.append(_steps(model, inputs, target, opt, steps, rt))
     ratios = [m / p for m, p in zip(managed, plain)]
-    return {"model": _describe(OVERHEAD_MODEL, bench), "strategy": strategy.to_dict(), "reps": reps,
+    return {"model": _describe(OVERHEAD_MODEL, bench), "strategy": strategy.to_flat(), "reps": reps,
             "steps_per_rep": steps, "threads": threads,
             "plain_step_s_median": statistics.median(plain) / steps,
             "runtime_step_s_median": statistics.median(managed) / steps,
@@ -120,7 +120,7 @@ def rss_child(mode: str) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     t0 = time.perf_counter()
     if mode != "baseline":
-        with MemoryRuntime(model, Strategy(compute_dtype="fp32", checkpoint=mode), "cpu"):
+        with MemoryRuntime(model, Strategy.of(compute_dtype="fp32", checkpoint=mode), "cpu"):
             _steps(model, inputs, target, opt, 1, None)
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"mode": mode, "peak_rss_bytes": kib * 1024, "step_s": time.perf_counter() - t0,

@@ -135,7 +135,7 @@ def _planner_check(bench, profile, primary: BenchConfig, dev, budgets, steps, wa
             continue
         cfg = BenchConfig(p.strategy, primary.batch, primary.resolution)
         measured = run_config(bench, cfg, dev, steps=steps, warmup=warmup)
-        rows.append({"budget_bytes": budget, "strategy": p.strategy.to_dict(), "label": strategy_label(p.strategy),
+        rows.append({"budget_bytes": budget, "strategy": p.strategy.to_flat(), "label": strategy_label(p.strategy),
                      "predicted_peak_bytes": p.predicted_peak_bytes, "predicted_step_s": p.predicted_step_s,
                      "explanation": p.explanation, "candidates": p.candidates_considered,
                      "breakdown": p.prediction.breakdown, "measured": measured,

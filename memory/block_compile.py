@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch._functorch.config as functorch_config
 
-from .strategy import Strategy
+from .strategy import CompileConfig
 
 _BACKENDS: dict[tuple[str, float, str], Callable] = {}
 
@@ -43,9 +43,8 @@ def _backend(name: str, budget: float, mode: str) -> Callable:
     return _BACKENDS[key]
 
 
-def compile_block(forward: Callable, strategy: Strategy) -> Callable:
-    return torch.compile(forward, backend=_backend(strategy.compile_backend, strategy.activation_memory_budget,
-                                                   strategy.compile_mode))
+def compile_block(forward: Callable, config: CompileConfig) -> Callable:
+    return torch.compile(forward, backend=_backend(config.backend, config.activation_memory_budget, config.mode))
 
 
 def compiled_graph_count() -> int:

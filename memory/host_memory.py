@@ -141,5 +141,6 @@ class HostNeeds:
 def host_needs(model: nn.Module, strategy: Strategy, budget_gb: float = 0.0) -> HostNeeds:
     """HostNeeds of `model` under `strategy`'s weight dtype and block lists; budget_gb 0: the default budget."""
     blocks = [b.module for b in discover_blocks(model, strategy.block_lists)]
-    dtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+    weight_dtype = strategy.precision.weight_dtype
+    dtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
     return HostNeeds.measure(model, blocks, dtype, int(budget_gb * 2**30) if budget_gb else None)

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import math
 
-from .strategy import Strategy, StrategyError
+from .strategy import LayerOffloadConfig, StrategyError
 
 
-def select_offloaded(block_bytes: list[int], strategy: Strategy) -> list[int]:
+def select_offloaded(block_bytes: list[int], config: LayerOffloadConfig) -> list[int]:
     """Indices (model order) of the blocks whose frozen weights live in host memory."""
     n = len(block_bytes)
-    if strategy.offload_blocks is not None:
-        bad = [i for i in strategy.offload_blocks if i >= n]
+    if config.blocks is not None:
+        bad = [i for i in config.blocks if i >= n]
         if bad:
             raise StrategyError(f"Strategy.offload_blocks has indices {bad} but the model has {n} blocks "
                                 f"(0..{n - 1}): use indices in that range")
-        return list(strategy.offload_blocks)
-    target = strategy.offload_fraction * sum(block_bytes)
+        return list(config.blocks)
+    target = config.fraction * sum(block_bytes)
     if target <= 0:
         return []
-    if strategy.offload_policy in ("first", "last"):
-        order = list(range(n)) if strategy.offload_policy == "first" else list(reversed(range(n)))
+    if config.policy in ("first", "last"):
+        order = list(range(n)) if config.policy == "first" else list(reversed(range(n)))
         chosen, total = [], 0
         for i in order:
             if total >= target * (1 - 1e-9):

@@ -30,7 +30,7 @@ from .layer_offload import prefetch_window
 from .memory_model import predict_resident_weight_bytes, predict_slot_bytes
 from .offload_selection import select_offloaded
 from .profile import Profile
-from .strategy import Strategy
+from .strategy import Keep, Strategy
 
 ADAMW_BYTES_PER_ELEMENT = 8  # exp_avg and exp_avg_sq, fp32
 CUDA_MARGIN_BYTES = 256 << 20  # allocator fragmentation, cuBLAS/attention workspaces
@@ -77,9 +77,9 @@ def _compile_factors(profile: Profile, kind: str, budget: float,
 def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
             margin_bytes: int | None = None, offloaded: list[int] | None = None) -> Prediction:
     n, s = profile.n_blocks, batch_scale
-    off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy))
-    compiled = strategy.compile == "per_block"
-    budget = strategy.activation_memory_budget
+    off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
+    compiled = strategy.compiler.per_block
+    budget = strategy.compiler.activation_memory_budget
     kept, full, c_fwd, c_bwd, compact = [], [], [], [], []
     compile_s: dict[str, float] = {}
     factors: dict[str, tuple[float, float, float, float]] = {}
@@ -92,18 +92,18 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
             if kind not in factors:
                 factors[kind] = _compile_factors(profile, kind, budget, ckpt_i / max(f_i, 1.0))
             ff, bf, af, compile_s[kind] = factors[kind]
-        eager_ckpt = strategy.checkpoints_block(i)
-        partitioned = compiled and budget < 1.0
-        k_i = ckpt_i if eager_ckpt else max(ckpt_i, f_i * af) if partitioned else f_i * af
+        keep = strategy.keeps(i)
+        eager_ckpt = keep is Keep.INPUTS
+        k_i = {Keep.INPUTS: ckpt_i, Keep.BUDGET: max(ckpt_i, f_i * af), Keep.ALL: f_i * af}[keep]
         kept.append(k_i)
         full.append(f_i * af if compiled else f_i)
-        compact.append(eager_ckpt or partitioned)
+        compact.append(keep is not Keep.ALL)
         c_fwd.append(profile.fwd_s[i] * s * ff)
         c_bwd.append(profile.bwd_s[i] * s * bf + (profile.fwd_s[i] * s * ff if eager_ckpt else 0.0))
 
     on_device = list(kept)
     act_host = [0.0] * n
-    if strategy.activation_offload:
+    if strategy.activations.enabled:
         window = 2 * max((k for k, c in zip(kept, compact) if c), default=0.0)
         for i in range(n):
             if compact[i]:
@@ -115,8 +115,8 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     measured_peak = profile.block_peak_alloc or [0] * n
     transient = max((max((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s,
                          measured_peak[i] * s - kept[i]) for i in range(n)), default=0.0)
-    weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.prefetch_depth)
-    slots = predict_slot_bytes(profile.sizes(), off, strategy.prefetch_depth)
+    weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
+    slots = predict_slot_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     grads = profile.trainable_bytes
     optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
     subtotal = weights + grads + optimizer + activations + transient
@@ -130,15 +130,15 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     bw = max(profile.h2d_bytes_per_s, 1.0)
     offset = set(off)
     x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
-    cells = min(strategy.prefetch_depth + 1, len(off))
+    cells = min(strategy.offload.prefetch_depth + 1, len(off))
     cell = max((profile.block_packed[i] for i in off), default=0)
-    still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.prefetch_depth)
+    still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.offload.prefetch_depth)
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
     overlap = profile.device == "cuda" and profile.h2d_pinned
     # a block whose copy is activations only takes a whole cell's share: as many ahead as prefetch_depth
     share = [profile.block_packed[i] if i in offset else cell for i in range(n)]
-    window = (share, cell, cells, strategy.prefetch_depth)
+    window = (share, cell, cells, strategy.offload.prefetch_depth)
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, window, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, window, overlap)
     other = profile.other_s * s + profile.optimizer_s

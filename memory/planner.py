@@ -18,7 +18,7 @@ from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
 from .plan_cost import Prediction, predict
 from .profile import Profile
-from .strategy import Strategy, StrategyError
+from .strategy import Keep, Strategy, StrategyError
 
 OFFLOAD_GRID = tuple(round(0.05 * k, 2) for k in range(21))
 AUTO_MARGIN_BYTES = 512 << 20  # left free by budget="auto": other processes, the display, allocator growth
@@ -63,7 +63,8 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
     """Distinct candidates with their offloaded blocks (offload fractions that pick the same blocks count once)."""
     offload_sets: dict[tuple[int, ...], float] = {}
     for f in OFFLOAD_GRID:
-        chosen = tuple(select_offloaded(profile.block_frozen, base.replace(offload_fraction=f, offload_blocks=None)))
+        chosen = tuple(select_offloaded(profile.block_frozen, base.replace(offload_fraction=f,
+                                                                           offload_blocks=None).offload))
         offload_sets.setdefault(chosen, f)
     compiles = [("off", 1.0)]
     if allow_compile and compile_measured(profile):
@@ -73,20 +74,22 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
                 compiles.append(("per_block", b))
     out, seen = [], set()
     for chosen, f in offload_sets.items():
-        for depth in ((0, 1, 2) if chosen else (base.prefetch_depth,)):
+        for depth in ((0, 1, 2) if chosen else (base.offload.prefetch_depth,)):
             for ckpt in ("off", "every_n", "all"):
                 for compile_mode, budget in compiles:
-                    if compile_mode == "per_block" and budget < 1.0 and ckpt != "off":
-                        continue  # the compiler's partitioner replaces eager checkpointing of the block
-                    compact = ckpt != "off" or budget < 1.0
-                    for act_offload in ((False, True) if compact else (False,)):
+                    try:
                         s = base.replace(offload_fraction=f, offload_blocks=None, prefetch_depth=depth,
-                                         checkpoint=ckpt, checkpoint_every=2, activation_offload=act_offload,
+                                         checkpoint=ckpt, checkpoint_every=2, activation_offload=False,
                                          compile=compile_mode, activation_memory_budget=budget)
+                    except StrategyError:
+                        continue  # a combination the Strategy refuses (eager checkpointing of budget-compiled blocks)
+                    # activation offload only moves what blocks keep at less than everything
+                    compact = any(s.keeps(i) is not Keep.ALL for i in range(profile.n_blocks))
+                    for act_offload in ((False, True) if compact else (False,)):
                         key = (chosen, depth, ckpt, compile_mode, budget, act_offload)
                         if key not in seen:
                             seen.add(key)
-                            out.append((s, list(chosen)))
+                            out.append((s.replace(activation_offload=act_offload), list(chosen)))
     return out
 
 
@@ -127,20 +130,19 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
 
 
 def _base_from(profile: Profile) -> Strategy:
-    keep = {k: v for k, v in profile.strategy_base.items()
-            if k in ("offload_policy", "compute_dtype", "weight_dtype", "pin_memory", "block_lists", "compile_mode",
-                     "compile_backend")}
-    return Strategy.from_dict(keep)
+    probed = Strategy.from_dict(profile.strategy_base).to_flat()  # the tagged form, or the flat one of 0.1 profiles
+    return Strategy.of(**{k: probed[k] for k in ("offload_policy", "compute_dtype", "weight_dtype", "pin_memory",
+                                                 "block_lists", "compile_mode", "compile_backend")})
 
 
 def _describe(s: Strategy, p: Prediction, profile: Profile) -> str:
     parts = [f"{len(p.offloaded)} of {profile.n_blocks} blocks offloaded",
              {"off": "no checkpointing", "all": "every block checkpointed",
-              "every_n": f"one block in {s.checkpoint_every} checkpointed"}[s.checkpoint]]
-    if s.activation_offload:
+              "every_n": f"one block in {s.checkpointing.every} checkpointed"}[s.checkpointing.mode]]
+    if s.activations.enabled:
         parts.append("activation offload")
-    if s.compile == "per_block":
-        parts.append(f"per-block compile at activation budget {s.activation_memory_budget:g}")
+    if s.compiler.per_block:
+        parts.append(f"per-block compile at activation budget {s.compiler.activation_memory_budget:g}")
     return ", ".join(parts)
 
 
@@ -149,28 +151,30 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
     n = profile.n_blocks
     if p.offloaded:
         share = b["host_weights"] / max(sum(profile.block_frozen), 1)
-        first = (f"Offloading {share:.0%} of the blocks' frozen weights ({s.offload_policy}: {len(p.offloaded)} of {n} "
-                 f"blocks) keeps {format_bytes(b['host_weights'])} of weights in host memory, "
-                 + (f"streamed in {s.prefetch_depth} block{'s' if s.prefetch_depth > 1 else ''} ahead"
-                    if s.prefetch_depth else "each loaded when needed (blocks of half a slot or less stream ahead)"))
+        depth = s.offload.prefetch_depth
+        first = (f"Offloading {share:.0%} of the blocks' frozen weights ({s.offload.policy}: {len(p.offloaded)} of "
+                 f"{n} blocks) keeps {format_bytes(b['host_weights'])} of weights in host memory, "
+                 + (f"streamed in {depth} block{'s' if depth > 1 else ''} ahead"
+                    if depth else "each loaded when needed (blocks of half a slot or less stream ahead)"))
     else:
         first = f"All {n} blocks stay on the device ({format_bytes(b['weights'])} of weights)"
     acts = {"off": "no checkpointing keeps every activation",
             "all": "checkpointing every block keeps only the block inputs",
-            "every_n": f"checkpointing one block in {s.checkpoint_every} keeps only those blocks' inputs"}
-    if s.compile == "per_block" and s.activation_memory_budget < 1.0:
-        second = (f"each block is compiled with activation budget {s.activation_memory_budget:g}, so the compiler "
-                  "recomputes the cheap ops")
+            "every_n": f"checkpointing one block in {s.checkpointing.every} keeps only those blocks' inputs"}
+    if s.keeps(0) is Keep.BUDGET:
+        second = (f"each block is compiled with activation budget {s.compiler.activation_memory_budget:g}, so the "
+                  "compiler recomputes the cheap ops")
     else:
-        second = acts[s.checkpoint]
-        if s.compile == "per_block":
+        second = acts[s.checkpointing.mode]
+        if s.compiler.per_block:
             second += ", with each block compiled"
     second += f" ({format_bytes(b['activations'])} of activations"
-    second += f", {format_bytes(b['host_activations'])} more waiting in host memory)" if s.activation_offload else ")"
-    if s.compile == "per_block":
+    second += f", {format_bytes(b['host_activations'])} more waiting in host memory)" if s.activations.enabled \
+        else ")"
+    if s.compiler.per_block:
         second += f"; compiling takes about {p.compile_s:.0f} s once"
     exposed = p.step_s - p.compute_s
-    if not p.offloaded and not s.activation_offload:
+    if not p.offloaded and not s.activations.enabled:
         third = "nothing is transferred"
     elif profile.device != "cuda":
         third = f"on {profile.device} the copies are synchronous and add ~{exposed:.2g} s/step"

@@ -20,6 +20,7 @@ Optionally (measure_compile) the first block of each type is compiled per block 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         sizes = rt.sizes
         # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
         pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
-            else base.pin_memory and device.type == "cuda"
+            else base.offload.pin_memory and device.type == "cuda"
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_s = _time_optimizer(trainable, clock)
     for p in model.parameters():
@@ -286,8 +287,9 @@ def _probe_compile(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, 
             continue
         factors[kind] = {}
         for budget in (1.0, 0.5):
-            strategy = probe.rt.strategy.replace(compile="per_block", activation_memory_budget=budget)
-            compiled = compile_block(forwards[i], strategy)
+            config = dataclasses.replace(probe.rt.strategy.compiler, scope="per_block",
+                                         activation_memory_budget=budget)
+            compiled = compile_block(forwards[i], config)
             t0 = time.perf_counter()
             _probe_block(probe, i, compiled, repeats=0, count=False)
             if probe.clock.cuda:

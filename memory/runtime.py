@@ -32,7 +32,7 @@ from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
 from .offload_selection import select_offloaded
 from .stats import StepStats, StepTimer
-from .strategy import Strategy, StrategyError
+from .strategy import Keep, Strategy, StrategyError
 
 
 class MemoryRuntime:
@@ -47,11 +47,12 @@ class MemoryRuntime:
         self.poison_slots = poison_slots
         self.activation_min_bytes = activation_min_bytes
         self.blocks: list[Block] = discover_blocks(model, strategy.block_lists)
-        wdtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+        weight_dtype = strategy.precision.weight_dtype
+        wdtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
         self.weight_dtype = wdtype
         self.sizes: WeightSizes = measure_weight_sizes(model, [b.module for b in self.blocks],
                                                        wdtype.itemsize if wdtype else None)
-        self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy)
+        self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy.offload)
         self.offload: LayerOffload | None = None
         self.acts: ActivationOffload | None = None
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
@@ -76,12 +77,12 @@ class MemoryRuntime:
             self._place()
             if self.offloaded:
                 self.offload = LayerOffload([b.module for b in self.blocks], self.offloaded, self.device,
-                                            prefetch_depth=self.strategy.prefetch_depth,
-                                            pin_memory=self.strategy.pin_memory, weight_dtype=self.weight_dtype,
+                                            prefetch_depth=self.strategy.offload.prefetch_depth,
+                                            pin_memory=self.strategy.offload.pin_memory, weight_dtype=self.weight_dtype,
                                             poison_slots=self.poison_slots)
                 self.offload.attach()
-            if self.strategy.activation_offload:
-                self.acts = ActivationOffload(self.device, pin_memory=self.strategy.pin_memory,
+            if self.strategy.activations.enabled:
+                self.acts = ActivationOffload(self.device, pin_memory=self.strategy.offload.pin_memory,
                                               min_bytes=self.activation_min_bytes)
             self._param_storages = _storage_ptrs(self._model_tensors())
             if self.offload is not None:
@@ -135,18 +136,17 @@ class MemoryRuntime:
         self._placed.append((t, original if keep else None, original.device, original.dtype))
 
     def _patch_forward(self, index: int, module: nn.Module) -> None:
-        s = self.strategy
-        compiled = s.compile == "per_block"
-        checkpointed = s.checkpoints_block(index)
+        compiled = self.strategy.compiler.per_block
+        keep = self.strategy.keeps(index)
+        checkpointed = keep is Keep.INPUTS
         offloaded = index in self.offloaded
-        compact = checkpointed or (compiled and s.activation_memory_budget < 1.0)
-        offload_acts = self.acts is not None and compact
+        offload_acts = self.acts is not None and keep is not Keep.ALL
         if not (compiled or checkpointed or self.offload is not None or offload_acts):
             return  # nothing to do for this block: no wrapper, no overhead
         previous = module.__dict__.get("forward")
         inner: Callable = module.forward
         if compiled:
-            inner = compile_block(inner, s)
+            inner = compile_block(inner, self.strategy.compiler)
 
         def body(*args, **kwargs):
             self._enter_block(index)
@@ -206,14 +206,14 @@ class MemoryRuntime:
 
     # -- per step ------------------------------------------------------------------------------------------------
     def autocast(self):
-        if self.strategy.compute_dtype == "fp32":
+        if self.strategy.precision.compute_dtype == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.strategy.compute_dtype])
+        return torch.autocast(self.device.type, dtype=TORCH_DTYPES[self.strategy.precision.compute_dtype])
 
     def counters(self) -> dict[str, int]:
         return {"h2d_bytes": self.offload.counters.h2d_bytes if self.offload else 0,
                 "d2h_bytes": self.acts.d2h_bytes if self.acts else 0,
-                "graphs": compiled_graph_count() if self.strategy.compile == "per_block" else 0}
+                "graphs": compiled_graph_count() if self.strategy.compiler.per_block else 0}
 
     def start_step(self) -> None:
         if self.acts is not None:
@@ -232,11 +232,11 @@ class MemoryRuntime:
         """Whether the host copies are page-locked, so copies overlap compute at pinned bandwidth. False on a CPU
         device, with pin_memory off, or where the system refused to lock memory (copies then block the host)."""
         stores = [s for s in (self.offload, self.acts) if s is not None]
-        return self.device.type == "cuda" and self.strategy.pin_memory and all(s.pinned for s in stores)
+        return self.device.type == "cuda" and self.strategy.offload.pin_memory and all(s.pinned for s in stores)
 
     # -- memory accounting ---------------------------------------------------------------------------------------
     def predicted_weight_bytes(self) -> int:
-        return predict_resident_weight_bytes(self.sizes, self.offloaded, self.strategy.prefetch_depth)
+        return predict_resident_weight_bytes(self.sizes, self.offloaded, self.strategy.offload.prefetch_depth)
 
     def device_weight_bytes(self) -> int:
         """Bytes of parameters and buffers really held on the device now (slots counted whole, once)."""

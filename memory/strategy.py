@@ -1,15 +1,24 @@
 """The memory strategy: one frozen, validated, JSON-serialisable description of how a model is laid out in memory.
 
-Every field names what it trades. Errors name the field, the bad value and the allowed range, because the same
-values arrive from a ComfyUI widget, a saved workflow and the CLI.
+A `Strategy` composes one small config per memory policy (as torchtitan composes its activation-checkpoint
+policies): `LayerOffloadConfig`, `CheckpointConfig`, `ActivationOffloadConfig`, `CompileConfig`, `PrecisionConfig`,
+plus the model's block lists. Each config validates its own fields; the checks between policies live in one place,
+`Strategy.__post_init__`; and one method, `Strategy.keeps(i)`, answers what block i keeps for backward, for the
+runtime, the cost model, the planner and the FLOP counter alike.
+
+Errors name the flat field (`Strategy.offload_fraction=...`), the bad value and the allowed range, because the same
+values arrive from a ComfyUI widget of that name, a saved workflow and the CLI. `Strategy.of(**flat)` builds a
+strategy from those flat names, `replace(**flat)` changes some of them, and `from_dict` reads both the JSON form
+tagged by part and the flat form Tightrope 0.1 wrote (state files, profiles, saved settings).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 DTYPES = ("bf16", "fp16", "fp32")
 WEIGHT_DTYPES = ("auto",) + DTYPES
@@ -25,127 +34,280 @@ class StrategyError(ValueError):
     """A strategy value is invalid or does not fit the model; the message names the field and the fix."""
 
 
+class Keep(enum.Enum):
+    """What one block keeps for backward."""
+    ALL = "all"          # every tensor its forward saves
+    INPUTS = "inputs"    # only its inputs: eager checkpointing recomputes the forward in backward
+    BUDGET = "budget"    # what the compiler's partitioner keeps under the activation memory budget (it recomputes
+                         # the cheap ops, not the matmuls)
+
+
+def _check_range(name: str, value: Any, lo: float, hi: float, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not lo <= value <= hi:
+        raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a number from {lo} to {hi} ({hint})")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a whole number from {lo} to {hi} "
+                            f"({hint})")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise StrategyError(f"Strategy.{name}={value!r} is not supported: choose one of {', '.join(choices)}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise StrategyError(f"Strategy.{name}={value!r} must be true or false")
+
+
+class _Part:
+    """A policy's config: `FLAT` maps each field to its flat name (the node widget, the 0.1 JSON key)."""
+    FLAT: ClassVar[dict[str, str]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, part: str, data: Any) -> "_Part":
+        if not isinstance(data, dict):
+            raise StrategyError(f"Strategy part '{part}' must be an object of fields, got {data!r}")
+        unknown = sorted(set(data) - set(cls.FLAT))
+        if unknown:
+            raise StrategyError(f"unknown field(s) {unknown} in strategy part '{part}': known fields are "
+                                f"{sorted(cls.FLAT)}")
+        return cls(**data)
+
+
 @dataclass(frozen=True, kw_only=True)
-class Strategy:
-    offload_fraction: float = 0.0
+class LayerOffloadConfig(_Part):
+    """Layer offload (`layer_offload.LayerOffload`): frozen block weights live in host memory and stream in."""
+    FLAT = {"fraction": "offload_fraction", "policy": "offload_policy", "blocks": "offload_blocks",
+            "prefetch_depth": "prefetch_depth", "pin_memory": "pin_memory"}
+
+    fraction: float = 0.0
     """Fraction (0-1) of the transformer blocks' frozen weight bytes kept in host memory and streamed in per block."""
-    offload_policy: str = "spread"
+    policy: str = "spread"
     """Which blocks to offload: 'spread' (smallest blocks first, spaced out between resident ones so their transfers
     hide behind resident compute), 'first' or 'last' (in model order)."""
-    offload_blocks: tuple[int, ...] | None = None
+    blocks: tuple[int, ...] | None = None
     """Explicit block indices to offload (model order over all block lists); overrides fraction and policy."""
     prefetch_depth: int = 1
     """How many offloaded blocks ahead are copied in while the current block computes (0 = load on demand)."""
-    activation_offload: bool = False
-    """Move the activations kept at checkpoint boundaries to host memory and prefetch them back for backward."""
-    checkpoint: str = "off"
-    """Activation checkpointing: 'off', 'all' blocks, or 'every_n' (every checkpoint_every-th block)."""
-    checkpoint_every: int = 2
-    """N for checkpoint='every_n': blocks 0, N, 2N, ... are recomputed in backward."""
-    compile: str = "off"
+    pin_memory: bool = True
+    """Page-lock the host copies (weights, and offloaded activations) so host-to-device copies run asynchronously
+    (CUDA only; ignored elsewhere)."""
+
+    def __post_init__(self) -> None:
+        _check_range("offload_fraction", self.fraction, 0.0, 1.0,
+                     "0.0 keeps every block on the GPU, 1.0 offloads every block")
+        _check_choice("offload_policy", self.policy, OFFLOAD_POLICIES)
+        if self.blocks is not None:
+            if isinstance(self.blocks, (str, bytes)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.blocks):
+                raise StrategyError(f"Strategy.offload_blocks={self.blocks!r} is invalid: give a list of "
+                                    "block indices >= 0 (model order), or leave it empty to use offload_fraction")
+            object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))))
+        _check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
+        _check_bool("pin_memory", self.pin_memory)
+
+    @property
+    def active(self) -> bool:
+        return self.fraction > 0 or bool(self.blocks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(_Part):
+    """Eager activation checkpointing (`checkpointing.checkpointed_call`): a checkpointed block keeps only its
+    inputs and runs its forward again in backward. A compiled block with an activation memory budget below 1
+    (`CompileConfig.activation_memory_budget`) is already recomputed by the compiler, so the two are not combined:
+    the Strategy refuses eager checkpointing with such a budget."""
+    FLAT = {"mode": "checkpoint", "every": "checkpoint_every"}
+
+    mode: str = "off"
+    """'off', 'all' blocks, or 'every_n' (every `every`-th block)."""
+    every: int = 2
+    """N for mode='every_n': blocks 0, N, 2N, ... are recomputed in backward."""
+
+    def __post_init__(self) -> None:
+        _check_choice("checkpoint", self.mode, CHECKPOINT_MODES)
+        _check_int("checkpoint_every", self.every, 1, 1000, "N=1 checkpoints every block, N=2 every second block")
+
+    def covers(self, index: int) -> bool:
+        """Whether block `index` is checkpointed."""
+        return self.mode == "all" or (self.mode == "every_n" and index % self.every == 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationOffloadConfig(_Part):
+    """Activation offload (`activation_offload.ActivationOffload`) of the blocks that keep less than everything."""
+    FLAT = {"enabled": "activation_offload"}
+
+    enabled: bool = False
+    """Move the activations kept by checkpointed or budget-compiled blocks to host memory and prefetch them back
+    for backward."""
+
+    def __post_init__(self) -> None:
+        _check_bool("activation_offload", self.enabled)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig(_Part):
+    """Per-block torch.compile (`block_compile.compile_block`)."""
+    FLAT = {"scope": "compile", "mode": "compile_mode", "backend": "compile_backend",
+            "activation_memory_budget": "activation_memory_budget"}
+
+    scope: str = "off"
     """'per_block' compiles each transformer block separately (one graph per block type, reused across blocks)."""
-    activation_memory_budget: float = 1.0
-    """For compiled blocks: fraction of activations kept (0-1); below 1 PyTorch's partitioner recomputes the cheap
-    ops, replacing eager checkpointing of that block."""
-    compile_mode: str = "default"
-    """torch.compile mode for per-block compile."""
-    compile_backend: str = "inductor"
+    mode: str = "default"
+    """torch.compile mode."""
+    backend: str = "inductor"
     """torch.compile backend; 'aot_eager_decomp_partition' runs the same partitioner without code generation."""
+    activation_memory_budget: float = 1.0
+    """Fraction (0-1) of activations a compiled block keeps; below 1 PyTorch's partitioner recomputes the cheap ops
+    in backward, in place of eager checkpointing of that block. Ignored when scope is 'off'."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compile", self.scope, COMPILE_MODES)
+        _check_choice("compile_mode", self.mode, COMPILE_OPTIONS)
+        _check_choice("compile_backend", self.backend, COMPILE_BACKENDS)
+        _check_range("activation_memory_budget", self.activation_memory_budget, 0.0, 1.0,
+                     "1.0 keeps all activations, 0.5 lets the compiler recompute cheap ops")
+
+    @property
+    def per_block(self) -> bool:
+        return self.scope == "per_block"
+
+    @property
+    def partitions(self) -> bool:
+        """Whether compiled blocks keep only part of their activations (the budget's recompute is in force)."""
+        return self.per_block and self.activation_memory_budget < 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig(_Part):
+    """Dtypes: autocast for compute (`MemoryRuntime.autocast`), storage for the frozen weights (placement)."""
+    FLAT = {"compute_dtype": "compute_dtype", "weight_dtype": "weight_dtype"}
+
     compute_dtype: str = "bf16"
     """Autocast dtype for the forward and backward: 'bf16', 'fp16' or 'fp32' (no autocast)."""
     weight_dtype: str = "auto"
     """Dtype the frozen base weights are stored and moved in: 'auto' keeps the model's own. 'bf16'/'fp16' need
     compute_dtype 'bf16' or 'fp16' (autocast casts the weights per matmul; fp32 compute has no autocast)."""
-    pin_memory: bool = True
-    """Page-lock the host copies so host-to-device copies run asynchronously (CUDA only; ignored elsewhere)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compute_dtype", self.compute_dtype, DTYPES)
+        _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+
+
+_PARTS: dict[str, type[_Part]] = {"offload": LayerOffloadConfig, "checkpointing": CheckpointConfig,
+                                  "activations": ActivationOffloadConfig, "compiler": CompileConfig,
+                                  "precision": PrecisionConfig}
+# flat name (node widget, 0.1 JSON key) -> (part, field)
+FLAT_FIELDS: dict[str, tuple[str, str]] = {flat: (part, name) for part, cls in _PARTS.items()
+                                           for name, flat in cls.FLAT.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    offload: LayerOffloadConfig = LayerOffloadConfig()
+    """Which blocks' frozen weights live in host memory, and how far ahead they stream in."""
+    checkpointing: CheckpointConfig = CheckpointConfig()
+    """Which blocks recompute their forward in backward."""
+    activations: ActivationOffloadConfig = ActivationOffloadConfig()
+    """Whether kept block activations wait in host memory for backward."""
+    compiler: CompileConfig = CompileConfig()
+    """Per-block compile and its activation memory budget."""
+    precision: PrecisionConfig = PrecisionConfig()
+    """Compute and weight dtypes."""
     block_lists: tuple[str, ...] | None = None
     """Dotted names of the model's sequential block lists, in execution order, when discovery does not find them."""
 
     def __post_init__(self) -> None:
-        self._check_range("offload_fraction", self.offload_fraction, 0.0, 1.0,
-                          "0.0 keeps every block on the GPU, 1.0 offloads every block")
-        self._check_choice("offload_policy", self.offload_policy, OFFLOAD_POLICIES)
-        if self.offload_blocks is not None:
-            if isinstance(self.offload_blocks, (str, bytes)) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.offload_blocks):
-                raise StrategyError(f"Strategy.offload_blocks={self.offload_blocks!r} is invalid: give a list of "
-                                    "block indices >= 0 (model order), or leave it empty to use offload_fraction")
-            object.__setattr__(self, "offload_blocks", tuple(sorted(set(self.offload_blocks))))
-        self._check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
-        self._check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
-        self._check_int("checkpoint_every", self.checkpoint_every, 1, 1000,
-                        "N=1 checkpoints every block, N=2 every second block")
-        self._check_choice("compile", self.compile, COMPILE_MODES)
-        self._check_range("activation_memory_budget", self.activation_memory_budget, 0.0, 1.0,
-                          "1.0 keeps all activations, 0.5 lets the compiler recompute cheap ops")
-        self._check_choice("compile_mode", self.compile_mode, COMPILE_OPTIONS)
-        self._check_choice("compile_backend", self.compile_backend, COMPILE_BACKENDS)
-        self._check_choice("compute_dtype", self.compute_dtype, DTYPES)
-        self._check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
-        if self.compute_dtype == "fp32" and self.weight_dtype in ("bf16", "fp16"):
-            # fp32 compute runs without autocast, so every matmul would meet a half-precision weight
-            raise StrategyError(f"Strategy.weight_dtype={self.weight_dtype!r} does not work with compute_dtype='fp32' "
-                                f"(no autocast: {self.weight_dtype} weights meet fp32 activations): set compute_dtype="
-                                f"{self.weight_dtype!r} (fp32 compute gains nothing on {self.weight_dtype} weights), or "
-                                "weight_dtype='auto' or 'fp32' to train in fp32")
-        for name in ("activation_offload", "pin_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise StrategyError(f"Strategy.{name}={getattr(self, name)!r} must be true or false")
+        for part, cls in _PARTS.items():
+            if not isinstance(getattr(self, part), cls):
+                raise StrategyError(f"Strategy.{part} must be a {cls.__name__}, got {getattr(self, part)!r}: build "
+                                    "flat settings with Strategy.of(...)")
         if self.block_lists is not None:
             if isinstance(self.block_lists, str) or not self.block_lists or not all(
                     isinstance(n, str) and n for n in self.block_lists):
                 raise StrategyError(f"Strategy.block_lists={self.block_lists!r} is invalid: give the dotted names "
                                     "of the model's block lists, e.g. ['double_blocks', 'single_blocks']")
             object.__setattr__(self, "block_lists", tuple(self.block_lists))
+        # -- the checks between policies, all here -------------------------------------------------------------
+        p = self.precision
+        if p.compute_dtype == "fp32" and p.weight_dtype in ("bf16", "fp16"):
+            # fp32 compute runs without autocast, so every matmul would meet a half-precision weight
+            raise StrategyError(f"Strategy.weight_dtype={p.weight_dtype!r} does not work with compute_dtype='fp32' "
+                                f"(no autocast: {p.weight_dtype} weights meet fp32 activations): set compute_dtype="
+                                f"{p.weight_dtype!r} (fp32 compute gains nothing on {p.weight_dtype} weights), or "
+                                "weight_dtype='auto' or 'fp32' to train in fp32")
+        if self.compiler.partitions and self.checkpointing.mode != "off":
+            raise StrategyError(
+                f"Strategy.checkpoint={self.checkpointing.mode!r} does not combine with compile='per_block' at "
+                f"activation_memory_budget={self.compiler.activation_memory_budget:g}: the compiler already "
+                "recomputes inside each block under a budget below 1; set checkpoint='off', or "
+                "activation_memory_budget=1.0 to checkpoint the compiled blocks eagerly")
 
-    @staticmethod
-    def _check_range(name: str, value: Any, lo: float, hi: float, hint: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not lo <= value <= hi:
-            raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a number from {lo} to {hi} ({hint})")
+    # -- the one answer to "what does block i keep for backward" ------------------------------------------------
+    def keeps(self, index: int) -> Keep:
+        if self.compiler.partitions:
+            return Keep.BUDGET
+        return Keep.INPUTS if self.checkpointing.covers(index) else Keep.ALL
 
-    @staticmethod
-    def _check_int(name: str, value: Any, lo: int, hi: int, hint: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a whole number from {lo} to {hi} "
-                                f"({hint})")
+    # -- flat names ----------------------------------------------------------------------------------------------
+    @classmethod
+    def of(cls, **flat: Any) -> "Strategy":
+        """A strategy from flat names (`offload_fraction=0.5, checkpoint='all'`: the node widgets, the 0.1 JSON)."""
+        known = set(FLAT_FIELDS) | {"block_lists"}
+        unknown = sorted(set(flat) - known)
+        if unknown:
+            raise StrategyError(f"unknown strategy field(s) {unknown}: known fields are {sorted(known)}")
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _PARTS}
+        block_lists = flat.pop("block_lists", None)
+        for name, value in flat.items():
+            part, field = FLAT_FIELDS[name]
+            parts[part][field] = value
+        return cls(**{part: _PARTS[part](**kw) for part, kw in parts.items()}, block_lists=block_lists)
 
-    @staticmethod
-    def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-        if value not in choices:
-            raise StrategyError(f"Strategy.{name}={value!r} is not supported: choose one of {', '.join(choices)}")
-
-    # -- derived views -------------------------------------------------------------------------------------------
-    def checkpoints_block(self, index: int) -> bool:
-        """Whether block `index` is wrapped in eager (non-reentrant) checkpointing."""
-        if self.compile == "per_block" and self.activation_memory_budget < 1.0:
-            return False  # the compiler's memory-budget partitioner already recomputes inside the block
-        if self.checkpoint == "all":
-            return True
-        return self.checkpoint == "every_n" and index % self.checkpoint_every == 0
+    def to_flat(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part, cls in _PARTS.items():
+            for field, value in getattr(self, part).to_dict().items():
+                out[cls.FLAT[field]] = value
+        out["block_lists"] = list(self.block_lists) if self.block_lists is not None else None
+        return out
 
     def replace(self, **changes: Any) -> "Strategy":
-        return dataclasses.replace(self, **changes)
+        """A copy with some flat fields (`offload_fraction=...`) or whole parts (`compiler=CompileConfig(...)`)
+        changed; checked again as a whole."""
+        parts = {k: changes.pop(k) for k in list(changes) if k in _PARTS}
+        current = dataclasses.replace(self, **parts) if parts else self
+        return Strategy.of(**{**current.to_flat(), **changes}) if changes else current
 
-    # -- JSON ----------------------------------------------------------------------------------------------------
+    # -- JSON: tagged by part; the flat 0.1 form still loads ----------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("offload_blocks", "block_lists"):
-            if d[k] is not None:
-                d[k] = list(d[k])
+        d: dict[str, Any] = {part: getattr(self, part).to_dict() for part in _PARTS}
+        d["block_lists"] = list(self.block_lists) if self.block_lists is not None else None
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Strategy":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        if not isinstance(data, dict):
+            raise StrategyError(f"a strategy must be a JSON object, got {data!r}")
+        if not set(data) & set(_PARTS):
+            return cls.of(**data)  # the flat form of Tightrope 0.1
+        unknown = sorted(set(data) - set(_PARTS) - {"block_lists"})
         if unknown:
-            raise StrategyError(f"unknown strategy field(s) {unknown}: known fields are {sorted(known)}")
-        data = dict(data)
-        for k in ("offload_blocks", "block_lists"):
-            if data.get(k) is not None:
-                data[k] = tuple(data[k])
-        return cls(**data)
+            raise StrategyError(f"unknown strategy part(s) {unknown}: known parts are "
+                                f"{sorted(_PARTS) + ['block_lists']} (or the flat fields of version 0.1)")
+        parts = {part: _PARTS[part].from_dict(part, data[part]) for part in _PARTS if part in data}
+        block_lists = data.get("block_lists")
+        return cls(**parts, block_lists=tuple(block_lists) if isinstance(block_lists, list) else block_lists)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -5,7 +5,7 @@ from ..memory import strategy as s
 from ..training.strategy_choice import AutoStrategy
 from .input_validation import validation_result
 
-_D = s.Strategy()
+_D = s.Strategy().to_flat()  # the widgets are the Strategy's flat fields (Strategy.of maps them onto its parts)
 
 
 class TightropeMemoryStrategy:
@@ -24,39 +24,39 @@ class TightropeMemoryStrategy:
             "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
                                          "tooltip": "auto mode: GPU memory to fit in, in GB; 0 = free memory now "
                                                     "minus a safety margin."}),
-            "offload_fraction": ("FLOAT", {"default": _D.offload_fraction, "min": 0.0, "max": 1.0, "step": 0.05,
+            "offload_fraction": ("FLOAT", {"default": _D["offload_fraction"], "min": 0.0, "max": 1.0, "step": 0.05,
                                            "tooltip": "Share of the transformer blocks' weights kept in host "
                                                       "memory and streamed to the GPU block by block."}),
-            "offload_policy": (list(s.OFFLOAD_POLICIES), {"default": _D.offload_policy,
+            "offload_policy": (list(s.OFFLOAD_POLICIES), {"default": _D["offload_policy"],
                                                            "tooltip": "spread: small blocks first, spaced out so "
                                                                       "transfers hide behind resident blocks."}),
-            "prefetch_depth": ("INT", {"default": _D.prefetch_depth, "min": 0, "max": 8,
+            "prefetch_depth": ("INT", {"default": _D["prefetch_depth"], "min": 0, "max": 8,
                                        "tooltip": "Offloaded blocks copied ahead of use (each costs one block "
                                                   "of GPU memory)."}),
-            "activation_offload": ("BOOLEAN", {"default": _D.activation_offload,
+            "activation_offload": ("BOOLEAN", {"default": _D["activation_offload"],
                                                "tooltip": "Keep checkpointed blocks' inputs in host memory until "
                                                           "backward needs them."}),
-            "checkpoint": (list(s.CHECKPOINT_MODES), {"default": _D.checkpoint,
+            "checkpoint": (list(s.CHECKPOINT_MODES), {"default": _D["checkpoint"],
                                                        "tooltip": "Recompute block activations in backward instead "
                                                                   "of storing them."}),
-            "checkpoint_every": ("INT", {"default": _D.checkpoint_every, "min": 1, "max": 1000,
+            "checkpoint_every": ("INT", {"default": _D["checkpoint_every"], "min": 1, "max": 1000,
                                          "tooltip": "every_n: checkpoint one block in N (2 = about half the "
                                                     "activation memory for ~10% time)."}),
-            "compile": (list(s.COMPILE_MODES), {"default": _D.compile,
+            "compile": (list(s.COMPILE_MODES), {"default": _D["compile"],
                                                  "tooltip": "per_block: torch.compile each block (fast to compile, "
                                                             "reused by all blocks of a type)."}),
-            "activation_memory_budget": ("FLOAT", {"default": _D.activation_memory_budget, "min": 0.0, "max": 1.0,
+            "activation_memory_budget": ("FLOAT", {"default": _D["activation_memory_budget"], "min": 0.0, "max": 1.0,
                                                    "step": 0.05, "tooltip": "Compiled blocks: share of activations "
                                                                             "kept; below 1 the compiler recomputes "
                                                                             "cheap ops instead of checkpointing."}),
-            "compile_mode": (list(s.COMPILE_OPTIONS), {"default": _D.compile_mode,
+            "compile_mode": (list(s.COMPILE_OPTIONS), {"default": _D["compile_mode"],
                                                         "tooltip": "torch.compile mode."}),
-            "compute_dtype": (list(s.DTYPES), {"default": _D.compute_dtype,
+            "compute_dtype": (list(s.DTYPES), {"default": _D["compute_dtype"],
                                                 "tooltip": "Autocast dtype of the forward and backward."}),
-            "weight_dtype": (list(s.WEIGHT_DTYPES), {"default": _D.weight_dtype,
+            "weight_dtype": (list(s.WEIGHT_DTYPES), {"default": _D["weight_dtype"],
                                                       "tooltip": "Dtype the frozen base weights are kept and moved "
                                                                  "in; auto keeps the model's."}),
-            "pin_memory": ("BOOLEAN", {"default": _D.pin_memory,
+            "pin_memory": ("BOOLEAN", {"default": _D["pin_memory"],
                                        "tooltip": "Page-lock host copies for asynchronous copies (CUDA)."}),
         }, "optional": {
             "host_ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 65536.0, "step": 0.5,
@@ -72,10 +72,10 @@ class TightropeMemoryStrategy:
 
         def fields_fit():
             if inputs.get("mode") == "manual" and None not in fields.values():  # linked values are not known yet
-                s.Strategy(**fields)
+                s.Strategy.of(**fields)
         return validation_result(cls, inputs, fields_fit)
 
     def make(self, mode, vram_budget_gb, host_ram_budget_gb=0.0, **fields):
         if mode == "auto":
             return (AutoStrategy(vram_budget_gb=vram_budget_gb, host_ram_budget_gb=host_ram_budget_gb),)
-        return (s.Strategy(**fields),)
+        return (s.Strategy.of(**fields),)

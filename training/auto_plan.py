@@ -43,8 +43,9 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     # probe with the most frugal strategy on CUDA (every block streamed and checkpointed, boundary activations in
     # host memory), so that the probe fits whatever budget a plan could fit
     cuda = device.type == "cuda"
-    base = Strategy(compute_dtype=session.strategy.compute_dtype, weight_dtype=session.strategy.weight_dtype,
-                    offload_fraction=1.0 if cuda else 0.0, activation_offload=cuda)
+    base = Strategy.of(compute_dtype=session.strategy.precision.compute_dtype,
+                       weight_dtype=session.strategy.precision.weight_dtype, offload_fraction=1.0 if cuda else 0.0,
+                       activation_offload=cuda)
 
     def make_inputs():
         inputs = dict(x_t=noised(latents, noise, t).to(device), t=t.to(device), context=context.to(device),

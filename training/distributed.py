@@ -295,10 +295,11 @@ def check_fsdp_strategy(strategy) -> None:
     """Refuse the memory-strategy features that do not compose with sharding the base weights: layer offload (both
     own the block weights' placement). Checkpointing, activation offload, per-block compile and the weight/compute
     dtypes do compose (tests/distributed)."""
-    if strategy.offload_fraction > 0 or strategy.offload_blocks:
+    offload = strategy.offload
+    if offload.active:
         raise DistributedError(
-            f"--fsdp does not work with layer offload (offload_fraction={strategy.offload_fraction}, offload_blocks="
-            f"{list(strategy.offload_blocks) if strategy.offload_blocks else None}): both manage where the blocks' "
+            f"--fsdp does not work with layer offload (offload_fraction={offload.fraction}, offload_blocks="
+            f"{list(offload.blocks) if offload.blocks else None}): both manage where the blocks' "
             "weights live. FSDP keeps 1/world of each block per GPU and all-gathers it block by block; set "
             "offload_fraction=0 in the Memory Strategy node (or run without --fsdp and offload instead)")
 
@@ -326,7 +327,8 @@ def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[
     params = list(module.parameters())
     clone = copy.deepcopy(module, memo={id(p): p for p in params})  # shares every parameter, copies the rest
     trainable = {id(p) for p in params if p.requires_grad}
-    wdtype = None if strategy.weight_dtype == "auto" else TORCH_DTYPES[strategy.weight_dtype]
+    weight_dtype = strategy.precision.weight_dtype
+    wdtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
     mesh = init_device_mesh(device.type, (par.world_size,))
     # on the CPU FSDP2 keeps its shards through the offload policy (pinning needs an accelerator)
     policy = CPUOffloadPolicy(pin_memory=False) if device.type == "cpu" else OffloadPolicy()

@@ -173,7 +173,7 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
     cfg = session.config
     first = session.step
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
-    scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.compute_dtype == "fp16")
+    scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
     batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
                                shard=distributed.current().shard)
     run.monitor.validate(run.step, adapter, module, runtime, optimizer)  # the run's first step (or one a stop left unscored)
@@ -362,9 +362,9 @@ def _remove_stale_temporaries(save: SaveTarget, started: float) -> None:
 
 def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save: SaveTarget | None) -> str:
     s, cfg = session.strategy, session.config
-    lighter = (["offload_fraction=1.0"] if s.offload_fraction < 1.0 or s.offload_blocks is not None else []) \
-        + (["checkpoint='all'"] if s.checkpoint != "all" else []) \
-        + (["activation_offload=True"] if not s.activation_offload else [])
+    lighter = (["offload_fraction=1.0"] if s.offload.fraction < 1.0 or s.offload.blocks is not None else []) \
+        + (["checkpoint='all'"] if s.checkpointing.mode != "all" else []) \
+        + (["activation_offload=True"] if not s.activations.enabled else [])
     fix = (f"in the Memory Strategy node set {', '.join(lighter)} (or mode='auto' with your GPU's vram_budget_gb "
            "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
     fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"

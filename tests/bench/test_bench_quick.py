@@ -12,7 +12,7 @@ from tightrope.memory.strategy import Strategy
 
 
 def test_quick_suite_writes_every_configuration(tmp_path):
-    base = Strategy(compute_dtype="fp32")
+    base = Strategy.of(compute_dtype="fp32")
     grid = with_references([BenchConfig(base, 1, 64), BenchConfig(base.replace(offload_fraction=1.0,
                                                                                    checkpoint="all"), 1, 64),
                             BenchConfig(base.replace(checkpoint="all", activation_offload=True), 2, 64)])

@@ -13,7 +13,8 @@ def test_gpu_check_measures_the_planners_least_peak_configuration():
     profile, shapes = headline_profile()
     strategy, prediction = least_peak(profile)
     assert strategy in [c.strategy for c in headline_configs("cuda", 2048, 1)]
-    assert (strategy.offload_fraction, strategy.prefetch_depth, strategy.checkpoint, strategy.activation_offload) == \
+    assert (strategy.offload.fraction, strategy.offload.prefetch_depth, strategy.checkpointing.mode,
+            strategy.activations.enabled) == \
         (1.0, 0, "all", True)
     # the breakdown adds up, and the slots are one cell: the largest block as packed
     b = prediction.breakdown

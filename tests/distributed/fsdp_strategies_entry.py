@@ -16,10 +16,10 @@ from tightrope.demo.model import demo_model
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
 
 STRATEGIES = {
-    "checkpoint_all+activation_offload": Strategy(checkpoint="all", activation_offload=True, compute_dtype="fp32",
-                                                  pin_memory=False),
-    "every_n+bf16_weights": Strategy(checkpoint="every_n", compute_dtype="bf16", weight_dtype="bf16"),
-    "per_block_compile": Strategy(compile="per_block", compile_backend="aot_eager", compute_dtype="fp32"),
+    "checkpoint_all+activation_offload": Strategy.of(checkpoint="all", activation_offload=True, compute_dtype="fp32",
+                                                     pin_memory=False),
+    "every_n+bf16_weights": Strategy.of(checkpoint="every_n", compute_dtype="bf16", weight_dtype="bf16"),
+    "per_block_compile": Strategy.of(compile="per_block", compile_backend="aot_eager", compute_dtype="fp32"),
 }
 
 

@@ -111,11 +111,11 @@ def test_cli_fsdp_without_torchrun_exits_2(tmp_path, no_torchrun, capsys):
 
 
 def test_fsdp_refuses_layer_offload_and_accepts_the_rest():
-    for strategy in (Strategy(offload_fraction=0.5), Strategy(offload_blocks=(1,))):
+    for strategy in (Strategy.of(offload_fraction=0.5), Strategy.of(offload_blocks=(1,))):
         with pytest.raises(DistributedError, match="--fsdp does not work with layer offload"):
             check_fsdp_strategy(strategy)
-    check_fsdp_strategy(Strategy(checkpoint="all", activation_offload=True, compile="per_block",
-                                 weight_dtype="bf16"))
+    check_fsdp_strategy(Strategy.of(checkpoint="all", activation_offload=True, compile="per_block",
+                                    weight_dtype="bf16"))
 
 
 def test_resume_keeps_the_global_batch_whatever_the_world_size(rank1_of_2):

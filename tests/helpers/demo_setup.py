@@ -15,4 +15,4 @@ def demo_session(tmp_path, *, strategy=None, **config) -> TrainingSession:
     cfg = dict(learning_rate=1e-3, batch_size=2, seed=0)
     cfg.update(config)
     return TrainingSession(model=demo_model(), dataset=dataset, lora=LoraSpec(rank=4, targets="attention_mlp"),
-                           strategy=strategy or Strategy(compute_dtype="fp32"), config=TrainConfig(**cfg))
+                           strategy=strategy or Strategy.of(compute_dtype="fp32"), config=TrainConfig(**cfg))

@@ -15,10 +15,10 @@ from tightrope.training.lora.algorithms import peft_config
 
 TARGETS = r".*_blocks\.\d+\..*(qkv|proj|mod|shift|txt_to_img|mlp\.[02])"
 STRATEGIES = {
-    "offload_all+ckpt_all+act": Strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True,
-                                         compute_dtype="fp32"),
-    "offload_half+every2": Strategy(offload_fraction=0.5, checkpoint="every_n", checkpoint_every=2,
-                                    compute_dtype="fp32", prefetch_depth=0),
+    "offload_all+ckpt_all+act": Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True,
+                                            compute_dtype="fp32"),
+    "offload_half+every2": Strategy.of(offload_fraction=0.5, checkpoint="every_n", checkpoint_every=2,
+                                       compute_dtype="fp32", prefetch_depth=0),
 }
 
 
@@ -61,7 +61,7 @@ def test_offload_poison_reaches_peft_base_layers():
     """Negative control: with the LoKr base weights poisoned and never streamed back, the loss is NaN — the
     comparison above does read the offloaded weights inside peft's layers."""
     model = adapted_model("lokr")
-    strategy = Strategy(offload_fraction=1.0, compute_dtype="fp32")
+    strategy = Strategy.of(offload_fraction=1.0, compute_dtype="fp32")
     with MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) as rt:
         rt.offload.load = lambda index: None  # the bug: never load an offloaded block
         losses, _ = train_steps(model, steps=1, runtime=rt)

@@ -4,7 +4,7 @@ from two_stream import TwoStream, make_lora_model
 
 from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.offload_selection import select_offloaded
-from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.memory.strategy import LayerOffloadConfig, StrategyError
 
 
 def test_flux_layout_in_execution_order():
@@ -42,11 +42,11 @@ def test_no_block_list_is_a_clear_error():
 
 def test_selection_policies():
     sizes = [10, 10, 10, 4, 4, 4, 4, 4, 4]
-    assert select_offloaded(sizes, Strategy(offload_fraction=0.0)) == []
-    assert select_offloaded(sizes, Strategy(offload_fraction=1.0)) == list(range(9))
-    spread = select_offloaded(sizes, Strategy(offload_fraction=0.2))  # 11.2 bytes -> three of the small blocks
+    assert select_offloaded(sizes, LayerOffloadConfig(fraction=0.0)) == []
+    assert select_offloaded(sizes, LayerOffloadConfig(fraction=1.0)) == list(range(9))
+    spread = select_offloaded(sizes, LayerOffloadConfig(fraction=0.2))  # 11.2 bytes -> three of the small blocks
     assert spread == [4, 6, 8]  # spaced out among the six small blocks
-    assert select_offloaded(sizes, Strategy(offload_fraction=0.2, offload_policy="first")) == [0, 1]
-    assert select_offloaded(sizes, Strategy(offload_fraction=0.2, offload_policy="last")) == [6, 7, 8]
+    assert select_offloaded(sizes, LayerOffloadConfig(fraction=0.2, policy="first")) == [0, 1]
+    assert select_offloaded(sizes, LayerOffloadConfig(fraction=0.2, policy="last")) == [6, 7, 8]
     with pytest.raises(StrategyError, match="offload_blocks has indices \\[12\\].*0..8"):
-        select_offloaded(sizes, Strategy(offload_blocks=(1, 12)))
+        select_offloaded(sizes, LayerOffloadConfig(blocks=(1, 12)))

@@ -19,13 +19,13 @@ from two_stream import TwoStream, make_batch
 
 from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.runtime import MemoryRuntime
-from tightrope.memory.strategy import Strategy
+from tightrope.memory.strategy import Keep, Strategy
 
 POLICIES = {
-    "off": Strategy(checkpoint="off", compute_dtype="fp32"),
-    "all": Strategy(checkpoint="all", compute_dtype="fp32"),
-    "every_2": Strategy(checkpoint="every_n", checkpoint_every=2, compute_dtype="fp32"),
-    "every_3": Strategy(checkpoint="every_n", checkpoint_every=3, compute_dtype="fp32"),
+    "off": Strategy.of(checkpoint="off", compute_dtype="fp32"),
+    "all": Strategy.of(checkpoint="all", compute_dtype="fp32"),
+    "every_2": Strategy.of(checkpoint="every_n", checkpoint_every=2, compute_dtype="fp32"),
+    "every_3": Strategy.of(checkpoint="every_n", checkpoint_every=3, compute_dtype="fp32"),
 }
 RECOMPUTED = {  # policy -> the block indices it recomputes
     "off": [], "all": [0, 1, 2, 3, 4, 5], "every_2": [0, 2, 4], "every_3": [0, 3]}
@@ -92,7 +92,7 @@ def _backward_flops() -> int:
 def test_every_block_costs_differently():
     assert len(BLOCKS) == 6 and BLOCKS[0] == "TwoStream.double_blocks.0" and BLOCKS[3] == "TwoStream.single_blocks.0"
     assert len({FORWARD[b] for b in BLOCKS}) == 6 and all(FORWARD[b] > 0 for b in BLOCKS)
-    assert [i for i in range(6) if POLICIES["every_3"].checkpoints_block(i)] == RECOMPUTED["every_3"]
+    assert [i for i in range(6) if POLICIES["every_3"].keeps(i) is Keep.INPUTS] == RECOMPUTED["every_3"]
 
 
 def test_checkpoint_off_costs_forward_plus_backward():

@@ -36,8 +36,8 @@ def test_graphs_stay_put_and_every_block_runs_compiled(monkeypatch):
     n_double, n_single = 9, 1
     assert n_double > torch._dynamo.config.recompile_limit
     model = make_lora_model(n_double=n_double, n_single=n_single)
-    strategy = Strategy(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
-                        activation_memory_budget=0.5, offload_fraction=0.5, activation_offload=True)
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                           activation_memory_budget=0.5, offload_fraction=0.5, activation_offload=True)
     graphs, runs = [], []
     with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) as rt:
         for _ in range(2):
@@ -70,8 +70,8 @@ def test_compile_mode_options_reach_the_backward(monkeypatch):
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     model = make_lora_model(n_double=0, n_single=1)
-    strategy = Strategy(compile="per_block", compile_mode="max-autotune-no-cudagraphs", compute_dtype="fp32",
-                        block_lists=("single_blocks",))
+    strategy = Strategy.of(compile="per_block", compile_mode="max-autotune-no-cudagraphs", compute_dtype="fp32",
+                           block_lists=("single_blocks",))
     with MemoryRuntime(model, strategy, "cpu"):
         train_steps(model, steps=1)
     assert inductor_config.size_asserts, "the option leaked out of the compile"

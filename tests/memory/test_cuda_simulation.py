@@ -40,13 +40,13 @@ def _observe(strategy, device, steps=2):
 def test_device_spelling_changes_nothing(kw):
     """Offloaded weights saved by non-checkpointed blocks must be packed as slot references, activations must go to
     the host, and the memory accounting must see the device's tensors, whichever way the device is spelled."""
-    strategy = Strategy(**kw, **FP32)
+    strategy = Strategy.of(**kw, **FP32)
     bare, bare_run = _observe(strategy, "cpu")
     indexed, indexed_run = _observe(strategy, "cpu:0")
     assert bare["owned"] and all(bare["owned"])
     assert indexed == bare
     assert bare["weights"][0] == bare["weights"][1]
-    if strategy.activation_offload:
+    if strategy.activations.enabled:
         assert bare["counters"]["d2h_bytes"] > 0
     for run in (bare_run, indexed_run):
         assert_equivalent(run)
@@ -83,7 +83,7 @@ def test_activation_copies_die_with_their_last_use(monkeypatch, extra):
     (vec, pe). Keeping every copy to the end of the step would hold all 3 * 2 + 3 * 1 + 2 = 11."""
     live, peak = _count_live_copies(monkeypatch)
     model = make_lora_model()
-    strategy = Strategy(checkpoint="all", activation_offload=True, **extra, **FP32)
+    strategy = Strategy.of(checkpoint="all", activation_offload=True, **extra, **FP32)
     with MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) as rt:
         result = train_steps(model, steps=2, runtime=rt)
         assert live[0] == 0, "copies outlived the step"
@@ -94,7 +94,7 @@ def test_activation_copies_die_with_their_last_use(monkeypatch, extra):
 
 def test_the_store_counts_its_live_copies():
     model = make_lora_model()
-    strategy = Strategy(checkpoint="all", activation_offload=True, **FP32)
+    strategy = Strategy.of(checkpoint="all", activation_offload=True, **FP32)
     with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) as rt:
         train_steps(model, steps=1, runtime=rt)
         # the peak of the step just ended (reset when the next one starts): the window, as above, never all 11
@@ -102,7 +102,7 @@ def test_the_store_counts_its_live_copies():
 
 
 def _weight_views(model, keep=None):
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, prefetch_depth=0, **FP32), "cpu:0",
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, prefetch_depth=0, **FP32), "cpu:0",
                        poison_slots=True) as rt:
         if keep is not None:  # a consumer that holds on to what it unpacks
             real = rt.offload.unpack
@@ -125,9 +125,9 @@ def test_weight_views_never_outlive_their_slot():
 
 
 @pytest.mark.parametrize("strategy", [
-    Strategy(activation_memory_budget=0.5, activation_offload=True, offload_fraction=0.5, **COMPILED),
-    Strategy(activation_memory_budget=0.5, activation_offload=True, **COMPILED),
-    Strategy(checkpoint="all", activation_offload=True, offload_fraction=0.5, **FP32),
+    Strategy.of(activation_memory_budget=0.5, activation_offload=True, offload_fraction=0.5, **COMPILED),
+    Strategy.of(activation_memory_budget=0.5, activation_offload=True, **COMPILED),
+    Strategy.of(checkpoint="all", activation_offload=True, offload_fraction=0.5, **FP32),
 ], ids=["compiled+offload", "compiled", "eager"])
 def test_parameters_never_go_through_activation_offload(monkeypatch, strategy):
     """The bytes sent to the host hold no parameter storage: resident frozen weights, LoRA weights and slot views
@@ -158,8 +158,8 @@ def test_host_memory_falls_back_to_pageable():
     from tightrope.memory.devices import host_buffer
     buf = host_buffer(lambda pin: torch.empty(8, pin_memory=pin), pin=True)
     assert buf.shape == (8,) and not buf.is_pinned()
-    with MemoryRuntime(make_lora_model(), Strategy(offload_fraction=0.5, activation_offload=True,
-                                                    checkpoint="all"), "cpu") as rt:
+    with MemoryRuntime(make_lora_model(), Strategy.of(offload_fraction=0.5, activation_offload=True,
+                                                       checkpoint="all"), "cpu") as rt:
         assert not rt.host_memory_pinned()
 
 
@@ -176,7 +176,7 @@ def test_a_second_unpack_fetches_the_copy_again():
             loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    managed = grads(Strategy(checkpoint="all", activation_offload=True, **FP32))
+    managed = grads(Strategy.of(checkpoint="all", activation_offload=True, **FP32))
     plain = grads(None)
     for name, g in plain.items():
         torch.testing.assert_close(managed[name], g, rtol=1e-5, atol=1e-6)

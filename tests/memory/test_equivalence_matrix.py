@@ -12,7 +12,7 @@ CHECKPOINTS = {"off": {}, "all": {"checkpoint": "all"}, "every2": {"checkpoint":
 
 @pytest.mark.parametrize("offload,ckpt,act", list(itertools.product([0.0, 0.5, 1.0], CHECKPOINTS, [False, True])))
 def test_eager_matrix(offload, ckpt, act):
-    s = Strategy(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", **CHECKPOINTS[ckpt])
+    s = Strategy.of(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", **CHECKPOINTS[ckpt])
     result = run_managed(s)
     assert_equivalent(result)
     if offload:
@@ -26,16 +26,16 @@ COMPILED = {"budget1+ckpt_all": {"checkpoint": "all"}, "budget0.5": {"activation
 
 @pytest.mark.parametrize("offload,variant,act", list(itertools.product([0.0, 0.5, 1.0], COMPILED, [False, True])))
 def test_compiled_matrix(offload, variant, act):
-    s = Strategy(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", compile="per_block",
-                 compile_backend="aot_eager_decomp_partition", **COMPILED[variant])
+    s = Strategy.of(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", compile="per_block",
+                    compile_backend="aot_eager_decomp_partition", **COMPILED[variant])
     assert_equivalent(run_managed(s), rtol=1e-5, atol=1e-6)
 
 
 def test_prefetch_depths_and_policies():
     for kw in ({"prefetch_depth": 0}, {"prefetch_depth": 3}, {"offload_policy": "first"},
                {"offload_policy": "last"}, {"offload_blocks": (1, 4)}):
-        assert_equivalent(run_managed(Strategy(offload_fraction=0.5, checkpoint="every_n", compute_dtype="fp32",
-                                               **kw)))
+        assert_equivalent(run_managed(Strategy.of(offload_fraction=0.5, checkpoint="every_n", compute_dtype="fp32",
+                                                  **kw)))
 
 
 @pytest.mark.parametrize("ckpt", ["off", "all"])
@@ -53,5 +53,5 @@ def test_broken_schedule_is_caught(monkeypatch, ckpt):
     monkeypatch.setattr(LayerOffload, "unpack", lambda self, ref: self.area.view(ref.dtype).as_strided(
         ref.shape, ref.stride, ref.offset))
     with pytest.raises(AssertionError):
-        assert_equivalent(run_managed(Strategy(offload_fraction=1.0, prefetch_depth=0, compute_dtype="fp32",
-                                               **CHECKPOINTS[ckpt])))
+        assert_equivalent(run_managed(Strategy.of(offload_fraction=1.0, prefetch_depth=0, compute_dtype="fp32",
+                                                  **CHECKPOINTS[ckpt])))

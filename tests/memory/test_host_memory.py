@@ -72,7 +72,7 @@ def test_offload_adds_no_host_copy_and_undo_gives_the_original_storages_back():
     loader = {n: p.data for n, p in model.named_parameters()}  # what ComfyUI's ModelPatcher keeps holding
     storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
     base = live_cpu_bytes()
-    rt = MemoryRuntime(model, Strategy(offload_fraction=1.0, compute_dtype="fp32"), "cpu")
+    rt = MemoryRuntime(model, Strategy.of(offload_fraction=1.0, compute_dtype="fp32"), "cpu")
     with AllocationTally() as attach:
         rt.apply()
     try:
@@ -99,7 +99,7 @@ def test_dtype_conversion_makes_one_host_copy_per_block_freed_at_undo():
     model = make_lora_model()
     storages = {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
     base = live_cpu_bytes()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, weight_dtype="bf16", compute_dtype="bf16"),
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, weight_dtype="bf16", compute_dtype="bf16"),
                        "cpu") as rt:
         # the converted copy is unavoidable: bf16 bytes of every offloaded frozen weight (each tensor aligned)
         assert frozen_block_bytes(model, 2) <= rt.offload.host_copy_bytes() < frozen_block_bytes(model, 2) * 1.1
@@ -155,7 +155,7 @@ def pinned(monkeypatch):
 
 def test_weights_are_pinned_in_place_and_unpinned_at_undo(pinned):
     model = make_lora_model()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
         spans = host_pinning.storage_spans(src for lay in rt.offload.layouts.values() for src in lay.sources)
         covered = [(a, a + n) for a, n in pinned.registered]
         assert all(any(a <= s and s + n <= b for a, b in covered) for s, n in spans)
@@ -167,7 +167,7 @@ def test_pinning_refused_falls_back_to_pageable_with_a_note(pinned):
     pinned.refuse = 2  # cudaErrorMemoryAllocation, as with a low `ulimit -l`
     with pytest.warns(RuntimeWarning, match=r"could not page-lock .* GiB of host weights in place \(out of memory, "
                                             r"error 2\); streaming them from pageable memory"):
-        result = run_managed(Strategy(offload_fraction=1.0, compute_dtype="fp32"))
+        result = run_managed(Strategy.of(offload_fraction=1.0, compute_dtype="fp32"))
     assert_equivalent(result)
     assert not pinned.unregistered
 
@@ -305,7 +305,7 @@ def test_undo_returns_freed_host_memory_after_restoring_the_model(monkeypatch):
     calls = []
     monkeypatch.setattr(runtime, "release_freed_host_memory", lambda: calls.append(
         all(not isinstance(m.__dict__.get("forward"), type(lambda: 0)) for m in model.modules())))
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
         train_steps(model, steps=1, runtime=rt)
         assert calls == []
     assert calls == [True]  # once, after every block forward was restored

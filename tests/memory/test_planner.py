@@ -30,7 +30,7 @@ def _inputs():
 @functools.lru_cache(maxsize=None)
 def _two_stream_profile(offload: float = 0.0) -> Profile:
     torch.manual_seed(0)
-    return probe_model(make_lora_model(), _inputs, "cpu", Strategy(compute_dtype="fp32", offload_fraction=offload),
+    return probe_model(make_lora_model(), _inputs, "cpu", Strategy.of(compute_dtype="fp32", offload_fraction=offload),
                        repeats=1)
 
 
@@ -69,8 +69,8 @@ def test_probe_measures_what_the_runtime_saves():
     assert all(c < f for c, f in zip(prof.act_ckpt, prof.act_full))  # checkpoint-all keeps less, per block
     assert prof.act_shared > 0 and all(t > 0 for t in prof.fwd_s + prof.bwd_s) and prof.h2d_bytes_per_s > 0
     model = make_lora_model()
-    for strategy, predicted in [(Strategy(compute_dtype="fp32"), sum(prof.act_full)),
-                                (Strategy(compute_dtype="fp32", checkpoint="all"), sum(prof.act_ckpt))]:
+    for strategy, predicted in [(Strategy.of(compute_dtype="fp32"), sum(prof.act_full)),
+                                (Strategy.of(compute_dtype="fp32", checkpoint="all"), sum(prof.act_ckpt))]:
         saved = {}
         inputs, target = make_batch()
         with MemoryRuntime(model, strategy, "cpu"):
@@ -129,16 +129,16 @@ def test_bigger_budget_is_never_slower():
 def test_flux_dev_plans_read_sensibly():
     prof = _flux_dev_profile()
     small, large = plan(prof, 12 * GiB), plan(prof, 80 * GiB)
-    assert small.strategy.offload_fraction > 0 and large.strategy.offload_fraction == 0
+    assert small.strategy.offload.fraction > 0 and large.strategy.offload.fraction == 0
     assert "of your 12.0 GiB" in small.explanation and "s/step" in small.explanation
     assert "Offloading" in small.explanation and "All 57 blocks stay on the device" in large.explanation
-    assert plan(prof, 12 * GiB, allow_compile=False).strategy.compile == "off"
-    assert plan(prof, 12 * GiB, compile_time_budget_s=1.0).strategy.compile == "off"
+    assert plan(prof, 12 * GiB, allow_compile=False).strategy.compiler.scope == "off"
+    assert plan(prof, 12 * GiB, compile_time_budget_s=1.0).strategy.compiler.scope == "off"
 
 
 def test_transfers_bound_the_step_when_everything_streams():
     prof = _flux_dev_profile()
-    pred = predict(prof, Strategy(offload_fraction=1.0, checkpoint="all"))
+    pred = predict(prof, Strategy.of(offload_fraction=1.0, checkpoint="all"))
     transfer = sum(prof.block_packed) / prof.h2d_bytes_per_s
     assert pred.step_s >= pred.bound_s >= transfer  # each pass streams (nearly) all weights
     assert pred.step_s >= pred.compute_s
@@ -162,7 +162,7 @@ def test_auto_budget_needs_cuda():
 
 def test_batch_autotune_returns_the_largest_fitting_batch():
     prof = _flux_dev_profile()
-    strategy = Strategy(offload_fraction=0.5, checkpoint="all")
+    strategy = Strategy.of(offload_fraction=0.5, checkpoint="all")
     budget = 20 * GiB
     best = autotune_batch(prof, budget, strategy=strategy)
     assert predict(prof.at_batch(best), strategy).peak_bytes <= budget
@@ -180,8 +180,8 @@ def test_batch_autotune_returns_the_largest_fitting_batch():
 def test_candidates_cover_the_grid():
     prof = _flux_dev_profile()
     cands = candidate_strategies(prof, Strategy())
-    kinds = {(s.checkpoint, s.activation_offload, s.compile, s.activation_memory_budget, s.prefetch_depth)
-             for s, _ in cands}
+    kinds = {(s.checkpointing.mode, s.activations.enabled, s.compiler.scope, s.compiler.activation_memory_budget,
+              s.offload.prefetch_depth) for s, _ in cands}
     assert ("all", True, "off", 1.0, 2) in kinds and ("off", False, "per_block", 0.5, 1) in kinds
     assert len({tuple(off) for _, off in cands}) >= 15
 
@@ -194,7 +194,7 @@ def test_measured_block_peak_sets_the_transient():
     """The probe's per-block CUDA peak (e.g. fp32 LoRA casts, attention workspaces) replaces the estimate when it is
     larger: the transient is that peak less what checkpointing already counts as kept."""
     prof = _flux_dev_profile()
-    s = Strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True)
+    s = Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True)
     estimated = predict(prof, s)
     peak = 6 * GiB
     measured = predict(dataclasses.replace(prof, block_peak_alloc=[peak] * prof.n_blocks), s)
@@ -210,7 +210,7 @@ def test_measured_block_peak_sets_the_transient():
 
 def test_unpinned_copies_do_not_overlap_compute():
     prof = _flux_dev_profile()
-    s = Strategy(offload_fraction=1.0, checkpoint="all")
+    s = Strategy.of(offload_fraction=1.0, checkpoint="all")
     pinned, pageable = predict(prof, s), predict(dataclasses.replace(prof, h2d_pinned=False), s)
     transfer = sum(prof.block_packed) / prof.h2d_bytes_per_s  # forward pass alone streams every block once
     assert pageable.step_s >= pageable.compute_s + transfer and pageable.step_s > pinned.step_s
@@ -232,9 +232,9 @@ def test_probe_runs_with_the_bases_activation_offload(monkeypatch):
 
     monkeypatch.setattr(probe_module, "MemoryRuntime", Spy)
     torch.manual_seed(0)
-    frugal = Strategy(compute_dtype="fp32", offload_fraction=1.0, activation_offload=True)
+    frugal = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, activation_offload=True)
     prof = probe_model(make_lora_model(), _inputs, "cpu", frugal, repeats=0)
-    assert [(s.activation_offload, s.checkpoint, s.offload_fraction) for s in used] == [(True, "all", 1.0)]
+    assert [(s.activations.enabled, s.checkpointing.mode, s.offload.fraction) for s in used] == [(True, "all", 1.0)]
     plain = _two_stream_profile(1.0)
     assert prof.act_ckpt == plain.act_ckpt and prof.act_shared == plain.act_shared and prof.act_full == plain.act_full
 

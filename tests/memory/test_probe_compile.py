@@ -20,7 +20,7 @@ def test_compile_pass_measures_each_block_type_at_both_budgets(monkeypatch):
         batch, target = make_batch()
         return batch, lambda out: F.mse_loss(out, target)
     torch.manual_seed(0)
-    prof = probe_model(make_lora_model(), inputs, "cpu", Strategy(compute_dtype="fp32"), repeats=1,
+    prof = probe_model(make_lora_model(), inputs, "cpu", Strategy.of(compute_dtype="fp32"), repeats=1,
                        measure_compile=True)
     kinds = set(prof.block_types)
     assert set(prof.compile) == kinds and compiled == [1.0, 0.5] * len(kinds)

@@ -14,7 +14,7 @@ from tightrope.memory.strategy import Strategy, StrategyError
                                 {"offload_blocks": (0, 5)}, {"offload_fraction": 1.0, "prefetch_depth": 8}])
 def test_predicted_weight_bytes_match_the_device(kw):
     model = make_lora_model()
-    with MemoryRuntime(model, Strategy(**kw), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(**kw), "cpu") as rt:
         assert rt.predicted_weight_bytes() == rt.device_weight_bytes()
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     if kw.get("offload_fraction") == 1.0 and kw.get("prefetch_depth") == 2:
@@ -26,7 +26,7 @@ def test_undo_gives_the_model_back():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
     inputs, target = make_batch()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, checkpoint="all", compute_dtype="fp32"), "cpu"):
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, checkpoint="all", compute_dtype="fp32"), "cpu"):
         F.mse_loss(model(**inputs), target).backward()
         assert any("forward" in m.__dict__ for m in model.modules())
     after = dict(model.named_parameters())
@@ -39,7 +39,7 @@ def test_undo_gives_the_model_back():
 def test_undo_after_an_error_inside():
     model = make_lora_model()
     with pytest.raises(ZeroDivisionError):
-        with MemoryRuntime(model, Strategy(offload_fraction=1.0), "cpu"):
+        with MemoryRuntime(model, Strategy.of(offload_fraction=1.0), "cpu"):
             1 / 0
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -48,7 +48,7 @@ def test_undo_after_an_error_inside():
 def test_weight_dtype_is_restored_exactly():
     model = make_lora_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with MemoryRuntime(model, Strategy(offload_fraction=0.5, weight_dtype="bf16"), "cpu") as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=0.5, weight_dtype="bf16"), "cpu") as rt:
         frozen = [p for p in model.parameters() if not p.requires_grad and p.data.stride() and 0 not in p.stride()]
         assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
         assert rt.predicted_weight_bytes() == rt.device_weight_bytes()
@@ -82,24 +82,24 @@ def _saved_bytes(strategy):
 def test_activation_memory_budget_reaches_the_compiler():
     """The budget changes what the partitioner saves, also after a graph was compiled under another budget."""
     compiled = dict(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32")
-    full = _saved_bytes(Strategy(**compiled))
-    half = _saved_bytes(Strategy(activation_memory_budget=0.5, **compiled))
-    none = _saved_bytes(Strategy(activation_memory_budget=0.0, **compiled))
+    full = _saved_bytes(Strategy.of(**compiled))
+    half = _saved_bytes(Strategy.of(activation_memory_budget=0.5, **compiled))
+    none = _saved_bytes(Strategy.of(activation_memory_budget=0.0, **compiled))
     assert none < half < full
-    assert _saved_bytes(Strategy(**compiled)) == full
-    eager_ckpt = _saved_bytes(Strategy(checkpoint="all", compute_dtype="fp32"))
+    assert _saved_bytes(Strategy.of(**compiled)) == full
+    eager_ckpt = _saved_bytes(Strategy.of(checkpoint="all", compute_dtype="fp32"))
     assert eager_ckpt < none  # eager checkpointing keeps only block inputs
 
 
 def test_checkpoint_every_second_block_saves_about_half():
-    off = _saved_bytes(Strategy(compute_dtype="fp32"))
-    every2 = _saved_bytes(Strategy(checkpoint="every_n", checkpoint_every=2, compute_dtype="fp32"))
+    off = _saved_bytes(Strategy.of(compute_dtype="fp32"))
+    every2 = _saved_bytes(Strategy.of(checkpoint="every_n", checkpoint_every=2, compute_dtype="fp32"))
     assert 0.35 * off < every2 < 0.75 * off
 
 
 def test_stats_count_transfers_per_step():
-    _, _, counters = run_managed(Strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True,
-                                          compute_dtype="fp32"), steps=1)
+    _, _, counters = run_managed(Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True,
+                                             compute_dtype="fp32"), steps=1)
     model = make_lora_model()
     block_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "_blocks" in n and not p.requires_grad)
     # forward streams every block in once, backward (recompute) again, except the blocks still resident when

@@ -151,17 +151,17 @@ def test_training_is_exact_with_poisoned_sub_slots(kw):
     come back in backward, so a wrong offset would read another block (poisoned with NaN between owners)."""
     reference = _train(_model())
     model = _model()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, **FP32, **kw), "cpu", poison_slots=True,
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, **FP32, **kw), "cpu", poison_slots=True,
                        activation_min_bytes=0) as rt:
         grads = _train(model, rt)
         counters = rt.offload.counters
         assert rt.device_weight_bytes() == rt.predicted_weight_bytes()
-        assert rt.offload.slot_bytes() == predict_slot_bytes(rt.sizes, rt.offloaded, rt.strategy.prefetch_depth)
+        assert rt.offload.slot_bytes() == predict_slot_bytes(rt.sizes, rt.offloaded, rt.strategy.offload.prefetch_depth)
     for g, r in zip(grads, reference):
         for a, b in zip(g, r):
             assert torch.equal(a, b)
     assert counters.stale_views == 0 and counters.live_views == 0
-    assert counters.peak_resident > rt.strategy.prefetch_depth + 1  # small blocks shared a cell
+    assert counters.peak_resident > rt.strategy.offload.prefetch_depth + 1  # small blocks shared a cell
 
 
 def test_a_wrong_slot_offset_is_caught(monkeypatch):
@@ -171,7 +171,7 @@ def test_a_wrong_slot_offset_is_caught(monkeypatch):
         ref.dtype).as_strided(ref.shape, ref.stride, ref.offset))[1])
     reference = _train(_model(), steps=1)
     model = _model()
-    with MemoryRuntime(model, Strategy(offload_fraction=1.0, **FP32), "cpu", poison_slots=True) as rt:
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, **FP32), "cpu", poison_slots=True) as rt:
         grads = _train(model, rt, steps=1)
     assert not all(torch.equal(a, b) for a, b in zip(grads[0], reference[0]))
 

@@ -1,13 +1,45 @@
+import json
+
 import pytest
+import torch.nn.functional as F
+from two_stream import make_batch, make_lora_model
 
-from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.memory import runtime as runtime_module
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import (CheckpointConfig, CompileConfig, Keep, LayerOffloadConfig, Strategy,
+                                       StrategyError)
 
 
-def test_json_round_trip():
-    s = Strategy(offload_fraction=0.25, offload_blocks=(3, 1), checkpoint="every_n", checkpoint_every=3,
-                 compile="per_block", activation_memory_budget=0.5, compute_dtype="fp16", block_lists=("blocks",))
+def test_json_round_trip_is_tagged_by_part():
+    s = Strategy.of(offload_fraction=0.25, offload_blocks=(3, 1), checkpoint="every_n", checkpoint_every=3,
+                    compute_dtype="fp16", block_lists=("blocks",))
+    data = json.loads(s.to_json())
+    assert set(data) == {"offload", "checkpointing", "activations", "compiler", "precision", "block_lists"}
+    assert data["offload"]["blocks"] == [1, 3] and data["checkpointing"] == {"mode": "every_n", "every": 3}
     again = Strategy.from_json(s.to_json())
-    assert again == s and again.offload_blocks == (1, 3)
+    assert again == s and again.offload.blocks == (1, 3) and again.block_lists == ("blocks",)
+    compiled = Strategy.of(compile="per_block", activation_memory_budget=0.5, compile_mode="max-autotune-no-cudagraphs")
+    assert Strategy.from_json(compiled.to_json()) == compiled
+
+
+# a strategy exactly as Tightrope 0.1 wrote it into state files, profiles and LoRA metadata (dataclasses.asdict)
+FLAT_0_1 = {"offload_fraction": 0.5, "offload_policy": "first", "offload_blocks": [4, 2], "prefetch_depth": 2,
+            "activation_offload": True, "checkpoint": "every_n", "checkpoint_every": 3, "compile": "per_block",
+            "activation_memory_budget": 1.0, "compile_mode": "default", "compile_backend": "aot_eager",
+            "compute_dtype": "bf16", "weight_dtype": "bf16", "pin_memory": False,
+            "block_lists": ["double_blocks", "single_blocks"]}
+
+
+def test_the_flat_form_of_version_0_1_still_loads():
+    s = Strategy.from_dict(FLAT_0_1)
+    assert s.offload == LayerOffloadConfig(fraction=0.5, policy="first", blocks=(2, 4), prefetch_depth=2,
+                                           pin_memory=False)
+    assert s.checkpointing == CheckpointConfig(mode="every_n", every=3) and s.activations.enabled
+    assert s.compiler == CompileConfig(scope="per_block", backend="aot_eager")
+    assert (s.precision.compute_dtype, s.precision.weight_dtype) == ("bf16", "bf16")
+    assert s.block_lists == ("double_blocks", "single_blocks")
+    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4]}  # and it maps back
+    assert Strategy.from_dict({"checkpoint": "all"}) == Strategy.of(checkpoint="all")  # partial flat dicts too
 
 
 @pytest.mark.parametrize("kw,field,fix", [
@@ -22,22 +54,97 @@ def test_json_round_trip():
     ({"compile_mode": "reduce-overhead"}, "compile_mode", "default"),
     ({"offload_blocks": (-1,)}, "offload_blocks", "indices >= 0"),
     ({"pin_memory": "yes"}, "pin_memory", "true or false"),
+    ({"activation_offload": 1}, "activation_offload", "true or false"),
     ({"block_lists": ()}, "block_lists", "dotted names"),
 ])
 def test_bad_values_name_field_and_fix(kw, field, fix):
     with pytest.raises(StrategyError) as e:
-        Strategy(**kw)
+        Strategy.of(**kw)
     assert f"Strategy.{field}=" in str(e.value) and fix in str(e.value)
+    with pytest.raises(StrategyError) as again:  # the same message from a saved flat dict
+        Strategy.from_dict(kw)
+    assert str(again.value) == str(e.value)
 
 
-def test_unknown_json_field_is_named():
+@pytest.mark.parametrize("kw,match", [
+    ({"weight_dtype": "bf16", "compute_dtype": "fp32"},
+     r"Strategy.weight_dtype='bf16' does not work with compute_dtype='fp32' .*set compute_dtype='bf16'"),
+    ({"checkpoint": "all", "compile": "per_block", "activation_memory_budget": 0.5},
+     r"Strategy.checkpoint='all' does not combine with compile='per_block' at activation_memory_budget=0.5: .*"
+     r"set checkpoint='off', or activation_memory_budget=1.0"),
+])
+def test_cross_field_refusals_name_both_fields(kw, match):
+    with pytest.raises(StrategyError, match=match):
+        Strategy.of(**kw)
+    with pytest.raises(StrategyError, match=match):  # replace checks the whole again
+        Strategy.of(**{k: v for k, v in kw.items() if k != "checkpoint" and k != "compute_dtype"}).replace(
+            **{k: v for k, v in kw.items() if k in ("checkpoint", "compute_dtype")})
+
+
+def test_unknown_fields_and_parts_are_named():
     with pytest.raises(StrategyError, match="offload_fraktion"):
         Strategy.from_dict({"offload_fraktion": 0.5})
+    with pytest.raises(StrategyError, match=r"unknown field\(s\) \['fraktion'\] in strategy part 'offload'"):
+        Strategy.from_dict({"offload": {"fraktion": 0.5}})
+    with pytest.raises(StrategyError, match=r"unknown strategy part\(s\) \['checkpoint'\]"):
+        Strategy.from_dict({"offload": {}, "checkpoint": "all"})  # the two forms mixed
 
 
-def test_checkpoint_selection():
-    assert [Strategy(checkpoint="every_n", checkpoint_every=2).checkpoints_block(i) for i in range(4)] == \
-        [True, False, True, False]
-    assert Strategy(checkpoint="all").checkpoints_block(5)
-    # a compiled block under a memory budget is not also wrapped in eager checkpointing
-    assert not Strategy(checkpoint="all", compile="per_block", activation_memory_budget=0.5).checkpoints_block(0)
+def test_replace_changes_flat_fields_or_parts():
+    s = Strategy.of(offload_fraction=0.5, checkpoint="all")
+    assert s.replace(prefetch_depth=2).offload == LayerOffloadConfig(fraction=0.5, prefetch_depth=2)
+    assert s.replace(compiler=CompileConfig(scope="per_block")).compiler.per_block
+    assert s.replace(prefetch_depth=2).checkpointing == s.checkpointing and s.offload.prefetch_depth == 1
+
+
+def test_keeps():
+    assert [Strategy.of(checkpoint="every_n", checkpoint_every=2).keeps(i) for i in range(4)] == \
+        [Keep.INPUTS, Keep.ALL, Keep.INPUTS, Keep.ALL]
+    assert Strategy.of(checkpoint="all").keeps(5) is Keep.INPUTS
+    assert Strategy.of().keeps(0) is Keep.ALL
+    assert Strategy.of(checkpoint="all", compile="per_block").keeps(3) is Keep.INPUTS  # budget 1: eager ckpt
+    assert Strategy.of(compile="per_block", activation_memory_budget=0.5).keeps(3) is Keep.BUDGET
+    assert Strategy.of(activation_memory_budget=0.5).keeps(3) is Keep.ALL  # the budget is for compiled blocks
+
+
+@pytest.mark.parametrize("kw", [{}, {"checkpoint": "all"}, {"checkpoint": "every_n", "checkpoint_every": 2},
+                                {"checkpoint": "every_n", "checkpoint_every": 4, "activation_offload": True},
+                                {"checkpoint": "all", "compile": "per_block", "activation_offload": True},
+                                {"compile": "per_block", "activation_memory_budget": 0.5, "activation_offload": True}])
+def test_the_runtime_does_what_keeps_says(kw, monkeypatch):
+    """Spy on the runtime: which blocks it wraps in eager checkpointing, compiles (and at which budget), and gives
+    activation offload hooks, for one training step; each must be what Strategy.keeps says."""
+    strategy = Strategy.of(compute_dtype="fp32", **kw)
+    entered, ckpt_marks, compiled, act_hooked = [], [], [], []
+    enter, call, hooks = MemoryRuntime._enter_block, runtime_module.checkpointed_call, MemoryRuntime._saved_tensor_hooks
+
+    def spy_enter(self, index):
+        entered.append(index)
+        return enter(self, index)
+
+    def spy_checkpoint(fn, args, kwargs):
+        ckpt_marks.append(len(entered))  # the block entered next is the one being checkpointed
+        return call(fn, args, kwargs)
+
+    def spy_hooks(self, index, weights, acts):
+        if acts:
+            act_hooked.append(index)
+        return hooks(self, index, weights, acts)
+
+    monkeypatch.setattr(MemoryRuntime, "_enter_block", spy_enter)
+    monkeypatch.setattr(runtime_module, "checkpointed_call", spy_checkpoint)
+    monkeypatch.setattr(MemoryRuntime, "_saved_tensor_hooks", spy_hooks)
+    monkeypatch.setattr(runtime_module, "compile_block",
+                        lambda forward, config: compiled.append(config.activation_memory_budget) or forward)
+    model = make_lora_model()
+    inputs, target = make_batch()
+    with MemoryRuntime(model, strategy, "cpu") as rt:
+        F.mse_loss(model(**inputs), target).backward()
+        n = len(rt.blocks)
+    keeps = [strategy.keeps(i) for i in range(n)]
+    assert n == 6
+    assert [entered[m] for m in ckpt_marks] == [i for i, k in enumerate(keeps) if k is Keep.INPUTS]
+    assert compiled == ([strategy.compiler.activation_memory_budget] * n if strategy.compiler.per_block else [])
+    assert (Keep.BUDGET in keeps) == (strategy.compiler.activation_memory_budget < 1.0)
+    expected_acts = [i for i, k in enumerate(keeps) if k is not Keep.ALL] if strategy.activations.enabled else []
+    assert act_hooked == expected_acts

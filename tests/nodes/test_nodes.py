@@ -79,7 +79,7 @@ def _strategy_inputs(**kw):
 
 def test_strategy_node_validates():
     (s,) = TightropeMemoryStrategy().make(**_strategy_inputs(offload_fraction=0.5, checkpoint="all"))
-    assert s.offload_fraction == 0.5 and s.checkpoint == "all"
+    assert s.offload.fraction == 0.5 and s.checkpointing.mode == "all"
     with pytest.raises(StrategyError, match="offload_fraction=1.5"):
         TightropeMemoryStrategy().make(**_strategy_inputs(offload_fraction=1.5))
 

@@ -218,7 +218,7 @@ def test_train_save_and_continue_under_layer_offload(tmp_path, algorithm):
     """The trainer trains each algorithm with every block offloaded and checkpointed, saves its file, and continues
     from that file: the continued run starts from exactly the saved weights."""
     spec = LoraSpec(rank=4, algorithm=algorithm, targets="attention_mlp")
-    strategy = Strategy(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
+    strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
     session = dataclasses.replace(demo_session(tmp_path, strategy=strategy), lora=spec)
     result = train(session, 2, device="cpu", save=SaveTarget(tmp_path / "out", "run", every=2))
     assert all(map(math.isfinite, result.losses))

@@ -63,7 +63,7 @@ def test_scalars_read_back_with_tensorboard(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (optional): the write path is untested")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     lines = []
-    strategy = Strategy(compute_dtype="fp32", offload_fraction=1.0)  # streams weights: H2D is known
+    strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0)  # streams weights: H2D is known
     session = train(demo_session(tmp_path, strategy=strategy, validation_fraction=0.25, validation_every=2,
                                  schedule="cosine"), 3, device=CPU, log_dir=tmp_path / "tb", notify=lines.append)
     events = EventAccumulator(str(tmp_path / "tb"))

@@ -25,8 +25,8 @@ def test_same_seed_same_run_and_continuation_is_exact(tmp_path):
 
 def test_runtime_strategy_trains_like_plain(tmp_path):
     plain = train(demo_session(tmp_path), 3, device=CPU)
-    managed = train(demo_session(tmp_path, strategy=Strategy(compute_dtype="fp32", offload_fraction=1.0,
-                                                             checkpoint="all", activation_offload=True)),
+    managed = train(demo_session(tmp_path, strategy=Strategy.of(compute_dtype="fp32", offload_fraction=1.0,
+                                                                checkpoint="all", activation_offload=True)),
                     3, device=CPU)
     torch.testing.assert_close(torch.tensor(managed.losses), torch.tensor(plain.losses), rtol=1e-5, atol=1e-6)
 
@@ -84,6 +84,6 @@ def test_batch_larger_than_dataset(tmp_path):
 
 def test_strategy_that_does_not_match_the_model(tmp_path):
     with pytest.raises(StrategyError, match="offload_blocks has indices \\[40\\]"):
-        train(demo_session(tmp_path, strategy=Strategy(offload_blocks=(40,))), 1, device=CPU)
+        train(demo_session(tmp_path, strategy=Strategy.of(offload_blocks=(40,))), 1, device=CPU)
     with pytest.raises(StrategyError, match="Strategy.block_lists names 'blocks'"):
-        train(demo_session(tmp_path, strategy=Strategy(block_lists=("blocks",))), 1, device=CPU)
+        train(demo_session(tmp_path, strategy=Strategy.of(block_lists=("blocks",))), 1, device=CPU)

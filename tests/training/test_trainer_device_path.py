@@ -44,7 +44,7 @@ def test_fp16_compute_scales_the_loss(tmp_path, monkeypatch, dtype, scaled):
             made.append(self)
 
     monkeypatch.setattr(torch.amp, "GradScaler", Recording)
-    result = train(demo_session(tmp_path, strategy=Strategy(compute_dtype=dtype)), 2, device=CPU)
+    result = train(demo_session(tmp_path, strategy=Strategy.of(compute_dtype=dtype)), 2, device=CPU)
     assert [s.is_enabled() for s in made] == [scaled]
     assert all(map(torch.isfinite, torch.tensor(result.losses)))
     if scaled:  # the scale was in use: a step that found no overflow keeps it at its start value (2**16)

@@ -23,7 +23,7 @@ from tightrope.training.training_run import report
 from tightrope.training.validation import _stream_seed, split_for_validation
 
 CPU = torch.device("cpu")
-OFFLOADED = Strategy(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", activation_offload=True)
+OFFLOADED = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", activation_offload=True)
 
 
 def second_dataset(tmp_path, n=3) -> TrainingDataset:
@@ -99,8 +99,8 @@ def test_validation_does_not_change_the_training_trajectory(tmp_path):
     assert all(torch.equal(validated.lora_state[k], v) for k, v in plain.lora_state.items())
 
 
-@pytest.mark.parametrize("strategy", [OFFLOADED, Strategy(compute_dtype="fp32", offload_fraction=0.5,
-                                                          checkpoint="every_n", checkpoint_every=2)],
+@pytest.mark.parametrize("strategy", [OFFLOADED, Strategy.of(compute_dtype="fp32", offload_fraction=0.5,
+                                                             checkpoint="every_n", checkpoint_every=2)],
                          ids=["offload_all_checkpoint_all_activation_offload", "offload_half_checkpoint_every_2"])
 def test_validation_runs_in_the_memory_strategy(tmp_path, strategy):
     """No-grad forwards through offloaded blocks (unloaded weights are NaN placeholders, so a block used unloaded
