@@ -107,7 +107,7 @@ def test_a_file_saved_while_every_block_is_offloaded_is_exact(tmp_path):
     params hold NaN placeholders then): the file equals one written from the restored model, and ComfyUI's math
     applied to it gives the trained model's output."""
     spec = LoraSpec(rank=4, algorithm="dora", targets="attention_mlp")
-    strategy = Strategy(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
+    strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
     session = dataclasses.replace(demo_session(tmp_path, strategy=strategy), lora=spec)
     base = copy.deepcopy(session.model.flux)
     result = train(session, 2, device="cpu", save=SaveTarget(tmp_path / "out", "run", every=2))
@@ -130,7 +130,7 @@ def test_the_runtime_gives_the_host_tensor_an_offloaded_weight_streams_from_with
     inject_lora(model, LoraSpec(rank=4, algorithm="dora"), "flux")
     weights = {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
     storages = {n: w.untyped_storage().data_ptr() for n, w in weights.items()}
-    strategy = Strategy(compute_dtype="fp32", offload_fraction=1.0)
+    strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0)
     with MemoryRuntime(model, strategy, "cpu") as runtime:
         assert runtime.offload is not None and runtime.offload.host_copy_bytes() == 0
         for n, w in weights.items():
