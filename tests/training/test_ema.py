@@ -83,15 +83,15 @@ def test_cpu_ema_refuses_a_state_of_other_weights():
         CpuEma(params, 0.9, {"b": torch.zeros(2, 3)})
 
 
-def test_new_inputs_come_last_with_tooltips_so_saved_workflows_keep_loading():
+def test_new_inputs_follow_the_0_1_inputs_with_tooltips_so_saved_workflows_keep_loading():
     from tightrope.nodes.dataset_nodes import TightropeLoadDataset
     from tightrope.nodes.train_node import TightropeTrain
-    # each comes after every widget its node had in version 0.1 (the last of those named here), so old
-    # widgets_values lists still fit; later features may follow it
-    for node, name, default, last_of_0_1 in ((TightropeTrain, "ema_decay", 0.0, "strategy"),
-                                             (TightropeLoadDataset, "mask", "none", None),
-                                             (TightropeSaveLora, "save_ema", True, None)):
+    # each comes right after the optional inputs its node had in version 0.1 (listed here), so old widgets_values
+    # lists still fit; later features may follow it
+    for node, name, default, optional_0_1 in (
+            (TightropeTrain, "ema_decay", 0.0, ["session", "model", "dataset", "lora", "strategy"]),
+            (TightropeLoadDataset, "mask", "none", []), (TightropeSaveLora, "save_ema", True, [])):
         optional = list(node.INPUT_TYPES()["optional"])
-        assert optional.index(name) == (optional.index(last_of_0_1) + 1 if last_of_0_1 else len(optional) - 1)
+        assert optional[:len(optional_0_1) + 1] == optional_0_1 + [name]
         optional = node.INPUT_TYPES()["optional"]
         assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]
