@@ -154,7 +154,7 @@ def demo() -> dict:
         {"id": 8, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (50 more steps)",
          "widgets": {**TRAIN, "steps": 50, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
         {"id": 9, "type": "TightropeSaveLora", "col": 4, "row": 0,
-         "widgets": {"filename_prefix": "tightrope/demo_lora", "save_ema": True}, "links": {"session": (8, 0)}},
+         "widgets": {"filename_prefix": "tightrope/demo_lora", "save_ema": True, "dora_for": "comfyui"}, "links": {"session": (8, 0)}},
         {"id": 10, "type": "TightropePlots", "col": 4, "row": 1,
          "widgets": {"filename_prefix": "tightrope/demo"}, "links": {"session": (8, 0)}},
     ])
@@ -179,7 +179,7 @@ def demo_features() -> dict:
                      "ema_decay": 0.9, "validation_fraction": 0.25, "validation_every": 10},
          "links": {"model": (1, 0), "dataset": (4, 0), "lora": (5, 0), "strategy": (6, 0)}},
         {"id": 8, "type": "TightropeSaveLora", "col": 3, "row": 0,
-         "widgets": {"filename_prefix": "tightrope/demo_features_lokr", "save_ema": True},
+         "widgets": {"filename_prefix": "tightrope/demo_features_lokr", "save_ema": True, "dora_for": "comfyui"},
          "links": {"session": (7, 0)}},
         {"id": 9, "type": "TightropePlots", "col": 3, "row": 1,
          "widgets": {"filename_prefix": "tightrope/demo_features"}, "links": {"session": (7, 0)}},
@@ -220,7 +220,7 @@ def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
         {"id": 14, "type": "TightropeTrain", "col": 3, "row": 0, "title": "Train on (500 more steps)",
          "widgets": {**train, "steps": 500, "warmup_steps": 0, "schedule": "cosine"}, "links": {"session": (7, 0)}},
         {"id": 15, "type": "TightropeSaveLora", "col": 4, "row": 0,
-         "widgets": {"filename_prefix": "tightrope/flux_dev_lora", "save_ema": True}, "links": {"session": (14, 0)}},
+         "widgets": {"filename_prefix": "tightrope/flux_dev_lora", "save_ema": True, "dora_for": "comfyui"}, "links": {"session": (14, 0)}},
         {"id": 16, "type": "TightropePlots", "col": 5, "row": 0, "widgets": {"filename_prefix": "tightrope/flux_dev"},
          "links": {"session": (14, 0)}},
     ])
