@@ -105,3 +105,14 @@ def test_saved_lora_changes_the_model_like_the_model_output(demo_run):
     assert (from_file - plain).abs().max() > 1e-3
     torch.testing.assert_close(from_file, from_node, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(base.flux.forward_latent(x, t, ctx, y, guidance), plain)  # input left as it was
+
+
+def test_shipped_workflows_are_what_the_generator_makes():
+    """Every node's every widget is saved: a node input added without regenerating (`python
+    scripts/make_workflows.py`) leaves a workflow the frontend re-saves differently (and the generator refuses)."""
+    spec = importlib.util.spec_from_file_location("make_workflows", ROOT / "scripts" / "make_workflows.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert sorted(module.WORKFLOWS) == sorted(p.name for p in WORKFLOWS)
+    for name, make in module.WORKFLOWS.items():
+        assert json.loads((ROOT / "workflows" / name).read_text()) == make(), f"regenerate workflows/{name}"
