@@ -33,7 +33,7 @@ def run(tmp_path_factory):
 def test_the_workflow_turns_the_features_on():
     """What the other tests rely on is in the file: masks drawn and read, LoKr, validation, EMA, EMA saved."""
     assert _widgets("TightropeDemoImages")[-1] is True and _widgets("TightropeLoadDataset")[-1] == "mask_files"
-    assert _widgets("TightropeLoraSetup")[-1] == "lokr" and _widgets("TightropeSaveLora")[-1] is True
+    assert _widgets("TightropeLoraSetup")[-1] == "lokr" and _widgets("TightropeSaveLora")[1] is True  # save_ema
     train = _widgets("TightropeTrain")  # steps first; ema_decay, loss, huber_delta, validation_fraction/every last
     assert train[0] == 40 and train[-6:-1] == [0.9, "mse", 1.0, 0.25, 10]
 
