@@ -4,6 +4,7 @@ import copy
 import gc
 
 import torch
+from live_tensors import live_cpu_storages
 
 from tightrope.demo.model import demo_model
 from tightrope.nodes import host
@@ -13,17 +14,6 @@ from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.train_node import TightropeTrain
 from tightrope.training import training_run
 from tightrope.training.lora.layers import inject_lora, load_lora_state, merge_and_remove_lora
-
-
-def live_cpu_storages() -> dict[int, int]:
-    """nbytes of every distinct CPU storage a Python-visible tensor holds, by data pointer."""
-    gc.collect()
-    spans = {}
-    for o in gc.get_objects():
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":
-            s = o.untyped_storage()
-            spans[s.data_ptr()] = s.nbytes()
-    return spans
 
 
 def train_node_outputs(tmp_path, model, runs: int):

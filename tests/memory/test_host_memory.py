@@ -1,7 +1,6 @@
 """Host memory: offloaded blocks stream from the one host copy of the weights that already exists, undo copies no
 weights, page-locking in place is released (or falls back to pageable memory with a note), and the inference-mode
 model is trained through aliases, not a copy."""
-import gc
 import json
 import os
 import re
@@ -10,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from live_tensors import live_cpu_storages
 from equivalence import assert_equivalent, run_managed
 from torch.utils._python_dispatch import TorchDispatchMode
 from two_stream import make_lora_model, train_steps
@@ -32,14 +32,7 @@ from tightrope.nodes.train_node import TightropeTrain
 
 def live_cpu_bytes() -> int:
     """Bytes of every distinct CPU storage some Python-visible tensor holds (params included)."""
-    gc.collect()
-    spans = {}
-    for o in gc.get_objects():
-        # plain tensors only: fake tensors left over by compile tests have no data
-        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":
-            s = o.untyped_storage()
-            spans[s.data_ptr()] = s.nbytes()
-    return sum(spans.values())
+    return sum(live_cpu_storages().values())
 
 
 class AllocationTally(TorchDispatchMode):
