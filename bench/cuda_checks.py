@@ -19,6 +19,8 @@ import itertools
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from xml.etree import ElementTree
 from typing import Any, Callable, Iterator
@@ -138,6 +140,9 @@ def _one(ts, reference, name, strategy, spellings, injection, device_type) -> di
     row: dict[str, Any] = {"check": "equivalence", "injection": injection, "config": name,
                            "strategy": strategy.to_flat(), "passed": False}
     t0 = time.perf_counter()
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     try:
         counters = {}
         for spelling in spellings:
@@ -158,6 +163,13 @@ def _one(ts, reference, name, strategy, spellings, injection, device_type) -> di
         row["passed"] = True
     except Exception as exc:  # a failed check is a result: the next one still runs
         row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:2000]}"
+        row["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        caught.__exit__(None, None, None)
+    if seen:  # e.g. a refused page-locking: the row says so
+        row["warnings"] = sorted({f"{w.category.__name__}: {w.message}"[:500] for w in seen})
+        if row["passed"] and any("refused to unpin" in w for w in row["warnings"]):
+            row["passed"], row["error"] = False, "CUDA refused to unpin host memory (see warnings)"
     row["wall_s"] = time.perf_counter() - t0
     return row
 

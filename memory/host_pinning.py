@@ -2,16 +2,21 @@
 asynchronously without a second, pinned copy, and without the caching host allocator (which rounds every pinned
 allocation up to a power of two and keeps it cached for the life of the process).
 
-- Ranges are per storage. The driver pins whole pages and refuses to register a page twice, so storages that share
-  a page are merged into one range, from the page-aligned start of the first to the page-rounded end of the last:
-  every page of a merged range belongs to one of the storages, so all of it is mapped.
+- Only the pages that lie wholly inside one storage are registered (`interior_ranges`). A page shared with anything
+  else stays pageable: the driver pins whole pages, and a copy whose host buffer is partly inside a registered range
+  and partly outside it fails with "invalid argument" (seen on the first H100 run, 2026-11-23, when ranges were
+  widened to whole pages: small tensors that malloc put next to a weight, such as `grad.cpu()`'s result, could no
+  longer be copied). So no other allocation ever shares a registered page, and the offloader splits each weight's
+  copy where its storage's registered interior begins and ends (`split`).
 - Memory someone else already pinned (ComfyUI's own pinned weights, a torch pinned tensor) is left as it is.
 - Registration can be refused (`ulimit -l`, WSL and Windows limits, a read-only mmap) or be impossible (a CPU-only
-  torch): the memory stays pageable, host-to-device copies from it are synchronous, and one warning line says so.
+  torch): the memory stays pageable, host-to-device copies from it are staged by the driver, and one warning line
+  says so. Every refused call's error is cleared at once, so it cannot surface at the next kernel launch.
 - `release()` unregisters what this object registered; the offloader calls it in `finally`.
 """
 from __future__ import annotations
 
+import bisect
 import mmap
 import warnings
 from typing import Any, Iterable
@@ -26,16 +31,14 @@ def storage_spans(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
     return {(s.data_ptr(), s.nbytes()) for s in (t.untyped_storage() for t in tensors) if s.nbytes() > 0}
 
 
-def page_ranges(spans: Iterable[tuple[int, int]], page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
-    """(start, nbytes) of page-aligned ranges covering the (address, nbytes) spans, merged where they share a page."""
-    merged: list[list[int]] = []
-    for start, end in sorted((a, a + n) for a, n in spans):
-        a, b = start // page * page, -(-end // page) * page
-        if merged and a < merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b - a) for a, b in merged]
+def interior_ranges(spans: Iterable[tuple[int, int]], page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """(start, nbytes) of the whole pages inside each (address, nbytes) span, sorted; spans under a page give none."""
+    out = []
+    for a, n in sorted(spans):
+        start, end = -(-a // page) * page, (a + n) // page * page
+        if end > start:
+            out.append((start, end - start))
+    return out
 
 
 class PinnedRanges:
@@ -46,6 +49,7 @@ class PinnedRanges:
         self._cudart = cudart
         self.registered: list[tuple[int, int]] = []
         self.refused_bytes = 0
+        self.unregister_failures: list[str] = []
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
         tensors = [t for t in tensors if not t.is_pinned()]
@@ -57,15 +61,17 @@ class PinnedRanges:
             self._note(sum(n for _, n in storage_spans(tensors)), f"CUDA runtime unavailable: {e}")
             return
         refused, reason = 0, ""
-        for start, nbytes in page_ranges(storage_spans(tensors)):
+        for start, nbytes in interior_ranges(storage_spans(tensors)):
             code = int(cudart.cudaHostRegister(start, nbytes, 0))
             if code == 0:
                 self.registered.append((start, nbytes))
-            elif code != ALREADY_REGISTERED:
+                continue
+            text = _error_text(cudart, code)
+            _clear_last_error(self.device, text)  # every refusal, "already registered" too, sets the last error
+            if code != ALREADY_REGISTERED:
                 refused += nbytes
-                text = str(cudart.cudaGetErrorString(cudart.cudaError(code)))
                 reason = f"{text}, error {code}"
-                _clear_last_error(self.device, text)
+        self.registered.sort()
         if refused:
             self._note(refused, reason)
 
@@ -75,8 +81,30 @@ class PinnedRanges:
             return
         cudart = self._cudart or torch.cuda.cudart()
         ranges, self.registered = self.registered, []
-        for start, _ in ranges:
-            cudart.cudaHostUnregister(start)
+        failed = []
+        for start, nbytes in ranges:
+            code = int(cudart.cudaHostUnregister(start))
+            if code:
+                text = _error_text(cudart, code)
+                _clear_last_error(self.device, text)  # else the next kernel launch anywhere raises it
+                failed.append(f"{nbytes} B at {start:#x}: {text}, error {code}")
+        if failed:
+            self.unregister_failures += failed
+            warnings.warn(f"tightrope: CUDA refused to unpin {len(failed)} host range(s) ({failed[0]}); "
+                          "this is a bug, please report it", RuntimeWarning, stacklevel=2)
+
+    def split(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """Byte ranges [a, b) of the buffer at `address` that lie wholly inside or wholly outside the registered
+        ranges, in order; None when the whole buffer is on one side (one copy will do)."""
+        cuts, end = [0], address + nbytes
+        k = max(0, bisect.bisect_right(self.registered, (address, float("inf"))) - 1)
+        for start, n in self.registered[k:]:
+            if start >= end:
+                break
+            for edge in (start, start + n):
+                if address < edge < end:
+                    cuts.append(edge - address)
+        return None if len(cuts) == 1 else list(zip(cuts, cuts[1:] + [nbytes]))
 
     @property
     def pinned_bytes(self) -> int:
@@ -87,6 +115,10 @@ class PinnedRanges:
         warnings.warn(f"tightrope: could not page-lock {nbytes / 2**30:.2f} GiB of host weights in place ({reason}); "
                       "streaming them from pageable memory instead (slower copies; raise `ulimit -l` to fix)",
                       RuntimeWarning, stacklevel=3)
+
+
+def _error_text(cudart: Any, code: int) -> str:
+    return str(cudart.cudaGetErrorString(cudart.cudaError(code)))
 
 
 def _clear_last_error(device: torch.device, text: str) -> None:

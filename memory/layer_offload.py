@@ -60,6 +60,8 @@ class _Layout:
     nbytes: int                                    # slot bytes (each param aligned)
     sources: list[torch.Tensor]                    # per param: the host tensor its slot bytes are copied from
     copy: torch.Tensor | None = None               # flat uint8 host copy of the params that cannot stream in place
+    splits: list = field(default_factory=list)     # per source: byte ranges wholly in or out of page-locked memory,
+                                                   # or None (one copy); see host_pinning
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class LayerOffload:
         if self.pin:
             self._pinned.register(src for lay in self.layouts.values() for src in lay.sources)
             self.pinned = self._pinned.refused_bytes == 0
+            for lay in self.layouts.values():
+                lay.splits = [self._pinned.split(src.data_ptr(), src.numel() * src.element_size())
+                              for src in lay.sources]
         self.n_cells = min(self.depth + 1, len(self.offloaded))
         self.cell_bytes = max((self.layouts[i].nbytes for i in self.offloaded), default=0)
         self.area = torch.empty(self.n_cells * self.cell_bytes, dtype=torch.uint8, device=self.device)
@@ -157,11 +162,13 @@ class LayerOffload:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
                 self.copy_stream.synchronize()  # no copy may still read host memory about to be unpinned or freed
+        finally:
+            self._pinned.release()  # before the copies back below: they read whole host buffers (host_pinning)
+        try:
             sources = {id(p): src for lay in self.layouts.values() for (p, *_), src in zip(lay.params, lay.sources)}
             for p, kept, dev, dtype in self._restore:
                 p.data = kept if kept is not None else sources[id(p)].to(dev, dtype)
         finally:
-            self._pinned.release()
             self._restore.clear()
             self.layouts.clear()
             self.area, self._area_ptr, self.resident, self.ready = None, None, {}, {}
@@ -232,7 +239,7 @@ class LayerOffload:
             # the slot's previous owner may still be read by kernels queued on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                views = self._copy_in(layout, dst, non_blocking=self.pinned)  # pageable: blocking, honestly
+                views = self._copy_in(layout, dst, non_blocking=self.pinned)  # all pageable: blocking, honestly
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self.copy_stream)
             self.ready[index] = event
@@ -249,11 +256,18 @@ class LayerOffload:
 
     @staticmethod
     def _copy_in(layout: _Layout, dst: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
-        """One copy per param, from its host source into its place in the slot; returns the slot views."""
+        """One copy per param, from its host source into its place in the slot (a source partly page-locked: one
+        per part, all queued, since the driver stages pageable parts at once); returns the slot views."""
         views = []
-        for (_, off, shape, dtype), src in zip(layout.params, layout.sources):
+        splits = layout.splits or [None] * len(layout.sources)
+        for (_, off, shape, dtype), src, parts in zip(layout.params, layout.sources, splits):
             view = _view(dst, off, shape, dtype)
-            view.copy_(src, non_blocking=non_blocking)
+            if parts is None:
+                view.copy_(src, non_blocking=non_blocking)
+            else:
+                src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst[off: off + src.numel() * src.element_size()]
+                for a, b in parts:
+                    dst_bytes[a:b].copy_(src_bytes[a:b], non_blocking=True)
             views.append(view)
         return views
 

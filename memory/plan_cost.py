@@ -5,10 +5,14 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   element) + activations kept for backward (per block: all it saves, only its inputs when checkpointed, or what the
   compiler keeps under an activation budget; activation offload moves the kept bytes of checkpointed blocks to host
   memory except a two-block window) + inputs shared by all blocks + saves outside the blocks + the largest block's
-  transient working set + a margin. The transient is the block's peak over its forward + backward as the probe
+  transient working set + the allocator's fragmentation + a margin. The transient is the block's peak over its forward + backward as the probe
   measured it on CUDA (everything the allocator held above the block's inputs: activations, autocast and LoRA
   casts, gradients, workspaces) less what is already counted as kept; without that measurement (CPU) it is
-  estimated as the block's recomputed activations plus the gradients of its input and output.
+  estimated as the block's recomputed activations plus the gradients of its input and output. A budget limits what
+  the CUDA caching allocator reserves, not what tensors occupy: the probe's own checkpoint-all step measures the gap
+  (peak reserved - peak allocated), and the prediction adds it (scaled with the batch). On the first H100 run
+  (2026-11-23) a fixed 256 MiB allowance let the 8 and 12 GB plans for Flux-dev at 1024 px run out of memory with
+  0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
 
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
@@ -33,7 +37,7 @@ from .profile import Profile
 from .strategy import Keep, Strategy
 
 ADAMW_BYTES_PER_ELEMENT = 8  # exp_avg and exp_avg_sq, fp32
-CUDA_MARGIN_BYTES = 256 << 20  # allocator fragmentation, cuBLAS/attention workspaces
+CUDA_MARGIN_BYTES = 256 << 20  # cuBLAS/attention workspaces; the least fragmentation allowance on CUDA
 # Host-side cost of one block load or activation fetch (Python bookkeeping, event record/wait), an estimate. It also
 # keeps a hidden transfer from being "free": with time to spare the planner does not offload for nothing.
 LOAD_OVERHEAD_S = 50e-6
@@ -72,6 +76,12 @@ def _compile_factors(profile: Profile, kind: str, budget: float,
     return (_interp(budget, {b: f.fwd_factor for b, f in pts.items()}),
             _interp(budget, {b: f.bwd_factor for b, f in pts.items()}), _interp(budget, acts),
             _interp(budget, {b: f.compile_s for b, f in pts.items()}))
+
+
+def fragmentation_bytes(profile: Profile) -> float:
+    """Reserved but unallocated device memory at the probe's peak (0 when it was not measured: CPU, old profiles)."""
+    m = profile.measured
+    return max(0.0, m.get("peak_reserved_checkpoint_all", 0.0) - m.get("peak_allocated_checkpoint_all", 0.0))
 
 
 def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
@@ -121,7 +131,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
     subtotal = weights + grads + optimizer + activations + transient
     if margin_bytes is None:
-        margin_bytes = CUDA_MARGIN_BYTES if profile.device == "cuda" else 0
+        margin_bytes = max(CUDA_MARGIN_BYTES, fragmentation_bytes(profile) * s) if profile.device == "cuda" else 0
     margin = margin_fraction * subtotal + margin_bytes
     breakdown = {"weights": int(weights), "slots": int(slots), "gradients": int(grads), "optimizer": int(optimizer),
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),

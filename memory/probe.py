@@ -78,10 +78,10 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         batch = batch or (int(first.shape[0]) if first is not None and first.ndim else 1)
 
         boundary, captured, step = _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock)
-        shared = {p for p, (_, owners) in boundary.by_ptr.items() if len({o for o in owners if o is not None}) > 1}
+        shared = {p for p, (_, owners, _) in boundary.by_ptr.items() if len({o for o in owners if o is not None}) > 1}
         act_ckpt = [0] * len(blocks)
         act_shared = act_other = 0
-        for ptr, (n, owners) in boundary.by_ptr.items():
+        for ptr, (n, owners, _) in boundary.by_ptr.items():
             inside = {o for o in owners if o is not None}
             if ptr in shared:
                 act_shared += n

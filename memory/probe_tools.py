@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,19 @@ class Clock:
 
 
 class SavedBytes:
-    """A pass-through saved-tensors hook that records each saved storage once, with the blocks that saved it."""
+    """A pass-through saved-tensors hook that records each saved storage once, with the blocks that saved it.
+
+    A storage is known by its address while it lives (a weak reference to it says whether it still does): once it is
+    freed, the allocator may hand the same address to a later tensor, which is then another storage. Under
+    activation offload every checkpointed block's inputs are freed on the device as soon as they are copied out, so
+    an address-only count lost most of them (on the first H100 run, 47 of Flux-dev's 57 blocks measured 0 bytes).
+    Entries of freed storages move to negative keys (`by_ptr` then holds every storage seen, the freed ones too)."""
 
     def __init__(self, skip: set[int]):
         self.skip = skip
         self.owner: int | None = None
-        self.by_ptr: dict[int, tuple[int, set]] = {}
+        self.by_ptr: dict[int, tuple[int, set, weakref.ref]] = {}
+        self._freed = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -76,14 +84,21 @@ class SavedBytes:
         except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses: nothing to count
             return t
         if n and ptr not in self.skip:
-            self.by_ptr.setdefault(ptr, (n, set()))[1].add(self.owner)
+            entry = self.by_ptr.get(ptr)
+            if entry is not None and entry[2]() is None:  # that storage was freed: this is a new one at its address
+                self._freed += 1
+                self.by_ptr[-self._freed] = self.by_ptr.pop(ptr)
+                entry = None
+            if entry is None:
+                entry = self.by_ptr[ptr] = (n, set(), weakref.ref(s))
+            entry[1].add(self.owner)
         return t
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
     def total(self) -> int:
-        return sum(n for n, _ in self.by_ptr.values())
+        return sum(n for n, *_ in self.by_ptr.values())
 
 
 @dataclass

@@ -189,3 +189,16 @@ def test_python_dash_m_tightrope_help():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: tightrope" in done.stdout and "run" in done.stdout and "bench" in done.stdout
+
+
+def test_our_process_prefers_expandable_segments_unless_the_user_chose(monkeypatch):
+    from tightrope import cli
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    env = {}
+    assert cli.prefer_expandable_segments(env) and env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env = {name: "backend:cudaMallocAsync"}
+        assert not cli.prefer_expandable_segments(env) and env == {name: "backend:cudaMallocAsync"}
+    monkeypatch.setattr(cli.sys, "platform", "win32")
+    env = {}
+    assert not cli.prefer_expandable_segments(env) and not env

@@ -10,15 +10,12 @@ import sys
 import pytest
 import torch
 from live_tensors import live_cpu_storages
-from equivalence import assert_equivalent, run_managed
 from torch.utils._python_dispatch import TorchDispatchMode
 from two_stream import make_lora_model, train_steps
 
-from tightrope.memory import host_memory, host_pinning
+from tightrope.memory import host_memory
 from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.host_memory import HostNeeds
-from tightrope.memory.host_pinning import PinnedRanges, page_ranges
-from tightrope.memory.layer_offload import LayerOffload
 from tightrope.memory.plan_cost import Prediction
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy, StrategyError
@@ -101,79 +98,6 @@ def test_dtype_conversion_makes_one_host_copy_per_block_freed_at_undo():
     assert {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()} == storages
     del rt
     assert live_cpu_bytes() <= base * 1.02
-
-
-def test_page_ranges_merge_storages_that_share_a_page():
-    page = 4096
-    spans = [(page + 10, 100), (page + 200, 50), (4 * page + 5, 5000), (3 * page, page)]
-    # the first two share page 1; the page-3 storage ends where page 4 begins, so it is separate from the last
-    assert page_ranges(spans, page) == [(page, page), (3 * page, page), (4 * page, 2 * page)]
-
-
-class FakeCudart:
-    """torch.cuda.cudart()'s registration calls, recorded; `refuse` makes every registration fail."""
-
-    def __init__(self, refuse=0):
-        self.refuse, self.registered, self.unregistered = refuse, [], []
-
-    def cudaHostRegister(self, ptr, nbytes, flags):
-        if self.refuse:
-            return self.refuse
-        self.registered.append((ptr, nbytes))
-        return 0
-
-    def cudaHostUnregister(self, ptr):
-        self.unregistered.append(ptr)
-        return 0
-
-    def cudaError(self, code):
-        return code
-
-    def cudaGetErrorString(self, code):
-        return "out of memory"
-
-
-@pytest.fixture
-def pinned(monkeypatch):
-    """LayerOffload on the CPU device, page-locking through a fake CUDA runtime (the CUDA path's bookkeeping)."""
-    fake = FakeCudart()
-    real_attach = LayerOffload.attach
-
-    def attach(self):
-        self.pin, self._pinned = True, PinnedRanges(self.device, cudart=fake)
-        real_attach(self)
-    monkeypatch.setattr(LayerOffload, "attach", attach)
-    return fake
-
-
-def test_weights_are_pinned_in_place_and_unpinned_at_undo(pinned):
-    model = make_lora_model()
-    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
-        spans = host_pinning.storage_spans(src for lay in rt.offload.layouts.values() for src in lay.sources)
-        covered = [(a, a + n) for a, n in pinned.registered]
-        assert all(any(a <= s and s + n <= b for a, b in covered) for s, n in spans)
-        assert not pinned.unregistered
-    assert sorted(pinned.unregistered) == sorted(a for a, _ in pinned.registered)
-
-
-def test_pinning_refused_falls_back_to_pageable_with_a_note(pinned):
-    pinned.refuse = 2  # cudaErrorMemoryAllocation, as with a low `ulimit -l`
-    with pytest.warns(RuntimeWarning, match=r"could not page-lock .* GiB of host weights in place \(out of memory, "
-                                            r"error 2\); streaming them from pageable memory"):
-        result = run_managed(Strategy.of(offload_fraction=1.0, compute_dtype="fp32"))
-    assert_equivalent(result)
-    assert not pinned.unregistered
-
-
-def test_pinning_without_a_cuda_runtime_is_a_note_not_a_crash(monkeypatch):
-    def no_cuda():
-        raise AssertionError("Torch not compiled with CUDA enabled")
-    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
-    pins = PinnedRanges(torch.device("cpu"))
-    with pytest.warns(RuntimeWarning, match="CUDA runtime unavailable: Torch not compiled with CUDA enabled"):
-        pins.register([torch.ones(1024)])
-    assert pins.pinned_bytes == 0 and pins.refused_bytes == 4096
-    pins.release()
 
 
 def test_inference_mode_model_trains_on_aliases_not_a_copy():

@@ -1,0 +1,83 @@
+"""A CUDA runtime's host-registration rules, modelled for the CPU simulation (tests of host_pinning and layer_offload).
+
+What the driver does, and the first H100 run showed (2026-11-23):
+- cudaHostRegister pins whole pages; a range that overlaps one already registered is refused (712, already
+  registered), and refusing sets the thread's last error.
+- cudaHostUnregister takes the start of a registered range; anything else is refused (713, not registered).
+- A copy whose host buffer lies partly inside a registered range and partly outside fails ("invalid argument").
+  `StraddleCheck` raises exactly there, for every copy the simulation makes, whichever side is the host.
+"""
+import mmap
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALREADY_REGISTERED, NOT_REGISTERED = 712, 713
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s registration calls with the driver's rules; `refuse` makes every registration fail."""
+
+    def __init__(self, refuse=0, page=mmap.PAGESIZE):
+        self.refuse, self.page = refuse, page
+        self.live: dict[int, int] = {}          # start -> nbytes, registered now
+        self.registered, self.unregistered = [], []  # every successful call, in order
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        if self.refuse:
+            return self.refuse
+        a, b = ptr // self.page * self.page, -(-(ptr + nbytes) // self.page) * self.page
+        if any(s < b and a < s + n for s, n in self.live.items()):
+            return ALREADY_REGISTERED
+        self.live[ptr] = nbytes
+        self.registered.append((ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        if ptr not in self.live:
+            return NOT_REGISTERED
+        del self.live[ptr]
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaError(self, code):
+        return code
+
+    def cudaGetErrorString(self, code):
+        return {2: "out of memory", ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+                NOT_REGISTERED: "pointer does not correspond to a registered memory region"}.get(code, "unknown")
+
+    def straddles(self, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) is partly inside some registered range and partly outside it."""
+        end = address + nbytes
+        for s, n in self.live.items():
+            inside = max(0, min(end, s + n) - max(address, s))
+            if 0 < inside < nbytes:
+                return True
+        return False
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+class StraddleCheck(TorchDispatchMode):
+    """Raises "invalid argument" on a copy whose source or destination straddles a registered range, as the driver
+    does; counts the copies that read wholly registered (`pinned_copies`) memory."""
+
+    def __init__(self, fake: FakeCudart):
+        super().__init__()
+        self.fake, self.pinned_copies, self.copies = fake, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            tensors = [a for a in args[:2] if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
+            for t in tensors:
+                if t.is_contiguous() and self.fake.straddles(*_span(t)):
+                    raise RuntimeError("CUDA error: invalid argument (a host buffer partly page-locked)")
+            self.copies += 1
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            address, nbytes = _span(src)
+            if nbytes and any(s <= address and address + nbytes <= s + n for s, n in self.fake.live.items()):
+                self.pinned_copies += 1
+        return func(*args, **(kwargs or {}))

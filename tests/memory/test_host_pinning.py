@@ -1,0 +1,145 @@
+"""Page-locking weights in place (memory/host_pinning.py) under the driver's rules (tests/helpers/fake_cudart.py):
+only pages wholly inside one storage are registered, so no other allocation shares one; every copy of the run reads
+host memory wholly in or wholly out of a registered range; every range is unregistered at undo, before the copies
+back; refusals and failed unregistrations are notes whose CUDA error is cleared, never a crash later."""
+import mmap
+
+import pytest
+import torch
+from equivalence import assert_equivalent, run_managed
+from fake_cudart import FakeCudart, StraddleCheck
+
+from tightrope.memory import host_pinning
+from tightrope.memory.host_pinning import PinnedRanges, interior_ranges
+from tightrope.memory.layer_offload import LayerOffload
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy
+from two_stream import make_lora_model, train_steps
+
+PAGE = mmap.PAGESIZE
+OFFLOAD_ALL = Strategy.of(offload_fraction=1.0, compute_dtype="fp32")
+
+
+def test_interior_ranges_are_the_whole_pages_inside_each_span():
+    page = 4096
+    spans = [(page + 10, 100), (3 * page, page), (4 * page + 5, 3 * page), (8 * page - 1, 2 * page + 2)]
+    # under a page: nothing; exactly a page: itself; otherwise the pages strictly inside, never a shared page
+    assert interior_ranges(spans, page) == [(3 * page, page), (5 * page, 2 * page), (8 * page, 2 * page)]
+
+
+def test_split_cuts_a_buffer_where_registered_memory_begins_and_ends():
+    pins = PinnedRanges(torch.device("cpu"), cudart=FakeCudart())
+    pins.registered = [(1000, 500), (2000, 100)]
+    assert pins.split(1000, 500) is None and pins.split(0, 900) is None  # wholly in, wholly out
+    assert pins.split(900, 700) == [(0, 100), (100, 600), (600, 700)]
+    assert pins.split(1200, 1000) == [(0, 300), (300, 800), (800, 900), (900, 1000)]
+
+
+@pytest.fixture
+def pinned(monkeypatch):
+    """LayerOffload on the CPU device, page-locking through the modelled CUDA runtime (the CUDA path's bookkeeping
+    and copies)."""
+    fake = FakeCudart()
+    real_attach = LayerOffload.attach
+
+    def attach(self):
+        self.pin, self._pinned = True, PinnedRanges(self.device, cudart=fake)
+        real_attach(self)
+    monkeypatch.setattr(LayerOffload, "attach", attach)
+    return fake
+
+
+def test_only_pages_wholly_inside_one_weight_storage_are_registered(pinned):
+    model = make_lora_model()
+    with MemoryRuntime(model, OFFLOAD_ALL, "cpu") as rt:
+        sources = [src for lay in rt.offload.layouts.values() for src in lay.sources]
+        spans = host_pinning.storage_spans(sources)
+        # the regression: widened to whole pages, a range held other allocations' bytes (`grad.cpu()`'s result on
+        # the first H100 run), and copies of those failed
+        for a, n in pinned.registered:
+            assert a % PAGE == 0 and n % PAGE == 0
+            assert any(s <= a and a + n <= s + m for s, m in spans), "a registered page holds foreign bytes"
+        # and all of each storage's interior is registered: nothing pinnable is left pageable
+        assert sorted(pinned.registered) == interior_ranges(spans)
+        assert rt.offload.pinned and sum(n for _, n in pinned.registered) > 0
+        assert not pinned.unregistered
+    assert sorted(pinned.unregistered) == sorted(a for a, _ in pinned.registered) and not pinned.live
+
+
+def test_every_copy_reads_memory_wholly_in_or_out_of_a_registered_range(pinned):
+    """The run under the driver's rule for copies: a weight whose storage is partly page-locked is copied in parts.
+    Unrelated host tensors made during the run (inputs, `grad.cpu()`) are never partly page-locked."""
+    model = make_lora_model()
+    with MemoryRuntime(model, OFFLOAD_ALL, "cpu", poison_slots=True, activation_min_bytes=0) as rt, \
+            StraddleCheck(pinned) as check:
+        losses, grads = train_steps(model, steps=2, runtime=rt)
+        strays = [torch.randn(n) for n in (3, 100, 1000, 5000)]
+        assert not any(pinned.straddles(t.data_ptr(), t.nbytes) for t in strays)
+    assert check.pinned_copies > 0 and check.copies > check.pinned_copies  # both kinds of part were copied
+    assert_equivalent((losses, grads))
+
+
+def test_undo_unregisters_before_copying_device_weights_back(pinned):
+    """A weight that lived on the device comes back from its host source, a copy of the whole buffer, so it must
+    run after the unregistration (the driver refuses it before). On the CPU every weight lives on the "host", so
+    one entry is made to look like a device weight of another dtype."""
+    model = make_lora_model()
+    rt = MemoryRuntime(model, OFFLOAD_ALL, "cpu")
+    rt.apply()
+    k, (p, _, dev, _) = next((k, e) for k, e in enumerate(rt.offload._restore) if e[0].numel() * 4 > 2 * PAGE)
+    source = rt.offload.host_source(p)
+    assert pinned.straddles(source.data_ptr(), source.nbytes)
+    rt.offload._restore[k] = (p, None, dev, torch.bfloat16)
+    with StraddleCheck(pinned):
+        rt.undo()
+    assert not pinned.live and p.dtype == torch.bfloat16
+
+
+def test_pinning_refused_falls_back_to_pageable_with_a_note(pinned):
+    pinned.refuse = 2  # cudaErrorMemoryAllocation, as with a low `ulimit -l`
+    with pytest.warns(RuntimeWarning, match=r"could not page-lock .* GiB of host weights in place \(out of memory, "
+                                            r"error 2\); streaming them from pageable memory"):
+        result = run_managed(OFFLOAD_ALL)
+    assert_equivalent(result)
+    assert not pinned.unregistered
+
+
+def test_memory_pinned_by_someone_else_is_left_to_them(monkeypatch):
+    fake, weight = FakeCudart(), torch.ones(4 * PAGE)
+    cleared = []
+    monkeypatch.setattr(host_pinning, "_clear_last_error", lambda device, text: cleared.append(text))
+    first, second = (PinnedRanges(torch.device("cpu"), cudart=fake) for _ in range(2))
+    first.register([weight])
+    owned = dict(fake.live)
+    second.register([weight])  # already mapped: not a refusal (no note), not ours to unpin, its error cleared
+    assert not second.registered and second.refused_bytes == 0
+    assert cleared == ["part or all of the requested memory range is already mapped"]
+    second.release()
+    assert fake.live == owned
+    first.release()
+    assert not fake.live
+
+
+def test_a_refused_unregistration_is_a_note_and_its_error_is_cleared(monkeypatch):
+    fake = FakeCudart()
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    pins.register([torch.ones(4 * PAGE)])
+    cleared = []
+    monkeypatch.setattr(host_pinning, "_clear_last_error", lambda device, text: cleared.append(text))
+    fake.live.clear()  # as if the driver had lost them: every unregistration is refused
+    with pytest.warns(RuntimeWarning, match=r"CUDA refused to unpin 1 host range\(s\) \(\d+ B at 0x[0-9a-f]+: "
+                                            r"pointer does not correspond to a registered memory region, error 713"):
+        pins.release()
+    assert cleared == ["pointer does not correspond to a registered memory region"]
+    assert pins.unregister_failures and not pins.registered
+
+
+def test_pinning_without_a_cuda_runtime_is_a_note_not_a_crash(monkeypatch):
+    def no_cuda():
+        raise AssertionError("Torch not compiled with CUDA enabled")
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    pins = PinnedRanges(torch.device("cpu"))
+    with pytest.warns(RuntimeWarning, match="CUDA runtime unavailable: Torch not compiled with CUDA enabled"):
+        pins.register([torch.ones(1024)])
+    assert pins.pinned_bytes == 0 and pins.refused_bytes == 4096
+    pins.release()
