@@ -1,0 +1,71 @@
+"""Token-chunked block forwards: the per-block working set of forward + backward, cut by computing every token-wise
+part of a transformer block (norms, modulation, the qkv / MLP / output projections) in token chunks, each chunk one
+recomputed region; only attention sees the whole sequence.
+
+A model family registers, per block class, a function computing that block's forward in chunks (the reference Flux
+in training/models/reference_flux.py, ComfyUI's Flux in training/models/comfy_flux_chunks.py). `memory/` never
+knows the block's maths: the runtime looks the function up by the block's type and calls it with a `ChunkContext`,
+whose `run` is how one chunk is recomputed (the runtime's own, which also makes sure the block's weights are on the
+device when a chunk is recomputed in backward).
+
+The contract of a chunked forward `fn(block, ctx, *args, **kwargs)`:
+  - returns what `block`'s own forward returns for the same arguments (same structure, same values up to the
+    rounding of a different summation order: none here, chunks split tokens, never a reduction);
+  - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis;
+  - calls `ctx.plain(*args, **kwargs)` (the block's own forward) for any argument it does not support (masks,
+    patches, variants), rather than computing something different;
+  - never mutates its inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def recompute_region(f: Callable[..., Any], *args: Any) -> Any:
+    """The default `ChunkContext.run`: `f(*args)` as one non-reentrant checkpoint (keeps only its inputs)."""
+    if not torch.is_grad_enabled():
+        return f(*args)
+    return checkpoint(f, *args, use_reentrant=False)
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    chunks: int
+    """How many chunks the token axis is cut into (>= 1; a chunk may be shorter when tokens do not divide)."""
+    run: Callable[..., Any] = recompute_region
+    """run(f, *args) -> f(*args), as one region recomputed in backward."""
+    plain: Callable[..., Any] | None = None
+    """The block's own forward, for arguments the chunked form does not support."""
+
+
+ChunkedForward = Callable[..., Any]  # fn(block, ctx, *args, **kwargs)
+
+_CHUNKED: dict[type, ChunkedForward] = {}
+
+
+def register_chunked_forward(block_type: type, fn: ChunkedForward) -> None:
+    """Register `fn` as the token-chunked forward of blocks of exactly `block_type` (idempotent)."""
+    _CHUNKED[block_type] = fn
+
+
+def chunked_forward_for(module: nn.Module) -> ChunkedForward | None:
+    """The token-chunked forward registered for `module`'s exact type, or None."""
+    return _CHUNKED.get(type(module))
+
+
+def token_slices(n_tokens: int, chunks: int) -> list[slice]:
+    """`chunks` contiguous slices covering range(n_tokens), sizes differing by at most one (fewer when
+    n_tokens < chunks; none empty)."""
+    chunks = max(1, min(chunks, n_tokens))
+    base, extra = divmod(n_tokens, chunks)
+    out, start = [], 0
+    for i in range(chunks):
+        stop = start + base + (1 if i < extra else 0)
+        out.append(slice(start, stop))
+        start = stop
+    return out
