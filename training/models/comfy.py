@@ -35,6 +35,7 @@ import comfy.utils
 from ...memory.blocks import discover_blocks
 from ..lora.targets import LoraError
 from .adapter import ordinary_alias
+from .comfy_flux_chunks import register_comfy_flux_chunks
 from ..train_config import ConfigError
 
 PREFIX = "diffusion_model."
@@ -109,6 +110,8 @@ class ComfyModelAdapter:
             raise ConfigError(f"{name} is not a model family Tightrope trains (Flux, SD3.5, Lumina 2, Wan, "
                               "Qwen-Image): load one of those with Load Diffusion Model")
         self.family = family
+        if family == "flux":  # the memory runtime's token chunks find its blocks' chunked forwards
+            register_comfy_flux_chunks()
         init = getattr(model_patcher, "cached_patcher_init", None)  # (loader, (path, options)) from ComfyUI loaders
         path = init[1][0] if init and len(init) > 1 and init[1] and isinstance(init[1][0], str) else None
         self.base_name = os.path.basename(path) if path else f"comfyui-{type(base.model_config).__name__}"

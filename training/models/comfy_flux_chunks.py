@@ -1,0 +1,201 @@
+"""Token-chunked forwards of ComfyUI's Flux blocks (comfy.ldm.flux.layers DoubleStreamBlock and SingleStreamBlock),
+registered with memory.token_chunks by `register_comfy_flux_chunks()`, which the ComfyUI adapter calls when it wraps a
+Flux MODEL. ComfyUI is imported lazily, inside the functions.
+
+The maths is ComfyUI's own: the block's norms, Modulation, Linear layers, QKNorm and MLP modules and ComfyUI's
+`apply_mod`, `apply_rope` and `attention`, called in the order of the block's forward; only the token axis is cut, so
+the result differs from the block's own forward by at most the rounding of a matmul over fewer rows. Each forward:
+
+  1. modulation (vec -> shift, scale, gate): one region; not token-wise, but it reads the block's weights, so it is
+     recomputed in backward like every other part that does;
+  2. per chunk, one region: norm, modulation, qkv projection, QK norm and RoPE -> q, k, v (the single block's fused
+     linear1 also gives the MLP activation, handed on to pass 4: recomputing linear1 there instead would cost a
+     second linear1 forward per step, ~15 % of a single block's work at 2048 px, to save mlp_hidden values a token);
+  3. ComfyUI's `attention` over the whole sequence, with the caller's transformer_options and pe=None;
+  4. per chunk, one region: output projection, gate, residual (the double block: then norm, modulation, MLP, gate,
+     residual; fp16 outputs clamped with nan_to_num, as the block does), out of place: the inputs are never changed.
+
+RoPE is applied per chunk in pass 2 rather than inside `attention` as the block does: it is elementwise per token
+(same values either way), and inside a region its fp32 copies of q and k live only while that chunk is computed,
+where inside `attention` autograd would keep fp32 copies of the whole q and k until backward.
+
+Anything else goes to the block's own forward (ctx.plain): an attention mask, modulation_dims (per-token
+modulation), attn1_patch / attn1_output_patch patches, a yak_mlp single block, a pe that does not cover exactly the
+sequence, transformer_options that are not a dict, and any argument ComfyUI's forward takes that this file does not
+know (the call is bound against the block class's own forward signature).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+
+_PATCHES = ("attn1_patch", "attn1_output_patch")  # read by the blocks' forwards: a patched call runs plain
+_DOUBLE_ARGS = {"img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
+                "transformer_options"}
+_SINGLE_ARGS = {"x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_options"}
+
+
+def register_comfy_flux_chunks() -> None:
+    """Register the chunked forwards of ComfyUI's Flux DoubleStreamBlock and SingleStreamBlock (idempotent)."""
+    from comfy.ldm.flux.layers import DoubleStreamBlock, SingleStreamBlock
+    register_chunked_forward(DoubleStreamBlock, chunked_double_stream)
+    register_chunked_forward(SingleStreamBlock, chunked_single_stream)
+
+
+# ------------------------------------------------------------------------------------------------ the two blocks
+def chunked_double_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwargs: Any):
+    """DoubleStreamBlock.forward(img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,
+    modulation_dims_txt=None, transformer_options={}) -> (img, txt), in token chunks."""
+    a = _arguments(block, args, kwargs, _DOUBLE_ARGS)
+    if a is None or a["modulation_dims_img"] is not None or a["modulation_dims_txt"] is not None or \
+            not _supported(a, a["txt"].shape[1] + a["img"].shape[1]):
+        return ctx.plain(*args, **kwargs)
+    from comfy.ldm.flux.math import attention
+    img, txt, pe = a["img"], a["txt"], a["pe"]
+    if block.modulation:
+        def modulation(vec):
+            return tuple(t for mod in (*block.img_mod(vec), *block.txt_mod(vec)) for t in _fields(mod))
+        mods = ctx.run(modulation, a["vec"])
+    else:  # a block of a globally modulated Flux: vec is ((img_mod1, img_mod2), (txt_mod1, txt_mod2))
+        (img_mod1, img_mod2), (txt_mod1, txt_mod2) = a["vec"]
+        mods = tuple(t for mod in (img_mod1, img_mod2, txt_mod1, txt_mod2) for t in _fields(mod))
+    img_mods, txt_mods = mods[:6], mods[6:]
+    n_txt = txt.shape[1]
+    txt_qkv = _qkv_chunks(ctx, txt, pe, 0, txt_mods[:2], block.txt_norm1, block.txt_attn, block.num_heads)
+    img_qkv = _qkv_chunks(ctx, img, pe, n_txt, img_mods[:2], block.img_norm1, block.img_attn, block.num_heads)
+    q, k, v = (torch.cat([c[i] for c in txt_qkv + img_qkv], dim=2) for i in range(3))
+    attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
+    del q, k, v
+    img = _output_chunks(ctx, img, attn[:, n_txt:], img_mods[2:], block.img_attn.proj, block.img_norm2,
+                         block.img_mlp, clamp_fp16=False)
+    txt = _output_chunks(ctx, txt, attn[:, :n_txt], txt_mods[2:], block.txt_attn.proj, block.txt_norm2,
+                         block.txt_mlp, clamp_fp16=True)
+    return img, txt
+
+
+def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwargs: Any):
+    """SingleStreamBlock.forward(x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}) -> x,
+    in token chunks."""
+    a = _arguments(block, args, kwargs, _SINGLE_ARGS)
+    if a is None or a["modulation_dims"] is not None or block.yak_mlp or not _supported(a, a["x"].shape[1]):
+        return ctx.plain(*args, **kwargs)
+    from comfy.ldm.flux.layers import apply_mod
+    from comfy.ldm.flux.math import attention
+    x, pe = a["x"], a["pe"]
+    if block.modulation:
+        shift, scale, gate = ctx.run(lambda vec: _fields(block.modulation(vec)[0]), a["vec"])
+    else:  # a block of a globally modulated Flux: vec is the ModulationOut itself
+        shift, scale, gate = _fields(a["vec"])
+    hidden, heads = block.hidden_size, block.num_heads
+
+    def qkv_mlp(xc, shift, scale, *pe_chunk):
+        h = block.linear1(apply_mod(block.pre_norm(xc), 1 + scale, shift))
+        qkv, mlp = torch.split(h, [3 * hidden, block.mlp_hidden_dim_first], dim=-1)
+        return (*_heads(block.norm, qkv, heads, pe_chunk), block.mlp_act(mlp))
+
+    slices = token_slices(x.shape[1], ctx.chunks)
+    parts = [ctx.run(qkv_mlp, x[:, s], shift, scale, *_pe_chunk(pe, 0, s)) for s in slices]
+    q, k, v = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
+    mlp = [p[3] for p in parts]
+    del parts
+    attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
+    del q, k, v
+
+    def out(xc, attn_c, mlp_c, gate):
+        return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp_c), 2)), gate)))
+
+    return torch.cat([ctx.run(out, x[:, s], attn[:, s], mlp_c, gate) for s, mlp_c in zip(slices, mlp)], dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ the passes
+def _qkv_chunks(ctx: ChunkContext, x: torch.Tensor, pe, offset: int, mod1, norm1, attn_module, heads: int) -> list:
+    """Pass 2 over one stream of a double block: [(q, k, v) per chunk], q/k/v as (B, heads, chunk, head_dim)."""
+    from comfy.ldm.flux.layers import apply_mod
+
+    def qkv(xc, shift, scale, *pe_chunk):
+        return _heads(attn_module.norm, attn_module.qkv(apply_mod(norm1(xc), 1 + scale, shift)), heads, pe_chunk)
+
+    return [ctx.run(qkv, x[:, s], *mod1, *_pe_chunk(pe, offset, s)) for s in token_slices(x.shape[1], ctx.chunks)]
+
+
+def _heads(qk_norm: nn.Module, qkv: torch.Tensor, heads: int, pe_chunk: tuple) -> tuple:
+    """(B, L, 3*H*D) -> q, k, v as (B, H, L, D): QK norm, then RoPE when the block has a pe (the block's own view)."""
+    from comfy.ldm.flux.math import apply_rope
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = qk_norm(q, k, v)
+    if pe_chunk:
+        q, k = apply_rope(q, k, pe_chunk[0])
+    return q, k, v
+
+
+def _output_chunks(ctx: ChunkContext, x: torch.Tensor, attn: torch.Tensor, mods, proj: nn.Module, norm2: nn.Module,
+                   mlp: nn.Module, *, clamp_fp16: bool) -> torch.Tensor:
+    """Pass 4 over one stream of a double block: x + gate1 * proj(attn), then + gate2 * mlp(modulated norm2)."""
+    from comfy.ldm.flux.layers import apply_mod
+
+    def out(xc, attn_c, gate1, shift2, scale2, gate2):
+        xc = _residual(xc, apply_mod(proj(attn_c), gate1))
+        xc = _residual(xc, apply_mod(mlp(apply_mod(norm2(xc), 1 + scale2, shift2)), gate2))
+        return _clamp_fp16(xc) if clamp_fp16 else xc
+
+    return torch.cat([ctx.run(out, x[:, s], attn[:, s], *mods) for s in token_slices(x.shape[1], ctx.chunks)], dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+@functools.lru_cache(maxsize=None)
+def _signature(block_type: type) -> inspect.Signature:
+    return inspect.signature(block_type.forward)
+
+
+def _arguments(block: nn.Module, args: tuple, kwargs: dict, known: set[str]) -> dict[str, Any] | None:
+    """The call's arguments by name, defaults filled in, bound against the block class's own forward; None when they
+    do not bind (the plain forward then raises ComfyUI's own error) or name a parameter outside `known`."""
+    try:
+        bound = _signature(type(block)).bind(block, *args, **kwargs)
+    except TypeError:
+        return None
+    self_name = next(iter(bound.signature.parameters))
+    if set(bound.arguments) - known - {self_name}:
+        return None
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named[self_name]
+    return named if known <= named.keys() else None
+
+
+def _supported(a: dict[str, Any], n_tokens: int) -> bool:
+    """No mask, no attention patch, a pe over exactly the sequence's tokens (or none)."""
+    options, pe = a["transformer_options"], a["pe"]
+    if a["attn_mask"] is not None or not isinstance(options, dict):
+        return False
+    if any(p in options.get("patches", {}) for p in _PATCHES):
+        return False
+    return pe is None or (isinstance(pe, torch.Tensor) and pe.ndim >= 3 and pe.shape[2] == n_tokens)
+
+
+def _pe_chunk(pe: torch.Tensor | None, offset: int, s: slice) -> tuple:
+    """The RoPE rows of tokens offset + s ((B, 1, L, D/2, 2, 2) -> L sliced), as a 0- or 1-tuple of region args."""
+    return () if pe is None else (pe[:, :, offset + s.start: offset + s.stop],)
+
+
+def _fields(mod) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ComfyUI ModulationOut as plain tensors (region outputs): (shift, scale, gate)."""
+    return mod.shift, mod.scale, mod.gate
+
+
+def _residual(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The block's in-place `x += y` out of place: same value, same dtype (x's)."""
+    return (x + y).to(x.dtype)
+
+
+def _clamp_fp16(x: torch.Tensor) -> torch.Tensor:
+    """The block's fp16 guard on its output (token-wise)."""
+    if x.dtype == torch.float16:
+        return torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504)
+    return x
