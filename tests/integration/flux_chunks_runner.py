@@ -18,7 +18,7 @@ args.cpu = True
 import comfy.model_management as mm  # noqa: E402
 import comfy.ops  # noqa: E402
 import comfy.sd  # noqa: E402
-from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, SingleStreamBlock  # noqa: E402
+from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, Modulation, SingleStreamBlock  # noqa: E402
 
 from tightrope.memory.token_chunks import ChunkContext, chunked_forward_for, recompute_region  # noqa: E402
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters  # noqa: E402
@@ -59,15 +59,22 @@ def inputs(with_pe=True):
             "vec": torch.randn(B, HIDDEN, generator=g), "pe": pe}
 
 
-def call(kind, block, fn, t, transformer_options):
-    """The block called as comfy/ldm/flux/model.py calls it (keywords; the single block's x positional)."""
+def call(kind, fn, t, transformer_options, global_mod=None):
+    """The block called as comfy/ldm/flux/model.py calls it (keywords; the single block's x positional). With
+    `global_mod` (Modulation modules img, txt, single), vec is modulated outside the blocks, as Flux does with
+    params.global_modulation for blocks built with modulation=False."""
+    vec = t["vec"]
     if kind == "double":
-        return fn(img=t["img"], txt=t["txt"], vec=t["vec"], pe=t["pe"], attn_mask=None,
+        if global_mod:
+            vec = (global_mod[0](vec), global_mod[1](vec))
+        return fn(img=t["img"], txt=t["txt"], vec=vec, pe=t["pe"], attn_mask=None,
                   transformer_options=transformer_options)
-    return fn(t["x"], vec=t["vec"], pe=t["pe"], attn_mask=None, transformer_options=transformer_options)
+    if global_mod:
+        vec = global_mod[2](vec)[0]
+    return fn(t["x"], vec=vec, pe=t["pe"], attn_mask=None, transformer_options=transformer_options)
 
 
-def forward_backward(kind, block, fn, t, params):
+def forward_backward(kind, fn, t, params, global_mod):
     """Outputs, and the gradients of every input and of `params` for a fixed random weighting of the outputs. The
     inputs are handed over as copies, which are checked unchanged (values and autograd version counters)."""
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in t.items() if v is not None}
@@ -75,7 +82,7 @@ def forward_backward(kind, block, fn, t, params):
     versions = {k: v._version for k, v in given.items() if v is not None}
     for p in params.values():
         p.grad = None
-    outs = call(kind, block, fn, given, {"block_type": kind, "block_index": 0})
+    outs = call(kind, fn, given, {"block_type": kind, "block_index": 0}, global_mod)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(2)
     sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs).backward()
@@ -85,16 +92,16 @@ def forward_backward(kind, block, fn, t, params):
     return [o.detach() for o in outs], grads, unchanged
 
 
-def compare(kind, holder, t, chunks, params=None):
+def compare(kind, holder, t, chunks, params=None, global_mod=None):
     block = (holder.double_blocks if kind == "double" else holder.single_blocks)[0]
     params = params if params is not None else dict(block.named_parameters())
     if kind == "single":
         t = {"x": torch.cat((t["txt"], t["img"]), 1), "vec": t["vec"], "pe": t["pe"]}
-    ref_out, ref_grads, _ = forward_backward(kind, block, block, t, params)
+    ref_out, ref_grads, _ = forward_backward(kind, block, t, params, global_mod)
     plain_calls = []
     ctx = ChunkContext(chunks=chunks, run=recompute_region, plain=lambda *a, **k: plain_calls.append(1))
     fn = cfc.chunked_double_stream if kind == "double" else cfc.chunked_single_stream
-    outs, grads, unchanged = forward_backward(kind, block, lambda *a, **k: fn(block, ctx, *a, **k), t, params)
+    outs, grads, unchanged = forward_backward(kind, lambda *a, **k: fn(block, ctx, *a, **k), t, params, global_mod)
     missing = sorted(k for k in ref_grads if (ref_grads[k] is None) != (grads[k] is None))
     rel = {k: ((grads[k] - g).abs().max() / g.abs().max()).item() for k, g in ref_grads.items()
            if g is not None and grads[k] is not None}
@@ -136,9 +143,8 @@ def fallbacks():
         fn = chunked_forward_for(block)
         copies = [v.clone() for v in (*a, *k.values()) if isinstance(v, torch.Tensor)]
         got = fn(block, ctx, *a, **k)
-        same_args = len(seen) == 1 and seen[0][0] is not None and len(seen[0][0]) == len(a) and \
-            all(u is w for u, w in zip(seen[0][0], a)) and seen[0][1].keys() == k.keys() and \
-            all(seen[0][1][n] is k[n] for n in k)
+        same_args = len(seen) == 1 and len(seen[0][0]) == len(a) and all(u is w for u, w in zip(seen[0][0], a)) \
+            and seen[0][1].keys() == k.keys() and all(seen[0][1][n] is k[n] for n in k)
         unchanged = all(torch.equal(c, v) for c, v in zip(copies, [v for v in (*a, *k.values())
                                                                       if isinstance(v, torch.Tensor)]))
         result[name] = {"plain": got is sentinel and same_args, "unchanged": unchanged}
@@ -191,7 +197,34 @@ def whole_model(patcher):
     (ref, ref_grads), (got, grads) = results
     return {"out_err": (got - ref).abs().max().item(), "out_scale": ref.abs().max().item(),
             "grad_rel": max(((grads[k] - r).abs().max() / r.abs().max()).item() for k, r in ref_grads.items()),
-            "n_lora": len(ref_grads), "tokens": 7 + 3 * 4}
+            "n_lora": len(ref_grads)}
+
+
+def fp16():
+    """fp16 forwards (no grad): the blocks' nan_to_num clamp of an overflowing output, per chunk. The first txt
+    token is fp16's largest value and the last MLP layers are scaled up, so residual sums overflow to inf, which the
+    blocks clamp to 65504 (the double block only its txt)."""
+    holder = blocks().half()
+    with torch.no_grad():
+        holder.double_blocks[0].txt_mlp[2].weight *= 100
+        holder.single_blocks[0].linear2.weight *= 100
+    t = {k: v.half() for k, v in inputs().items()}
+    t["txt"][:, 0] = 65504.0
+    result = {}
+    with torch.no_grad():
+        for kind, block in (("double", holder.double_blocks[0]), ("single", holder.single_blocks[0])):
+            tk = t if kind == "double" else {"x": torch.cat((t["txt"], t["img"]), 1), "vec": t["vec"], "pe": t["pe"]}
+            fn = cfc.chunked_double_stream if kind == "double" else cfc.chunked_single_stream
+            ctx = ChunkContext(chunks=3, plain=None)
+            ref = call(kind, block, {k: v.clone() for k, v in tk.items()}, {})
+            got = call(kind, lambda *a, **k: fn(block, ctx, *a, **k), tk, {})
+            ref, got = (ref if isinstance(ref, tuple) else (ref,)), (got if isinstance(got, tuple) else (got,))
+            result[kind] = {"dtypes": sorted({str(o.dtype) for o in got}), "finite": all(o.isfinite().all().item()
+                                                                                       for o in got),
+                            "clamped": int(sum((r == 65504).sum().item() for r in ref)),
+                            "rel_err": max(((o.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                                           for o, r in zip(got, ref))}
+    return result
 
 
 out["registration"], tiny_patcher = registration()
@@ -205,6 +238,11 @@ try:
         for kind in ("double", "single"):
             out["blocks"][f"{kind} {name} chunks=3"] = compare(kind, blocks(**variant), t, 3)
     out["blocks"]["double yak_mlp chunks=3"] = compare("double", blocks(yak_mlp=True), inputs(), 3)
+    torch.manual_seed(5)
+    global_mod = [Modulation(HIDDEN, double=d, operations=nn) for d in (True, True, False)]
+    for kind in ("double", "single"):
+        out["blocks"][f"{kind} global modulation chunks=3"] = compare(kind, blocks(modulation=False), inputs(), 3,
+                                                                       global_mod=global_mod)
     for kind in ("double", "single"):
         holder = blocks()
         inject_lora(holder, LoraSpec(rank=4, targets="all_linear"), "flux")
@@ -214,6 +252,7 @@ try:
                 p.normal_(0, 0.1)
         out["blocks"][f"{kind} lora chunks=3"] = compare(kind, holder, inputs(), 3, params=lora)
     out["fallbacks"] = fallbacks()
+    out["fp16"] = fp16()
 finally:
     mm.in_training = previous
 out["whole_model"] = whole_model(tiny_patcher)
