@@ -9,15 +9,17 @@ the result differs from the block's own forward by at most the rounding of a mat
   1. modulation (vec -> shift, scale, gate): one region; not token-wise, but it reads the block's weights, so it is
      recomputed in backward like every other part that does;
   2. per chunk, one region: norm, modulation, qkv projection, QK norm and RoPE -> q, k, v (the single block's fused
-     linear1 also gives the MLP activation, handed on to pass 4: recomputing linear1 there instead would cost a
-     second linear1 forward per step, ~15 % of a single block's work at 2048 px, to save mlp_hidden values a token);
+     linear1 also gives the MLP activation, handed on to pass 4 and kept for backward as its regions' input:
+     mlp_hidden values a token, 415 MB for Flux-dev at 2048 px in bf16; recomputing linear1 in pass 4 instead would
+     add two linear1 forwards a step, about 15 % of a single block's forward + backward work there);
   3. ComfyUI's `attention` over the whole sequence, with the caller's transformer_options and pe=None;
   4. per chunk, one region: output projection, gate, residual (the double block: then norm, modulation, MLP, gate,
      residual; fp16 outputs clamped with nan_to_num, as the block does), out of place: the inputs are never changed.
 
 RoPE is applied per chunk in pass 2 rather than inside `attention` as the block does: it is elementwise per token
-(same values either way), and inside a region its fp32 copies of q and k live only while that chunk is computed,
-where inside `attention` autograd would keep fp32 copies of the whole q and k until backward.
+(same values either way), and ComfyUI computes it in fp32, so for a bf16 model its transients (an fp32 copy of q or k
+and the fp32 rotated result, 4x q's bytes: ~0.4 GB for Flux-dev at 2048 px) exist a chunk at a time, in forward and
+in the recompute, instead of over the whole sequence; nor do unrotated and rotated q, k ever coexist whole.
 
 Anything else goes to the block's own forward (ctx.plain): an attention mask, modulation_dims (per-token
 modulation), attn1_patch / attn1_output_patch patches, a yak_mlp single block, a pe that does not cover exactly the
@@ -70,6 +72,7 @@ def chunked_double_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
     txt_qkv = _qkv_chunks(ctx, txt, pe, 0, txt_mods[:2], block.txt_norm1, block.txt_attn, block.num_heads)
     img_qkv = _qkv_chunks(ctx, img, pe, n_txt, img_mods[:2], block.img_norm1, block.img_attn, block.num_heads)
     q, k, v = (torch.cat([c[i] for c in txt_qkv + img_qkv], dim=2) for i in range(3))
+    del txt_qkv, img_qkv  # the chunks: q, k, v hold the same values
     attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
     del q, k, v
     img = _output_chunks(ctx, img, attn[:, n_txt:], img_mods[2:], block.img_attn.proj, block.img_norm2,
