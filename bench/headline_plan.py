@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..memory.blocks import discover_blocks
 from ..memory.memory_model import measure_weight_sizes
 from ..memory.plan_cost import Prediction, predict
-from ..memory.planner import Plan, candidate_strategies, plan
+from ..memory.planner import Plan, autotune_batch, candidate_strategies, plan
 from ..memory.profile import Profile
 from ..memory.shape_profile import BlockShape, fake_parameters, measure_block, saved_bytes_of
 from ..memory.strategy import Strategy, StrategyError
@@ -195,12 +195,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-gb", type=float, default=HEADLINE_BUDGET / GB)
     ap.add_argument("--out", metavar="FILE", help="also write the markdown here")
     args = ap.parse_args(argv)
-    text = report(args.resolution, int(args.budget_gb * GB))
+    text = report(args.resolution, int(args.budget_gb * GB)) + "\n" + largest_batch_section()
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+BATCH_BUDGETS = (8 * GB, 16 * GB, 24 * GB)
+
+
+def largest_batches(profile: Profile, budgets=BATCH_BUDGETS) -> dict[int, tuple[int, Plan] | None]:
+    """Per budget: the largest batch whose best plan fits it, and that plan (None: not even batch 1 fits). The
+    profile is scaled linearly from its own batch (Profile.at_batch), not re-measured per batch: a fake-tensor profile
+    per batch takes ~8 s on a CPU, and for flux-dev at 1024 px profiles measured at each batch found and the next one
+    gave the same batches at 8, 16 and 24 GB (2026-11-23)."""
+    found: dict[int, tuple[int, Plan] | None] = {}
+    for budget in budgets:
+        try:
+            batch = autotune_batch(profile, budget)
+        except StrategyError:  # not even batch 1
+            found[budget] = None
+            continue
+        found[budget] = batch, plan(profile.at_batch(batch), budget)
+    return found
+
+
+def largest_batch_section(resolution: int = 1024, budgets=BATCH_BUDGETS, model_name: str = "flux-dev") -> str:
+    """The report's last section: the largest batch of the headline model that fits each budget."""
+    profile, _ = headline_profile(model_name, resolution)
+    lines = [f"## Largest batch that fits, {resolution} px", "",
+             f"The batch-1 profile at {resolution} px scaled linearly (activations and compute grow with the batch, "
+             "weights do not), the largest batch whose best plan fits (memory/planner.py autotune_batch).", "",
+             "| budget | largest batch | predicted peak | strategy |", "| --- | --- | --- | --- |"]
+    for budget, found in largest_batches(profile, budgets).items():
+        if found is None:
+            lines.append(f"| {budget / GB:g} GB | none: batch 1 does not fit | | |")
+            continue
+        batch, best = found
+        lines.append(f"| {budget / GB:g} GB | {batch} | {_gib(best.predicted_peak_bytes)} | "
+                     f"`{strategy_label(best.strategy)}` |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

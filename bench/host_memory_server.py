@@ -16,29 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
 from pathlib import Path
+
+from .comfy_server import Server, comfy_python
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_REASON = "COMFYUI_DIR is not set: set it to a ComfyUI source dir to measure inside a real ComfyUI server"
 PROMPTS = 3        # training prompts per server (does what a prompt keeps repeat?)
 SETTLE_S = 3.0     # after a prompt, before reading the RSS it settled at
-
-
-def comfy_python(comfy_dir: str) -> str:
-    py = os.environ.get("COMFYUI_PYTHON") or os.path.join(comfy_dir, "..", "venv", "bin", "python")
-    if not os.path.exists(py):
-        raise RuntimeError(f"ComfyUI's python not found at {py}: set COMFYUI_PYTHON")
-    return py
 
 
 def memory_status(pid: int) -> dict[str, int]:
@@ -75,70 +65,6 @@ class RssSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-
-
-class Server:
-    """One ComfyUI server process on the CPU, driven over HTTP; stopped with SIGTERM."""
-
-    def __init__(self, comfy_dir: str, base: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        cmd = [comfy_python(comfy_dir), os.path.join(comfy_dir, "main.py"), "--cpu", "--listen", "127.0.0.1",
-               "--port", str(self.port), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
-               "--base-directory", str(base)]
-        self.log_path = base / "server.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=comfy_dir, stdout=log, stderr=subprocess.STDOUT)
-
-    def _request(self, path: str, data: dict | None = None, timeout: float = 30):
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                     data=json.dumps(data).encode() if data is not None else None,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read() or b"null")
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
-            try:
-                self._request("/system_stats", timeout=2)
-                return
-            except (OSError, urllib.error.URLError):
-                time.sleep(0.5)
-        raise RuntimeError(f"ComfyUI did not answer within {timeout} s:\n{self.log_tail()}")
-
-    def run(self, prompt: dict, timeout: float = 1800) -> None:
-        try:
-            pid = self._request("/prompt", {"prompt": prompt, "client_id": uuid.uuid4().hex})["prompt_id"]
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"ComfyUI refused the prompt: {e.read().decode(errors='replace')}") from None
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            status = (self._request(f"/history/{pid}").get(pid) or {}).get("status", {})
-            if status.get("completed") is not None:
-                if status.get("status_str") != "success":
-                    raise RuntimeError(f"prompt failed: {json.dumps(status.get('messages'))[-3000:]}\n"
-                                       f"{self.log_tail()}")
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited ({self.proc.returncode}):\n{self.log_tail()}")
-            time.sleep(0.2)
-        raise RuntimeError(f"prompt did not finish within {timeout} s")
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def _inputs(class_type: str, **given) -> dict:

@@ -30,7 +30,7 @@ from .lora.dora_scale import base_weight_of
 from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
-from .models import adapter_for
+from .models import ModelAdapter, adapter_for
 from .optimizer import learning_rate_at, make_optimizer, optimizer_class
 from .run_monitor import RunMonitor
 from .schedule_free import enter_train_mode, trained_states
@@ -86,6 +86,19 @@ class _Run:
     host_weight: Callable | None = None  # a frozen parameter -> its value (the runtime's host master while offloaded)
 
 
+@dataclass(frozen=True)
+class _RunParts:
+    """What the step loop of a run works with and reports to, set up once by `train`."""
+    adapter: ModelAdapter      # predict, process_latents
+    model: torch.nn.Module     # the module trained (its FSDP copy when sharded), under the runtime
+    runtime: MemoryRuntime     # its device, autocast and per-step stats
+    optimizer: torch.optim.Optimizer
+    params: dict               # the LoRA's parameters by name, the ones the optimizer updates
+    save: SaveTarget | None    # where save_every writes (None: nothing is saved)
+    progress: Progress | None  # told (steps done, steps of this run, last loss) after each step
+    should_stop: Callable[[], bool] | None  # asked before each step
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return distributed.local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -136,8 +149,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
                 run.ema = CpuEma(params, cfg.ema_decay, session.ema_state) if cfg.ema_decay else None
                 try:
-                    _loop(session, steps, run, adapter, model, runtime, optimizer, params, save, progress,
-                          should_stop)
+                    _loop(session, run, _RunParts(adapter, model, runtime, optimizer, params, save, progress,
+                                                  should_stop))
                 except torch.OutOfMemoryError as e:
                     oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
                 except BaseException:
@@ -169,26 +182,26 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                             validation_losses=session.validation_losses + run.monitor.validation_losses)
 
 
-def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save, progress, should_stop) -> None:
+def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     cfg = session.config
-    first = session.step
+    adapter, model, runtime, optimizer, save = parts.adapter, parts.model, parts.runtime, parts.optimizer, parts.save
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
-    batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=first * cfg.grad_accumulation,
+    batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=session.step * cfg.grad_accumulation,
                                shard=distributed.current().shard)
-    run.monitor.validate(run.step, adapter, module, runtime, optimizer)  # the run's first step (or one a stop left unscored)
-    while run.step < first + steps:
-        if should_stop is not None and should_stop():
+    run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # the run's first step (or one a stop left unscored)
+    while run.step < run.end:
+        if parts.should_stop is not None and parts.should_stop():
             return
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
         with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
-            loss = sum(_micro_step(adapter, module, runtime, next(batches), cfg, run.step, k, scaler)
+            loss = sum(_micro_step(parts, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
-        loss = distributed.all_reduce_gradients(params.values(), loss)  # global-batch mean (no-op: 1 process)
+        loss = distributed.all_reduce_gradients(parts.params.values(), loss)  # global-batch mean (no-op: 1 process)
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
-            _update(cfg, run, optimizer, params, scaler, loss)
+            _update(cfg, run, optimizer, parts.params, scaler, loss)
             optimizer.zero_grad(set_to_none=True)
             if run.ema is not None:
                 run.ema.update()
@@ -196,12 +209,12 @@ def _loop(session, steps, run, adapter, module, runtime, optimizer, params, save
             run.step += 1
             run.losses.append(loss)
             run.stats.append(stats.to_dict())
-        if progress is not None:
-            progress(run.step - run.start, run.end - run.start, loss)
+        if parts.progress is not None:
+            parts.progress(run.step - run.start, run.end - run.start, loss)
         run.monitor.step_done(run.step, loss, optimizer.param_groups[0]["lr"], run.stats[-1])
-        run.monitor.validate(run.step, adapter, module, runtime, optimizer)  # before the save: the state file holds it
+        run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # before the save: the state file holds it
         if save is not None and save.every and run.step % save.every == 0:
-            _save(session, run, module, save, optimizer)
+            _save(session, run, model, save, optimizer)
 
 
 def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> None:
@@ -239,7 +252,7 @@ def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | Non
     return None
 
 
-def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, scaler) -> float:
+def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> float:
     seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
@@ -247,18 +260,18 @@ def _micro_step(adapter, module, runtime, batch, cfg, step: int, micro: int, sca
     gen = torch.Generator().manual_seed(seed)
     # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    latents = adapter.process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
+    latents = parts.adapter.process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
     n = distributed.global_batch_size(batch)  # noise and timesteps of the global batch; this rank keeps its rows
     noise = torch.randn((n, *latents.shape[1:]), generator=gen)
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
-    dev = runtime.device
+    dev = parts.runtime.device
     # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
     x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
         noised(latents, noise, t), t, context, pooled, latents, noise))
     mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
-    with runtime.autocast():
-        pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
+    with parts.runtime.autocast():
+        pred = parts.adapter.predict(parts.model, x_t, t, context, pooled, cfg.guidance)
         loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
             if mask is None else masked_flow_loss(pred, latents, noise, mask.to(dev), kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)

@@ -35,7 +35,7 @@ def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
     assert text == out.read_text()
     assert "Command: `tightrope bench headline-plan`" in text and f"{HEADLINE_BUDGET / 1e9:g} GB budget" in text
     for what in ("offload 0.9", "offload 1.0", "of which offload slots", "AdamW state", "largest block transient",
-                 "| PEAK |"):
+                 "| PEAK |", "## Largest batch that fits, 1024 px\n", "| 24 GB | "):
         assert what in text
     assert Strategy.from_json(text.split("`off1.00/d0 ckpt-all actoff`): `")[1].split("`")[0]) == \
         least_peak(headline_profile()[0])[0]

@@ -1,23 +1,16 @@
-"""Where ComfyUI is: COMFYUI_DIR (its source dir) and its python, COMFYUI_PYTHON (default
-$COMFYUI_DIR/../venv/bin/python). Tests that need it are skipped when COMFYUI_DIR is unset."""
+"""Where ComfyUI is, for the integration tests: COMFYUI_DIR (its source dir) and its python, COMFYUI_PYTHON (default
+$COMFYUI_DIR/../venv/bin/python), both read by tests/helpers/comfy_runner.py; tests that need it are skipped when
+COMFYUI_DIR is unset. Also the environment of a `python -m tightrope` subprocess in ComfyUI's python."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+from comfy_runner import COMFYUI_DIR, SKIP_REASON, comfy_python  # noqa: F401 (the integration tests import them here)
 
 REPO = Path(__file__).resolve().parents[2]
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
-SKIP_REASON = "COMFYUI_DIR not set (path to a ComfyUI source dir)"
 needs_comfyui = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
-
-
-def comfy_python() -> str:
-    py = os.environ.get("COMFYUI_PYTHON") or os.path.join(COMFYUI_DIR, "..", "venv", "bin", "python")
-    if not os.path.exists(py):
-        pytest.fail(f"ComfyUI's python not found at {py}; set COMFYUI_PYTHON")
-    return py
 
 
 def tightrope_env(tmp_path: Path) -> dict:

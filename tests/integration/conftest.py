@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # comfy_env, comfy_server, tiny_models, api_graph
+sys.path.insert(0, os.path.dirname(__file__))  # comfy_env, comfy_websocket, tiny_models, api_graph
 from comfy_env import COMFYUI_DIR, REPO, SKIP_REASON, comfy_python  # noqa: E402
-from comfy_server import ComfyServer  # noqa: E402
 from tiny_models import CHECKPOINTS, write_taef1  # noqa: E402
+
+from tightrope.bench.comfy_server import Server  # noqa: E402
 
 if not COMFYUI_DIR:
     print("skipping the ComfyUI integration tests: set COMFYUI_DIR to a ComfyUI source dir to run them")
@@ -42,9 +43,9 @@ def comfy_server(tmp_path_factory):
     for sub in ("output", "input", "models/diffusion_models", "models/loras", "models/vae_approx"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     write_taef1(base / "models" / "vae_approx")
-    server = ComfyServer(py, os.path.abspath(COMFYUI_DIR), base)
-    server.start()
+    server = Server(os.path.abspath(COMFYUI_DIR), base, python=py)
     try:
+        server.wait_ready(timeout=180)
         yield server
     finally:
         server.stop()

@@ -10,14 +10,12 @@ DoRA: ComfyUI 0.33 divides by the base weight's row norms; the default file (dor
 training/lora/dora_scale.py) folds |W_i| / |W_i + update_i| into dora_scale, so it too is compared with the trained
 output directly. The 'standard' file (peft's magnitude) is loaded too, to show that factor is not rounding.
 """
-import json
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
-from comfy_env import COMFYUI_DIR, SKIP_REASON, comfy_python, tightrope_env
+from comfy_env import COMFYUI_DIR, SKIP_REASON, tightrope_env
+from comfy_runner import run_in_comfyui
 from safetensors.torch import save_file
 from tiny_models import CHECKPOINTS
 
@@ -25,27 +23,14 @@ if not COMFYUI_DIR:
     print("skipping the DoRA/LoHa/LoKr ComfyUI check: set COMFYUI_DIR to a ComfyUI source dir to run it")
 pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
 
-RUNNER = textwrap.dedent("""
-    import copy, json, logging, sys
-    comfy_dir, family, ckpt, inputs_path, folder = sys.argv[1:6]
-    algorithms = sys.argv[6].split(",")
-    sys.path.insert(0, comfy_dir)
-    import torch
-    from comfy.cli_args import args
-    args.cpu = True
-    import comfy.model_management as mm
-    import comfy.sd, comfy.utils
-    from safetensors.torch import load_file
+# Runs inside ComfyUI's venv, after comfy_runner.PREAMBLE
+RUNNER = """
+    import copy
     from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters, lora_state
     from tightrope.training.models import adapter_for
     from tightrope.training.lora.files import save_lora
-
-    class Collect(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-        def emit(self, record):
-            self.messages.append(record.getMessage())
+    family, ckpt, inputs_path, folder, algorithms = ARGS
+    algorithms = algorithms.split(",")
 
     inp = load_file(inputs_path)
     extra = {"guidance": inp["guidance"]} if "guidance" in inp else {}
@@ -96,8 +81,8 @@ RUNNER = textwrap.dedent("""
             "diff": (comfy_out - expected).abs().max().item(), "node_diff": (node_out - comfy_out).abs().max().item(),
             "standard_diff": standard_diff,
             "effect": (comfy_out - base_out).abs().max().item(), "scale": trained_out.abs().max().item()}
-    print("RESULT " + json.dumps(results))
-""")
+    result(results)
+"""
 
 
 def flux_inputs(g):
@@ -116,13 +101,9 @@ def test_comfyui_applies_each_adapter_as_trained(tmp_path, family, make_inputs):
     name, write, _ = CHECKPOINTS[family]
     ckpt = write(tmp_path / name)
     save_file(make_inputs(torch.Generator().manual_seed(11)), tmp_path / "inputs.safetensors")
-    (tmp_path / "runner.py").write_text(RUNNER)
-    proc = subprocess.run([comfy_python(), str(tmp_path / "runner.py"), str(COMFYUI_DIR), family, str(ckpt),
-                           str(tmp_path / "inputs.safetensors"), str(tmp_path / "loras"), "dora,loha,lokr"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=tightrope_env(tmp_path))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"ComfyUI runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    for algorithm, r in json.loads(lines[-1][len("RESULT "):]).items():
+    results, _ = run_in_comfyui(tmp_path, RUNNER, family, ckpt, tmp_path / "inputs.safetensors", tmp_path / "loras",
+                                "dora,loha,lokr", env=tightrope_env(tmp_path))
+    for algorithm, r in results.items():
         log = "\n".join(r["warnings"])
         print(f"\n{family} {algorithm}: {len(r['layers'])} layers, {r['keys']} keys; max |ComfyUI - expected| = "
               f"{r['diff']:.2e}, effect {r['effect']:.3f}" + (f"; the standard DoRA file misses by {r['standard_diff']:.2e}"

@@ -3,22 +3,16 @@ apply_model in velocity form, training leaves the user's MODEL as it was, fp8 ba
 a MODEL that already has a LoRA trains on ComfyUI's patched weights, and eps-prediction models are refused."""
 import json
 import math
-import os
-import subprocess
-import textwrap
 
-from comfy_env import COMFYUI_DIR, REPO, needs_comfyui
+import pytest
+from comfy_env import needs_comfyui, tightrope_env
+from comfy_runner import run_in_comfyui
 
 pytestmark = needs_comfyui
 
-RUNNER = textwrap.dedent("""
-    import json, sys
-    comfy_dir, packages, ckpt, loras = sys.argv[1:5]
-    sys.path[:0] = [comfy_dir, packages]
-    import torch
-    from comfy.cli_args import args
-    args.cpu = True
-    import comfy.model_management as mm, comfy.model_sampling, comfy.sd
+# Runs inside ComfyUI's venv, after comfy_runner.PREAMBLE, with this checkout importable as tightrope
+RUNNER = """
+    import comfy.model_sampling
     from pathlib import Path
     from tightrope.training.models.comfy import ComfyModelAdapter, _check_flow
     from tightrope.training.data.builder import dataset_from_conditioning
@@ -26,6 +20,7 @@ RUNNER = textwrap.dedent("""
     from tightrope.training.lora.layers import LoraSpec
     from tightrope.training.train_config import ConfigError, TrainConfig
     from tightrope.training.training_run import run_training_node
+    ckpt, loras = ARGS
     out = {}
 
     def train(patcher, steps, prefix):
@@ -80,22 +75,15 @@ RUNNER = textwrap.dedent("""
             out["eps"] = "accepted"
         except ConfigError as e:
             out["eps"] = str(e)
-    print("RESULT " + json.dumps(out))
-""")
+    result(out)
+"""
 
 
-def test_adapter_in_comfyui(tmp_path, comfyui_python):
+@pytest.mark.usefixtures("comfyui_python")  # Tightrope's requirements installed in ComfyUI's python
+def test_adapter_in_comfyui(tmp_path):
     from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
-    (tmp_path / "packages").mkdir()
-    (tmp_path / "packages" / "tightrope").symlink_to(REPO, target_is_directory=True)
-    (tmp_path / "runner.py").write_text(RUNNER)
-    proc = subprocess.run([comfyui_python, str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR),
-                           str(tmp_path / "packages"), ckpt, str(tmp_path / "loras")],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"runner failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    r = json.loads(lines[-1][len("RESULT "):])
+    r, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "loras", env=tightrope_env(tmp_path))
     print(f"\n{json.dumps(r, indent=1)}")
     assert r["base_unchanged"] and r["input_patches"] == 0 and r["output_patches"] > 0
     assert r["in_training_inside"] is True and r["in_training_after"] is False

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 from api_graph import Graph, saved_latent
-from comfy_server import WebSocket
+from comfy_websocket import WebSocket
 
 from tightrope.training.lora.files import read_lora_file
 

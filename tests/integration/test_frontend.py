@@ -1,5 +1,5 @@
 """The shipped workflows in ComfyUI's real frontend: headless Chromium, driven over the DevTools protocol (stdlib
-websocket client from comfy_server), opens the fixture server's page, loads each workflows/*.json with
+websocket client from comfy_websocket), opens the fixture server's page, loads each workflows/*.json with
 app.loadGraphData and checks that every node type is known (no missing-nodes dialog) and that each Tightrope node's
 widgets hold the saved widgets_values (not reset or shifted; combos hold one of their options), and that no node
 overlaps another as the frontend sizes them; demo_features.json is also queued from the frontend and run. A PNG of
@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 from comfy_env import REPO
-from comfy_server import WebSocketConnection, free_port
+from comfy_websocket import WebSocketConnection
+
+from tightrope.bench.comfy_server import free_port
 
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 VIEWPORT = (1920, 1080)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 from api_graph import Graph
-from comfy_server import PromptFailed
+from tightrope.bench.comfy_server import PromptFailed
 
 
 def test_a_bad_chain_is_refused_at_queue_time(comfy_server):

@@ -5,13 +5,9 @@ merge_lora_into.
 Needs a ComfyUI checkout: COMFYUI_DIR=/path/to/ComfyUI (its source dir). ComfyUI runs in its own venv, in a
 subprocess: COMFYUI_PYTHON (default $COMFYUI_DIR/../venv/bin/python). Skipped when COMFYUI_DIR is unset (CI).
 """
-import json
-import os
-import subprocess
-import textwrap
-
 import pytest
 import torch
+from comfy_runner import COMFYUI_DIR, SKIP_REASON, run_in_comfyui
 from safetensors.torch import load_file, save_file
 
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
@@ -20,30 +16,14 @@ from tightrope.training.lora.files import read_lora_file, save_lora
 from tightrope.training.models.reference_flux import FluxParams
 from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
 
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:
     print("skipping ComfyUI LoRA check: set COMFYUI_DIR to a ComfyUI source dir to run it")
-pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="COMFYUI_DIR not set (path to a ComfyUI source dir)")
+pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
 
-# Runs inside ComfyUI's venv: the UNETLoader + LoraLoader path (load_diffusion_model, load_torch_file,
-# load_lora_for_models), then the patched diffusion model called directly on latent-space inputs.
-RUNNER = textwrap.dedent("""
-    import json, logging, sys
-    comfy_dir, ckpt, lora_path, inputs_path, out_path = sys.argv[1:6]
-    sys.path.insert(0, comfy_dir)
-    import torch
-    from comfy.cli_args import args
-    args.cpu = True
-    import comfy.model_management as mm
-    import comfy.sd, comfy.utils
-    from safetensors.torch import load_file, save_file
-
-    class Collect(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.messages = []
-        def emit(self, record):
-            self.messages.append(record.getMessage())
+# Runs inside ComfyUI's venv (after comfy_runner.PREAMBLE): the UNETLoader + LoraLoader path (load_diffusion_model,
+# load_torch_file, load_lora_for_models), then the patched diffusion model called directly on latent-space inputs.
+RUNNER = """
+    ckpt, lora_path, inputs_path, out_path = ARGS
     collect = Collect()
     logging.getLogger().addHandler(collect)
 
@@ -56,17 +36,9 @@ RUNNER = textwrap.dedent("""
     with torch.no_grad():
         out = dm(inp["x"], inp["timesteps"], inp["context"], y=inp["y"], guidance=inp.get("guidance"))
     save_file({"out": out.contiguous()}, out_path)
-    print("RESULT " + json.dumps({
-        "patched_keys": sorted(patched.patches), "warnings": collect.messages,
-        "dtype": str(next(dm.parameters()).dtype)}))
-""")
-
-
-def comfy_python():
-    py = os.environ.get("COMFYUI_PYTHON") or os.path.join(COMFYUI_DIR, "..", "venv", "bin", "python")
-    if not os.path.exists(py):
-        pytest.fail(f"ComfyUI's python not found at {py}; set COMFYUI_PYTHON")
-    return py
+    result({"patched_keys": sorted(patched.patches), "warnings": collect.messages,
+            "dtype": str(next(dm.parameters()).dtype)})
+"""
 
 
 @pytest.mark.parametrize("spec,dtype", [
@@ -92,15 +64,9 @@ def test_comfyui_applies_our_lora(tmp_path, spec, dtype):
            "context": torch.randn(2, 6, params.context_in_dim, generator=g),
            "y": torch.randn(2, params.vec_in_dim, generator=g), "guidance": torch.tensor([3.5, 1.0])}
     save_file(inp, tmp_path / "inputs.safetensors")
-    (tmp_path / "runner.py").write_text(RUNNER)
-    proc = subprocess.run(
-        [comfy_python(), str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR), ckpt, str(lora_path),
-         str(tmp_path / "inputs.safetensors"), str(tmp_path / "comfy_out.safetensors")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and result_lines, f"ComfyUI runner failed:\n{proc.stdout}\n{proc.stderr}"
-    info = json.loads(result_lines[-1][len("RESULT "):])
-    log = "\n".join(info["warnings"]) + proc.stderr
+    info, stderr = run_in_comfyui(tmp_path, RUNNER, ckpt, lora_path, tmp_path / "inputs.safetensors",
+                                  tmp_path / "comfy_out.safetensors")
+    log = "\n".join(info["warnings"]) + stderr
     assert "lora key not loaded" not in log and "NOT LOADED" not in log, log
     assert info["patched_keys"] == sorted(f"diffusion_model.{n}.weight" for n in targeted)
     assert info["dtype"] == "torch.float32"

@@ -4,36 +4,24 @@ Needs a ComfyUI checkout: COMFYUI_DIR=/path/to/ComfyUI (its source dir). ComfyUI
 subprocess: COMFYUI_PYTHON (default $COMFYUI_DIR/../venv/bin/python). Skipped when COMFYUI_DIR is unset (CI).
 """
 import dataclasses
-import json
-import os
-import subprocess
-import textwrap
 
 import pytest
 import torch
+from comfy_runner import COMFYUI_DIR, SKIP_REASON, run_in_comfyui
 from safetensors.torch import load_file, save_file
 
 from tightrope.training.models.reference_flux import FluxParams
 from tightrope.demo.tiny_checkpoint import load_reference_flux, make_tiny_checkpoint
 
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 if not COMFYUI_DIR:
     print("skipping ComfyUI comparison: set COMFYUI_DIR to a ComfyUI source dir to run it")
-pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason="COMFYUI_DIR not set (path to a ComfyUI source dir)")
+pytestmark = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
 
-# Runs inside ComfyUI's venv. Loads the file exactly as the UNETLoader node does and calls the diffusion model
-# (comfy.ldm.flux.model.Flux) directly on latent-space inputs, bypassing sampling/sigma conversions.
-RUNNER = textwrap.dedent("""
-    import json, sys
-    comfy_dir, ckpt, inputs_path, out_path = sys.argv[1:5]
-    sys.path.insert(0, comfy_dir)
-    import torch
-    from comfy.cli_args import args
-    args.cpu = True
-    import comfy.model_management as mm
-    import comfy.sd
-    from safetensors.torch import load_file, save_file
-
+# Runs inside ComfyUI's venv (after comfy_runner.PREAMBLE). Loads the file exactly as the UNETLoader node does and
+# calls the diffusion model (comfy.ldm.flux.model.Flux) directly on latent-space inputs, bypassing sampling/sigma
+# conversions.
+RUNNER = """
+    ckpt, inputs_path, out_path = ARGS
     patcher = comfy.sd.load_diffusion_model(ckpt, model_options={"dtype": torch.float32})
     mm.load_models_gpu([patcher])
     base = patcher.model
@@ -49,20 +37,13 @@ RUNNER = textwrap.dedent("""
     with torch.no_grad():
         out = dm(inp["x"], inp["timesteps"], inp["context"], y=inp["y"], guidance=inp.get("guidance"))
     save_file({"out": out.contiguous()}, out_path)
-    print("RESULT " + json.dumps({
+    result({
         "model_config": type(base.model_config).__name__, "model_base": type(base).__name__,
         "diffusion_model": type(dm).__module__ + "." + type(dm).__name__,
         "image_model": base.model_config.unet_config.get("image_model"),
         "dtype": str(next(dm.parameters()).dtype), "device": str(mm.get_torch_device()),
-        "missing": missing, "unexpected": unexpected, "differ": differ}))
-""")
-
-
-def comfy_python():
-    py = os.environ.get("COMFYUI_PYTHON") or os.path.join(COMFYUI_DIR, "..", "venv", "bin", "python")
-    if not os.path.exists(py):
-        pytest.fail(f"ComfyUI's python not found at {py}; set COMFYUI_PYTHON")
-    return py
+        "missing": missing, "unexpected": unexpected, "differ": differ})
+"""
 
 
 @pytest.mark.parametrize("variant,expected_config", [
@@ -83,15 +64,8 @@ def test_matches_comfyui(tmp_path, variant, expected_config):
     if params.guidance_embed:
         inp["guidance"] = torch.tensor([3.5, 1.0])
     save_file(inp, tmp_path / "inputs.safetensors")
-    (tmp_path / "runner.py").write_text(RUNNER)
-
-    proc = subprocess.run(
-        [comfy_python(), str(tmp_path / "runner.py"), os.path.abspath(COMFYUI_DIR), ckpt,
-         str(tmp_path / "inputs.safetensors"), str(tmp_path / "comfy_out.safetensors")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    result_lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and result_lines, f"ComfyUI runner failed:\n{proc.stdout}\n{proc.stderr}"
-    info = json.loads(result_lines[-1][len("RESULT "):])
+    info, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "inputs.safetensors",
+                             tmp_path / "comfy_out.safetensors")
     print(f"\nComfyUI detected: model_config={info['model_config']} model_base={info['model_base']} "
           f"diffusion_model={info['diffusion_model']} image_model={info['image_model']} "
           f"dtype={info['dtype']} device={info['device']}")
