@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue an interrupted run from its last saved state in the output dir")
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun: shard the frozen base weights of each transformer block over the "
-                          "processes (FSDP2), for models too big for one GPU (docs/distributed.md)")
+                          "processes (FSDP2: the memory strategy's shard='fsdp'), for models too big for one GPU "
+                          "(docs/distributed.md)")
     run.add_argument("--debug", action="store_true",
                      help="print the Python traceback of every error, not only of bugs")
     run.add_argument("--comfyui", metavar="DIR", help="run ComfyUI's own nodes too (loaders, samplers, SaveImage), "

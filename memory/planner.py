@@ -18,7 +18,7 @@ from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
 from .plan_cost import Prediction, predict
 from .profile import Profile
-from .strategy import Keep, Strategy, StrategyError
+from .strategy import Keep, ShardingConfig, Strategy, StrategyError
 
 OFFLOAD_GRID = tuple(round(0.05 * k, 2) for k in range(21))
 AUTO_MARGIN_BYTES = 512 << 20  # left free by budget="auto": other processes, the display, allocator growth
@@ -62,7 +62,7 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
                          compile_time_budget_s: float | None = None) -> list[tuple[Strategy, list[int]]]:
     """Distinct candidates with their offloaded blocks (offload fractions that pick the same blocks count once)."""
     offload_sets: dict[tuple[int, ...], float] = {}
-    for f in OFFLOAD_GRID:
+    for f in (0.0,) if base.sharding.active else OFFLOAD_GRID:  # sharded blocks are not also offloaded
         chosen = tuple(select_offloaded(profile.block_frozen, base.replace(offload_fraction=f,
                                                                            offload_blocks=None).offload))
         offload_sets.setdefault(chosen, f)
@@ -101,15 +101,19 @@ def compile_measured(profile: Profile) -> bool:
 def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0, allow_compile: bool = True,
          compile_time_budget_s: float | None = None, base: Strategy | None = None, margin_fraction: float = 0.05,
          margin_bytes: int | None = None, device: torch.device | str | None = None,
-         host: HostNeeds | None = None) -> Plan:
+         host: HostNeeds | None = None, sharding: ShardingConfig | None = None) -> Plan:
     """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin), and, given
-    `host`, its host-RAM budget too."""
+    `host`, its host-RAM budget too. `sharding` (the launch's, e.g. --fsdp) is taken as given: a sharded run
+    considers no layer offload, and its weights are predicted whole (per-rank bytes are not modelled yet: an
+    overestimate for a model of many blocks, whose rank holds about 1/N of them plus two whole blocks)."""
     if budget_bytes == "auto":
         budget_bytes = auto_budget(device or profile.device)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
         raise StrategyError(f"budget_bytes={budget_bytes!r} is not a memory budget: give a positive number of "
                             "bytes (e.g. 12 * 2**30) or 'auto'")
     base = base or _base_from(profile)
+    if sharding is not None:
+        base = base.replace(sharding=sharding)
     candidates = candidate_strategies(profile, base, allow_compile=allow_compile,
                                       compile_time_budget_s=compile_time_budget_s)
     scored = [(predict(profile, s, batch_scale=batch_scale, margin_fraction=margin_fraction,
@@ -158,6 +162,8 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
                     if depth else "each loaded when needed (blocks of half a slot or less stream ahead)"))
     else:
         first = f"All {n} blocks stay on the device ({format_bytes(b['weights'])} of weights)"
+        if s.sharding.active:
+            first += ", their frozen weights sharded over the ranks (predicted whole: an overestimate)"
     acts = {"off": "no checkpointing keeps every activation",
             "all": "checkpointing every block keeps only the block inputs",
             "every_n": f"checkpointing one block in {s.checkpointing.every} keeps only those blocks' inputs"}

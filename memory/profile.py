@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_base import ConfigBase
 from .memory_model import WeightSizes
 
 
@@ -25,7 +26,11 @@ class CompileFactors:
 
 
 @dataclass
-class Profile:
+class Profile(ConfigBase):
+    FIELD_PREFIX = "Profile."
+    FIELD_NOUN = "profile field"
+    UNKNOWN_HINT = "; is this a profile from another version? re-run the probe to make a new one"
+
     device: str                          # device type the times were measured on: "cuda" or "cpu"
     batch: int                           # batch size the probe ran at (activations and times scale with it)
     block_names: list[str]
@@ -57,10 +62,10 @@ class Profile:
         for name in ("block_types", "block_frozen", "block_packed", "block_trainable", "act_full", "act_ckpt",
                      "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
-                raise ValueError(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} blocks: "
-                                 "give one entry per block")
+                raise self.ERROR(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} "
+                                 "blocks: give one entry per block")
         if self.batch < 1:
-            raise ValueError(f"Profile.batch={self.batch} must be at least 1")
+            self.fail("batch", self.batch, "must be at least 1")
 
     @property
     def n_blocks(self) -> int:
@@ -93,18 +98,10 @@ class Profile:
             fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,
             measured={})
 
-    # -- JSON ----------------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
+    # -- JSON (config_base.py) -----------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Profile":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown profile field(s) {unknown}: is this a profile from another version? "
-                             "re-run the probe to make a new one")
-        data = dict(data)
+    def from_dict(cls, data: dict[str, Any], *, where: str | None = None) -> "Profile":
+        data = cls.checked_fields(data, where=where)
         if data.get("compile"):
             data["compile"] = {t: {b: CompileFactors(**f) for b, f in per.items()}
                                for t, per in data["compile"].items()}

@@ -1,6 +1,9 @@
 """The orchestrator: applies a Strategy to a model in one fixed order, and undoes it in reverse.
 
 Apply order:
+  0. sharding (Strategy.sharding, given a device mesh): the blocks' frozen weights are sharded over the
+     data-parallel ranks on a structural copy of the model (sharding.py); every later step works on that copy,
+     `self.model` while applied.
   1. blocks: discover the block lists; choose the offloaded blocks.
   2. placement: everything except offloaded blocks' frozen weights moves to the device (frozen weights in the
      weight dtype); trainable parameters (LoRA) are always resident, so their optimizer state is too.
@@ -8,7 +11,8 @@ Apply order:
   4. block forwards, from the inside out: per-block compile, then "load this block (and prefetch)" plus input
      clones, then eager checkpointing, then saved-tensor hooks (weight references, activation offload). The result
      is set as the block's instance-level `forward`, so module names and state-dict keys never change.
-undo() reverses 4, 3, 2. Use `with MemoryRuntime(...) as rt:`; the undo runs in `finally`.
+undo() reverses 4, 3, 2, then 0 (the sharded copy is dropped: the given model never changed). Use
+`with MemoryRuntime(...) as rt:`; the undo runs in `finally`.
 
 The device is normalised once, here ("cuda" -> "cuda:<current>", "cpu:0" -> "cpu"), so every comparison with the
 devices tensors report holds. Parameters (resident, LoRA, or slot views) never go through activation offload.
@@ -31,14 +35,17 @@ from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
 from .offload_selection import select_offloaded
+from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
 
 
 class MemoryRuntime:
-    def __init__(self, model: nn.Module, strategy: Strategy, device: torch.device | str, *,
+    def __init__(self, model: nn.Module, strategy: Strategy, device: torch.device | str, *, mesh=None,
                  poison_slots: bool = False, activation_min_bytes: int = 1 << 16):
-        self.model = model
+        """mesh: the data-parallel ranks' DeviceMesh, needed by Strategy.sharding (ignored when it is off)."""
+        self.model = model  # the module to train: while applied with sharding, its sharded copy
+        self._given = model
         self.strategy = strategy
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise StrategyError(f"device '{device}' was asked for but CUDA is not available: use device 'cpu' "
@@ -47,12 +54,15 @@ class MemoryRuntime:
         self.poison_slots = poison_slots
         self.activation_min_bytes = activation_min_bytes
         self.blocks: list[Block] = discover_blocks(model, strategy.block_lists)
+        self._given_blocks = self.blocks
         weight_dtype = strategy.precision.weight_dtype
         wdtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
         self.weight_dtype = wdtype
         self.sizes: WeightSizes = measure_weight_sizes(model, [b.module for b in self.blocks],
                                                        wdtype.itemsize if wdtype else None)
         self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy.offload)
+        self.sharding = BlockSharding(strategy.sharding, mesh, self.device, weight_dtype=wdtype,
+                                      block_lists=strategy.block_lists) if strategy.sharding.active else None
         self.offload: LayerOffload | None = None
         self.acts: ActivationOffload | None = None
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
@@ -74,6 +84,9 @@ class MemoryRuntime:
         if self.applied:
             raise RuntimeError("this MemoryRuntime is already applied; undo() it first")
         try:
+            if self.sharding is not None:
+                self.model = self.sharding.apply(self._given)
+                self.blocks = discover_blocks(self.model, self.strategy.block_lists)
             self._place()
             if self.offloaded:
                 self.offload = LayerOffload([b.module for b in self.blocks], self.offloaded, self.device,
@@ -112,6 +125,10 @@ class MemoryRuntime:
         for t, kept, dev, dtype in reversed(self._placed):
             t.data = kept if kept is not None else t.data.to(dev, dtype)
         self._placed.clear()
+        if self.sharding is not None and self.sharding.copy is not None:
+            self.sharding.undo()
+            self.model = self._given
+            self.blocks = self._given_blocks
         self.applied = False
         release_freed_host_memory()  # a long-lived process goes back to its size before the run (host_memory.py)
 

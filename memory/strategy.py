@@ -2,7 +2,7 @@
 
 A `Strategy` composes one small config per memory policy (as torchtitan composes its activation-checkpoint
 policies): `LayerOffloadConfig`, `CheckpointConfig`, `ActivationOffloadConfig`, `CompileConfig`, `PrecisionConfig`,
-plus the model's block lists. Each config validates its own fields; the checks between policies live in one place,
+`ShardingConfig`, plus the model's block lists (each config's JSON and checks: `config_base.py`). Each config validates its own fields; the checks between policies live in one place,
 `Strategy.__post_init__`; and one method, `Strategy.keeps(i)`, answers what block i keeps for backward, for the
 runtime, the cost model, the planner and the FLOP counter alike.
 
@@ -16,9 +16,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from .config_base import ConfigBase
 
 DTYPES = ("bf16", "fp16", "fp32")
 WEIGHT_DTYPES = ("auto",) + DTYPES
@@ -28,6 +29,7 @@ COMPILE_MODES = ("off", "per_block")
 # reduce-overhead means CUDA graphs, which bake weight addresses in: incompatible with swapping weights per block.
 COMPILE_OPTIONS = ("default", "max-autotune-no-cudagraphs")
 COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager", "eager")
+SHARDING_MODES = ("off", "fsdp")
 
 
 class StrategyError(ValueError):
@@ -42,45 +44,17 @@ class Keep(enum.Enum):
                          # the cheap ops, not the matmuls)
 
 
-def _check_range(name: str, value: Any, lo: float, hi: float, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not lo <= value <= hi:
-        raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a number from {lo} to {hi} ({hint})")
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise StrategyError(f"Strategy.{name}={value!r} is out of range: use a whole number from {lo} to {hi} "
-                            f"({hint})")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise StrategyError(f"Strategy.{name}={value!r} is not supported: choose one of {', '.join(choices)}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise StrategyError(f"Strategy.{name}={value!r} must be true or false")
-
-
-class _Part:
-    """A policy's config: `FLAT` maps each field to its flat name (the node widget, the 0.1 JSON key)."""
+class _Part(ConfigBase):
+    """A policy's config: `FLAT` maps each field to its flat name (the node widget, the 0.1 JSON key); errors are
+    StrategyErrors naming the flat field (`Strategy.offload_fraction=...`)."""
+    ERROR = StrategyError
+    FIELD_PREFIX = "Strategy."
     FLAT: ClassVar[dict[str, str]]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
 
-    @classmethod
-    def from_dict(cls, part: str, data: Any) -> "_Part":
-        if not isinstance(data, dict):
-            raise StrategyError(f"Strategy part '{part}' must be an object of fields, got {data!r}")
-        unknown = sorted(set(data) - set(cls.FLAT))
-        if unknown:
-            raise StrategyError(f"unknown field(s) {unknown} in strategy part '{part}': known fields are "
-                                f"{sorted(cls.FLAT)}")
-        return cls(**data)
+# the shared checks (config_base.py), raising StrategyError
+_check_range, _check_int, _check_choice, _check_bool = \
+    _Part.check_range, _Part.check_int, _Part.check_choice, _Part.check_bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,9 +178,29 @@ class PrecisionConfig(_Part):
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardingConfig(_Part):
+    """Sharding of the blocks' frozen weights over the data-parallel ranks (`sharding.BlockSharding`): the first step
+    the runtime applies and the last it undoes. It needs the ranks' device mesh, passed to the runtime (`tightrope run
+    --fsdp` under torchrun sets this part); the planner takes it as given (planner.plan)."""
+    FLAT = {"mode": "shard"}
+
+    mode: str = "off"
+    """'off', or 'fsdp': FSDP2 (`fully_shard`) keeps 1/N of each transformer block's frozen weights on each of the N
+    ranks and all-gathers a block just before it runs (forward, and again in backward); the LoRA and the weights
+    outside the blocks stay whole on every rank."""
+
+    def __post_init__(self) -> None:
+        _check_choice("shard", self.mode, SHARDING_MODES)
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "off"
+
+
 _PARTS: dict[str, type[_Part]] = {"offload": LayerOffloadConfig, "checkpointing": CheckpointConfig,
                                   "activations": ActivationOffloadConfig, "compiler": CompileConfig,
-                                  "precision": PrecisionConfig}
+                                  "precision": PrecisionConfig, "sharding": ShardingConfig}
 # flat name (node widget, 0.1 JSON key) -> (part, field)
 FLAT_FIELDS: dict[str, tuple[str, str]] = {flat: (part, name) for part, cls in _PARTS.items()
                                            for name, flat in cls.FLAT.items()}
@@ -224,6 +218,8 @@ class Strategy:
     """Per-block compile and its activation memory budget."""
     precision: PrecisionConfig = PrecisionConfig()
     """Compute and weight dtypes."""
+    sharding: ShardingConfig = ShardingConfig()
+    """Whether the blocks' frozen weights are sharded over the data-parallel ranks (a strategy without it: off)."""
     block_lists: tuple[str, ...] | None = None
     """Dotted names of the model's sequential block lists, in execution order, when discovery does not find them."""
 
@@ -246,6 +242,14 @@ class Strategy:
                                 f"(no autocast: {p.weight_dtype} weights meet fp32 activations): set compute_dtype="
                                 f"{p.weight_dtype!r} (fp32 compute gains nothing on {p.weight_dtype} weights), or "
                                 "weight_dtype='auto' or 'fp32' to train in fp32")
+        if self.sharding.active and self.offload.active:
+            o = self.offload
+            raise StrategyError(
+                f"Strategy.shard={self.sharding.mode!r} (--fsdp) does not work with layer offload (offload_fraction="
+                f"{o.fraction}, offload_blocks={list(o.blocks) if o.blocks else None}): both decide where the blocks' "
+                "frozen weights live (FSDP keeps 1/N of each block per GPU and all-gathers it block by block); set "
+                "offload_fraction=0 and no offload_blocks in the Memory Strategy node, or shard='off' (run without "
+                "--fsdp) to offload instead")
         if self.compiler.partitions and self.checkpointing.mode != "off":
             raise StrategyError(
                 f"Strategy.checkpoint={self.checkpointing.mode!r} does not combine with compile='per_block' at "
@@ -305,7 +309,8 @@ class Strategy:
         if unknown:
             raise StrategyError(f"unknown strategy part(s) {unknown}: known parts are "
                                 f"{sorted(_PARTS) + ['block_lists']} (or the flat fields of version 0.1)")
-        parts = {part: _PARTS[part].from_dict(part, data[part]) for part in _PARTS if part in data}
+        parts = {part: _PARTS[part].from_dict(data[part], where=f"strategy part '{part}'")
+                 for part in _PARTS if part in data}
         block_lists = data.get("block_lists")
         return cls(**parts, block_lists=tuple(block_lists) if isinstance(block_lists, list) else block_lists)
 

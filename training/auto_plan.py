@@ -14,6 +14,7 @@ from ..memory.host_memory import host_needs
 from ..memory.planner import plan
 from ..memory.probe import probe_model
 from ..memory.strategy import Strategy
+from . import distributed
 from .flow_loss import flow_matching_loss, noised
 from .lora.layers import inject_lora, remove_lora
 from .models import adapter_for
@@ -64,5 +65,5 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         gc.collect()
         torch.cuda.empty_cache()  # the probe's cached blocks go back, so the free memory read next is real
     budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
-    chosen = plan(profile, budget, device=device, host=host)
+    chosen = plan(profile, budget, device=device, host=host, sharding=distributed.launch_sharding())  # --fsdp
     return chosen.strategy, chosen.explanation

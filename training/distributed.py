@@ -20,14 +20,13 @@ checkpoint recomputation and per-block compile), and needs `no_sync()` for gradi
 gradients are a few MB to a few hundred MB, so overlapping their reduction with the backward saves little; one
 flat all-reduce per step is simple and independent of how the forward was run.
 
-Optional FSDP2 (`--fsdp`): the frozen weights of each transformer block are sharded over the ranks
-(`fully_shard`) and all-gathered block by block in forward and backward. The LoRA stays replicated (it is
-`ignored_params`) and is reduced as above. See docs/distributed.md for when to shard and when to offload.
+Optional FSDP2 (`--fsdp`): sets the Strategy's sharding part, and `prepare_ranks` gives the memory runtime the
+device mesh over the ranks; the runtime shards the blocks' frozen weights as its first step (memory/sharding.py).
+The LoRA stays replicated and is reduced as above. See docs/distributed.md for when to shard and when to offload.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import shutil
 import tempfile
@@ -39,7 +38,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from ..memory.dtypes import TORCH_DTYPES
+from ..memory.strategy import ShardingConfig, Strategy
 from .train_config import ConfigError
 
 T = TypeVar("T")
@@ -290,95 +289,29 @@ def check_resume(saved: Mapping, batch_size: int) -> None:
     check_batch_size(batch_size)
 
 
-# ------------------------------------------------------------------------------------------------------ FSDP2
-def check_fsdp_strategy(strategy) -> None:
-    """Refuse the memory-strategy features that do not compose with sharding the base weights: layer offload (both
-    own the block weights' placement). Checkpointing, activation offload, per-block compile and the weight/compute
-    dtypes do compose (tests/distributed)."""
-    offload = strategy.offload
-    if offload.active:
-        raise DistributedError(
-            f"--fsdp does not work with layer offload (offload_fraction={offload.fraction}, offload_blocks="
-            f"{list(offload.blocks) if offload.blocks else None}): both manage where the blocks' "
-            "weights live. FSDP keeps 1/world of each block per GPU and all-gathers it block by block; set "
-            "offload_fraction=0 in the Memory Strategy node (or run without --fsdp and offload instead)")
+# ------------------------------------------------------------------------------------------------------ sharding
+def launch_sharding() -> ShardingConfig:
+    """The Strategy's sharding part as the launch asks for it: 'fsdp' under `--fsdp`, else off."""
+    return ShardingConfig(mode="fsdp") if current().fsdp else ShardingConfig()
 
 
-@contextlib.contextmanager
-def sharded_base(module: nn.Module, strategy, device: torch.device) -> Iterator[nn.Module]:
-    """Under --fsdp: a structural copy of `module` whose transformer blocks' frozen weights are FSDP2-sharded over
-    the ranks; the LoRA parameters (and everything outside the blocks) are the original objects, shared with
-    `module`. `module` itself is never touched by FSDP, so it leaves exactly as it came. Otherwise `module`; with
-    several ranks on one machine its frozen host weights are first mapped from one shared copy per machine
-    (memory/shared_host.py), and stay so after the run."""
+def prepare_ranks(module: nn.Module, strategy: Strategy, device: torch.device) -> tuple[Strategy, object]:
+    """The strategy and device mesh this rank trains `module` with. Under --fsdp the strategy's sharding part is
+    set (a strategy that also offloads layers is refused, naming both), and a sharding strategy gets the mesh over
+    the ranks: the memory runtime shards a copy of the blocks as its first step (memory/sharding.py). Otherwise,
+    with several ranks on one machine, the module's frozen host weights are first mapped from one shared copy per
+    machine (memory/shared_host.py), and stay so after the run."""
     par = current()
-    if not par.fsdp:
-        if par.distributed:
-            from ..memory.shared_host import share_across_local_ranks
-            share_across_local_ranks(module, par.local_rank)
-        yield module
-        return
-    check_fsdp_strategy(strategy)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-    from ..memory.blocks import discover_blocks
-
-    params = list(module.parameters())
-    clone = copy.deepcopy(module, memo={id(p): p for p in params})  # shares every parameter, copies the rest
-    trainable = {id(p) for p in params if p.requires_grad}
-    weight_dtype = strategy.precision.weight_dtype
-    wdtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
-    mesh = init_device_mesh(device.type, (par.world_size,))
-    # on the CPU FSDP2 keeps its shards through the offload policy (pinning needs an accelerator)
-    policy = CPUOffloadPolicy(pin_memory=False) if device.type == "cpu" else OffloadPolicy()
-    fresh: dict[int, nn.Parameter] = {}
-    blocks = [block.module for block in discover_blocks(clone, strategy.block_lists)]
-    for block in blocks:
-        for sub in block.modules():
-            for name, p in list(sub._parameters.items()):
-                if p is None or p.requires_grad:
-                    continue
-                if id(p) not in fresh:  # FSDP moves and re-registers parameters: give it the clone's own
-                    dtype = wdtype if (wdtype is not None and p.is_floating_point()) else p.dtype
-                    fresh[id(p)] = nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
-                sub._parameters[name] = fresh[id(p)]
-        fully_shard(block, mesh=mesh, reshard_after_forward=True, offload_policy=policy,
-                    ignored_params={p for p in block.parameters() if id(p) in trainable})
-        block.register_forward_pre_hook(_own_inputs, with_kwargs=True)  # runs after FSDP's own pre-forward hook
-        fresh.clear()  # the full copies of this block are freed once FSDP holds its shard
-    _link_blocks(clone, blocks, mesh, policy)
-    try:
-        yield clone
-    finally:
-        del clone, fresh
-
-
-def _own_inputs(_block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The block's tensor inputs as fresh tensors. FSDP2's pre-forward hook passes them through one autograd function
-    that returns several views, and autograd forbids in-place ops on those; ComfyUI's blocks add into their inputs in
-    place (Flux's DoubleStreamBlock: `img += ...`). One copy of the block's activations per call, only under --fsdp."""
-    def own(value):
-        return value.clone() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-    return tuple(own(a) for a in args), {k: own(v) for k, v in kwargs.items()}
-
-
-def _link_blocks(root: nn.Module, blocks: list[nn.Module], mesh, policy) -> None:
-    """One FSDP root over the blocks, holding no parameters itself, so the blocks share one state (streams,
-    backward finalisation) and each block's all-gather can be issued while the previous block computes.
-
-    The adapters call the model through methods FSDP's hooks do not see (`forward_latent`, ComfyUI's apply_model),
-    so the root's forward never runs and FSDP would make every block a root of its own (no prefetching between
-    them). The root's lazy initialisation is therefore run here, through FSDP2's private `_lazy_init` (torch
-    2.5-2.13); if that ever goes away the blocks stay separate roots: correct, without the overlap."""
-    from torch.distributed.fsdp import fully_shard
-    owned = {id(p) for block in blocks for p in block.parameters()}
-    fully_shard(root, mesh=mesh, offload_policy=policy,
-                ignored_params={p for p in root.parameters() if id(p) not in owned})
-    try:
-        root._get_fsdp_state()._lazy_init()
-    except (AttributeError, RuntimeError):
-        return
-    for before, after in zip(blocks, blocks[1:]):
-        before.set_modules_to_forward_prefetch([after])
-        after.set_modules_to_backward_prefetch([before])
+    if par.fsdp:
+        strategy = strategy.replace(sharding=launch_sharding())
+    if strategy.sharding.active:
+        if not torch.distributed.is_initialized():
+            raise DistributedError(f"Strategy.shard={strategy.sharding.mode!r} shards the base model over the "
+                                   "processes torchrun starts: launch with `torchrun --nproc_per_node=N -m tightrope "
+                                   "run ... --fsdp`, or set shard='off'")
+        from torch.distributed.device_mesh import init_device_mesh
+        return strategy, init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if par.distributed:
+        from ..memory.shared_host import share_across_local_ranks
+        share_across_local_ranks(module, par.local_rank)
+    return strategy, None

@@ -1,11 +1,9 @@
 """Optimisation settings of a training run: one frozen, validated dataclass (errors name the input and the fix)."""
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any
 
+from ..memory.config_base import ConfigBase
 from .flow_loss import LOSSES
 from .timesteps import SAMPLINGS
 
@@ -19,7 +17,10 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(ConfigBase):
+    ERROR = ConfigError
+    FIELD_NOUN = "training setting"
+
     learning_rate: float = 1e-4
     """Peak learning rate of the LoRA weights."""
     optimizer: str = "adamw"
@@ -60,70 +61,30 @@ class TrainConfig:
     """Validation loss every N steps (and at the run's first and last step) when there is a validation set."""
 
     def __post_init__(self) -> None:
-        _positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _range("weight_decay", self.weight_decay, 0.0, 1.0)
-        _int("warmup_steps", self.warmup_steps, 0)
-        _choice("schedule", self.schedule, SCHEDULES)
-        _range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _int("batch_size", self.batch_size, 1)
-        _int("grad_accumulation", self.grad_accumulation, 1)
-        _range("max_grad_norm", self.max_grad_norm, 0.0, 1e6)
-        _int("seed", self.seed, 0)
-        _choice("timestep_sampling", self.timestep_sampling, SAMPLINGS)
-        _positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
-        _range("guidance", self.guidance, 0.0, 100.0)
-        _choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
-        _ema_decay(self.ema_decay)
+        self.check_positive("learning_rate", self.learning_rate, "e.g. 1e-4 for LoRA")
+        self.check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        self.check_range("weight_decay", self.weight_decay, 0.0, 1.0)
+        self.check_int("warmup_steps", self.warmup_steps, 0)
+        self.check_choice("schedule", self.schedule, SCHEDULES)
+        self.check_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        self.check_int("batch_size", self.batch_size, 1)
+        self.check_int("grad_accumulation", self.grad_accumulation, 1)
+        self.check_range("max_grad_norm", self.max_grad_norm, 0.0, 1e6)
+        self.check_int("seed", self.seed, 0)
+        self.check_choice("timestep_sampling", self.timestep_sampling, SAMPLINGS)
+        self.check_positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
+        self.check_range("guidance", self.guidance, 0.0, 100.0)
+        self.check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
+        if self.check_number("ema_decay", self.ema_decay) != 0 and not 0 < self.ema_decay < 1:
+            self.fail("ema_decay", self.ema_decay, "is out of range: use a number between 0 and 1 (e.g. 0.999), or 0 "
+                      "to train without an EMA")
         if self.optimizer == "adamw_schedulefree" and self.schedule != "constant":
             raise ConfigError(f"optimizer='adamw_schedulefree' replaces the learning-rate schedule, so "
                               f"schedule={self.schedule!r} would fight it: set schedule='constant' (warmup_steps "
                               "still applies)")
-        _choice("loss", self.loss, LOSSES)
-        _positive("huber_delta", self.huber_delta, "e.g. 1.0; smaller treats more errors as outliers")
-        if not 0.0 <= _number("validation_fraction", self.validation_fraction) < 1.0:
-            raise ConfigError(f"validation_fraction={self.validation_fraction!r} is out of range: hold out a fraction "
-                              "above 0 and below 1 of the images (e.g. 0.1), or 0 for no held-out set")
-        _int("validation_every", self.validation_every, 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(data) - known:
-            raise ConfigError(f"unknown training setting(s) {sorted(set(data) - known)}: known are {sorted(known)}")
-        return cls(**data)
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name}={value!r} is not a finite number: give a number")
-    return float(value)
-
-
-def _positive(name: str, value: Any, hint: str) -> None:
-    if _number(name, value) <= 0:
-        raise ConfigError(f"{name}={value!r} must be greater than 0 ({hint})")
-
-
-def _range(name: str, value: Any, lo: float, hi: float) -> None:
-    if not lo <= _number(name, value) <= hi:
-        raise ConfigError(f"{name}={value!r} is out of range: use a value from {lo} to {hi}")
-
-
-def _ema_decay(value: Any) -> None:
-    if _number("ema_decay", value) != 0 and not 0 < value < 1:
-        raise ConfigError(f"ema_decay={value!r} is out of range: use a number between 0 and 1 (e.g. 0.999), "
-                          "or 0 to train without an EMA")
-
-
-def _int(name: str, value: Any, lo: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{name}={value!r} is invalid: use a whole number >= {lo}")
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not supported: choose one of {', '.join(choices)}")
+        self.check_choice("loss", self.loss, LOSSES)
+        self.check_positive("huber_delta", self.huber_delta, "e.g. 1.0; smaller treats more errors as outliers")
+        if not 0.0 <= self.check_number("validation_fraction", self.validation_fraction) < 1.0:
+            self.fail("validation_fraction", self.validation_fraction, "is out of range: hold out a fraction above 0 "
+                      "and below 1 of the images (e.g. 0.1), or 0 for no held-out set")
+        self.check_int("validation_every", self.validation_every, 1)

@@ -138,8 +138,9 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
         try:
             if session.lora_state is not None:
                 load_lora_state(module, session.lora_state)
-            with distributed.sharded_base(module, session.strategy, device) as model, \
-                    MemoryRuntime(model, session.strategy, device) as runtime:  # model: module, or its FSDP copy
+            strategy, mesh = distributed.prepare_ranks(module, session.strategy, device)  # --fsdp: shard
+            with MemoryRuntime(module, strategy, device, mesh=mesh) as runtime:
+                model = runtime.model  # module, or its sharded copy (the runtime's first step)
                 run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA

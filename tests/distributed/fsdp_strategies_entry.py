@@ -2,7 +2,6 @@
 Flux with and without --fsdp on the same inputs. Each rank writes $TIGHTROPE_TEST_RECORD.rank<R> (JSON): per
 strategy the two losses, the largest LoRA-gradient difference, whether the blocks were really sharded; and whether
 the model left exactly as it came."""
-import dataclasses
 import json
 import os
 
@@ -24,11 +23,15 @@ STRATEGIES = {
 
 
 def step(adapter, flux, strategy, fsdp: bool):
-    distributed._current = dataclasses.replace(distributed.current(), fsdp=fsdp)
+    """One forward + backward through the memory runtime: plain, or sharded as `--fsdp` asks (its mesh and the
+    Strategy's sharding part from distributed.prepare_ranks)."""
     for p in lora_parameters(flux).values():
         p.grad = None
     device = torch.device("cpu")
-    with distributed.sharded_base(flux, strategy, device) as model, MemoryRuntime(model, strategy, device) as rt:
+    strategy, mesh = distributed.prepare_ranks(flux, strategy, device) if fsdp else (strategy, None)
+    assert strategy.sharding.active == fsdp
+    with MemoryRuntime(flux, strategy, device, mesh=mesh) as rt:
+        model = rt.model
         sharded = sum(isinstance(p, DTensor) for p in model.parameters())
         g = torch.Generator().manual_seed(1)  # the same inputs on every rank and in both runs
         x, t = torch.randn(2, 16, 4, 4, generator=g), torch.rand(2, generator=g)

@@ -4,14 +4,15 @@ import dataclasses
 
 import pytest
 import torch
+from one_rank_group import one_rank_group
 
 from tightrope import cli
-from tightrope.memory.strategy import Strategy
+from tightrope.memory.strategy import ShardingConfig, Strategy, StrategyError
 from tightrope.nodes import host
 from tightrope.training import distributed
 from tightrope.training.data.dataset import TrainingDataset
-from tightrope.training.distributed import (DistributedError, Parallel, check_batch_size, check_fsdp_strategy,
-                                            check_resume, shard_bounds, this_rank_part, torchrun_env)
+from tightrope.training.distributed import (DistributedError, Parallel, check_batch_size, check_resume, shard_bounds,
+                                            this_rank_part, torchrun_env)
 from tightrope.training.train_config import ConfigError
 
 TORCHRUN_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -110,12 +111,24 @@ def test_cli_fsdp_without_torchrun_exits_2(tmp_path, no_torchrun, capsys):
     assert "error: --fsdp shards the base model" in capsys.readouterr().err
 
 
-def test_fsdp_refuses_layer_offload_and_accepts_the_rest():
+def test_fsdp_maps_to_the_strategy_sharding_part(monkeypatch):
+    """--fsdp (Parallel.fsdp) sets Strategy.sharding and gives the runtime the ranks' mesh; without --fsdp the
+    strategy is what the node chose; a sharding strategy outside a process group, or with layer offload, is refused."""
+    model = torch.nn.Linear(2, 2)
+    assert distributed.prepare_ranks(model, Strategy.of(checkpoint="all"), torch.device("cpu")) == \
+        (Strategy.of(checkpoint="all"), None)
+    monkeypatch.setattr(distributed, "_current", Parallel(fsdp=True))
+    with pytest.raises(DistributedError, match=r"Strategy.shard='fsdp' shards the base model over the processes "
+                       r"torchrun starts: launch with `torchrun"):
+        distributed.prepare_ranks(model, Strategy(), torch.device("cpu"))
     for strategy in (Strategy.of(offload_fraction=0.5), Strategy.of(offload_blocks=(1,))):
-        with pytest.raises(DistributedError, match="--fsdp does not work with layer offload"):
-            check_fsdp_strategy(strategy)
-    check_fsdp_strategy(Strategy.of(checkpoint="all", activation_offload=True, compile="per_block",
-                                    weight_dtype="bf16"))
+        with pytest.raises(StrategyError, match=r"Strategy.shard='fsdp' \(--fsdp\) does not work with layer offload"):
+            distributed.prepare_ranks(model, strategy, torch.device("cpu"))
+    kept = Strategy.of(checkpoint="all", activation_offload=True, compile="per_block", weight_dtype="bf16")
+    with one_rank_group():
+        strategy, mesh = distributed.prepare_ranks(model, kept, torch.device("cpu"))
+        assert strategy == kept.replace(shard="fsdp") and mesh is not None and mesh.size() == 1
+    assert distributed.launch_sharding() == ShardingConfig(mode="fsdp")
 
 
 def test_resume_keeps_the_global_batch_whatever_the_world_size(rank1_of_2):

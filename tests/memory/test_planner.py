@@ -16,7 +16,7 @@ from tightrope.memory import probe as probe_module
 from tightrope.memory.probe import measure_h2d_bandwidth, probe_model
 from tightrope.memory.profile import CompileFactors, Profile
 from tightrope.memory.runtime import MemoryRuntime
-from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.memory.strategy import ShardingConfig, Strategy, StrategyError
 from tightrope.training.models.reference_flux import Flux, FluxParams
 
 GiB = 1 << 30
@@ -295,3 +295,18 @@ def test_auto_budget_counts_cached_blocks_as_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * GiB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * GiB)
     assert auto_budget(torch.device("cuda", 0), margin_bytes=GiB // 2) == 6 * GiB - GiB // 2
+
+
+def test_a_sharded_launch_plans_without_layer_offload():
+    """Sharding (--fsdp) is taken as given: the planner keeps it and considers no layer offload (the Strategy refuses
+    both together); at a budget where unsharded plans offload, the sharded plan keeps every block on the device."""
+    prof = _flux_dev_profile()
+    assert plan(prof, 12 * GiB).strategy.offload.active  # unsharded, 12 GiB needs offload
+    sharded = plan(prof, 80 * GiB, sharding=ShardingConfig(mode="fsdp"))
+    assert sharded.strategy.sharding.active and not sharded.strategy.offload.active
+    assert "sharded over the ranks (predicted whole: an overestimate)" in sharded.explanation
+    base = Strategy.of(shard="fsdp")
+    assert candidate_strategies(prof, base) and all(not s.offload.active and off == []
+                                                    for s, off in candidate_strategies(prof, base))
+    with pytest.raises(StrategyError, match="no strategy fits 12.0 GiB"):  # weights predicted whole: no offload
+        plan(prof, 12 * GiB, sharding=ShardingConfig(mode="fsdp"))

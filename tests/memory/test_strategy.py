@@ -6,20 +6,32 @@ from two_stream import make_batch, make_lora_model
 
 from tightrope.memory import runtime as runtime_module
 from tightrope.memory.runtime import MemoryRuntime
-from tightrope.memory.strategy import (CheckpointConfig, CompileConfig, Keep, LayerOffloadConfig, Strategy,
-                                       StrategyError)
+from tightrope.memory.strategy import (CheckpointConfig, CompileConfig, Keep, LayerOffloadConfig, ShardingConfig,
+                                       Strategy, StrategyError)
 
 
 def test_json_round_trip_is_tagged_by_part():
     s = Strategy.of(offload_fraction=0.25, offload_blocks=(3, 1), checkpoint="every_n", checkpoint_every=3,
                     compute_dtype="fp16", block_lists=("blocks",))
     data = json.loads(s.to_json())
-    assert set(data) == {"offload", "checkpointing", "activations", "compiler", "precision", "block_lists"}
+    assert set(data) == {"offload", "checkpointing", "activations", "compiler", "precision", "sharding",
+                         "block_lists"}
     assert data["offload"]["blocks"] == [1, 3] and data["checkpointing"] == {"mode": "every_n", "every": 3}
     again = Strategy.from_json(s.to_json())
     assert again == s and again.offload.blocks == (1, 3) and again.block_lists == ("blocks",)
     compiled = Strategy.of(compile="per_block", activation_memory_budget=0.5, compile_mode="max-autotune-no-cudagraphs")
     assert Strategy.from_json(compiled.to_json()) == compiled
+    sharded = Strategy.of(shard="fsdp", checkpoint="all")
+    assert json.loads(sharded.to_json())["sharding"] == {"mode": "fsdp"} and Strategy.from_json(sharded.to_json()) \
+        == sharded and sharded.sharding == ShardingConfig(mode="fsdp") and sharded.sharding.active
+
+
+def test_a_strategy_saved_without_the_sharding_part_loads_unsharded():
+    """State files, profiles and LoRA metadata written before sharding was a part (tagged form, no 'sharding')."""
+    saved = Strategy.of(offload_fraction=0.5).to_dict()
+    del saved["sharding"]
+    s = Strategy.from_dict(saved)
+    assert s == Strategy.of(offload_fraction=0.5) and s.sharding == ShardingConfig() and not s.sharding.active
 
 
 # a strategy exactly as Tightrope 0.1 wrote it into state files, profiles and LoRA metadata (dataclasses.asdict)
@@ -38,7 +50,7 @@ def test_the_flat_form_of_version_0_1_still_loads():
     assert s.compiler == CompileConfig(scope="per_block", backend="aot_eager")
     assert (s.precision.compute_dtype, s.precision.weight_dtype) == ("bf16", "bf16")
     assert s.block_lists == ("double_blocks", "single_blocks")
-    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4]}  # and it maps back
+    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4], "shard": "off"}  # and it maps back (unsharded)
     assert Strategy.from_dict({"checkpoint": "all"}) == Strategy.of(checkpoint="all")  # partial flat dicts too
 
 
@@ -56,6 +68,7 @@ def test_the_flat_form_of_version_0_1_still_loads():
     ({"pin_memory": "yes"}, "pin_memory", "true or false"),
     ({"activation_offload": 1}, "activation_offload", "true or false"),
     ({"block_lists": ()}, "block_lists", "dotted names"),
+    ({"shard": "ddp"}, "shard", "off, fsdp"),
 ])
 def test_bad_values_name_field_and_fix(kw, field, fix):
     with pytest.raises(StrategyError) as e:
@@ -72,13 +85,18 @@ def test_bad_values_name_field_and_fix(kw, field, fix):
     ({"checkpoint": "all", "compile": "per_block", "activation_memory_budget": 0.5},
      r"Strategy.checkpoint='all' does not combine with compile='per_block' at activation_memory_budget=0.5: .*"
      r"set checkpoint='off', or activation_memory_budget=1.0"),
+    ({"offload_fraction": 0.5, "shard": "fsdp"},
+     r"Strategy.shard='fsdp' \(--fsdp\) does not work with layer offload \(offload_fraction=0.5, offload_blocks=None\)"
+     r".*set offload_fraction=0 and no offload_blocks .*or shard='off'"),
+    ({"offload_blocks": (1,), "shard": "fsdp"},
+     r"Strategy.shard='fsdp' \(--fsdp\) does not work with layer offload \(offload_fraction=0.0, offload_blocks=\[1\]\)"),
 ])
 def test_cross_field_refusals_name_both_fields(kw, match):
     with pytest.raises(StrategyError, match=match):
         Strategy.of(**kw)
     with pytest.raises(StrategyError, match=match):  # replace checks the whole again
-        Strategy.of(**{k: v for k, v in kw.items() if k != "checkpoint" and k != "compute_dtype"}).replace(
-            **{k: v for k, v in kw.items() if k in ("checkpoint", "compute_dtype")})
+        Strategy.of(**{k: v for k, v in kw.items() if k not in ("checkpoint", "compute_dtype", "shard")}).replace(
+            **{k: v for k, v in kw.items() if k in ("checkpoint", "compute_dtype", "shard")})
 
 
 def test_unknown_fields_and_parts_are_named():
@@ -88,6 +106,11 @@ def test_unknown_fields_and_parts_are_named():
         Strategy.from_dict({"offload": {"fraktion": 0.5}})
     with pytest.raises(StrategyError, match=r"unknown strategy part\(s\) \['checkpoint'\]"):
         Strategy.from_dict({"offload": {}, "checkpoint": "all"})  # the two forms mixed
+    with pytest.raises(StrategyError, match=r"unknown field\(s\) \['shards'\] in strategy part 'sharding': known are "
+                       r"\['mode'\]"):
+        Strategy.from_dict({"sharding": {"shards": 2}})
+    with pytest.raises(StrategyError, match=r"strategy part 'sharding' must be an object of fields, got 'fsdp'"):
+        Strategy.from_dict({"sharding": "fsdp"})
 
 
 def test_replace_changes_flat_fields_or_parts():

@@ -7,19 +7,18 @@ the module exactly as it came (same modules, state dict and requires_grad flags)
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import inject_adapter_in_model
 from torch import nn
 
+from ...memory.config_base import ConfigBase
 from .algorithms import ADAPTER, PEFT_LAYERS, adapter_parameters, check_algorithm, check_base_weights, \
     layer_algorithm, merged_weight, peft_config
 from .targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
@@ -35,7 +34,11 @@ _FLAGS_BEFORE: "weakref.WeakKeyDictionary[nn.Module, dict[str, bool]]" = weakref
 
 
 @dataclass(frozen=True, kw_only=True)
-class LoraSpec:
+class LoraSpec(ConfigBase):
+    ERROR = LoraError
+    FIELD_PREFIX = "LoRA "
+    FIELD_NOUN = "LoRA setting"
+
     rank: int = 16
     """LoRA rank r: capacity and file size."""
     alpha: float | None = None
@@ -57,40 +60,38 @@ class LoraSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise LoraError(f"LoRA rank={self.rank!r} is invalid: use a rank of 1 or more (4-64 is typical)")
+            self.fail("rank", self.rank, "is invalid: use a rank of 1 or more (4-64 is typical)")
         alpha = self.rank if self.alpha is None else self.alpha
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
-            raise LoraError(f"LoRA alpha={self.alpha!r} is invalid: use a number greater than 0 (alpha = rank "
-                            "keeps the update scale at 1)")
+            self.fail("alpha", self.alpha, "is invalid: use a number greater than 0 (alpha = rank keeps the update "
+                      "scale at 1)")
         object.__setattr__(self, "alpha", float(alpha))
-        if not isinstance(self.rslora, bool):
-            raise LoraError(f"LoRA rslora={self.rslora!r} is invalid: use True or False")
+        self.check_bool("rslora", self.rslora)
         d = self.dropout
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < 1:
-            raise LoraError(f"LoRA dropout={d!r} is invalid: use a probability from 0 up to (not including) 1, "
-                            "e.g. 0.0 or 0.1")
+            self.fail("dropout", d, "is invalid: use a probability from 0 up to (not including) 1, e.g. 0.0 or 0.1")
         object.__setattr__(self, "dropout", float(d))
         if self.targets not in PRESETS:
-            raise LoraError(f"LoRA targets={self.targets!r} is not a preset: choose one of {', '.join(PRESETS)} "
-                            "(or set target_regex)")
+            self.fail("targets", self.targets, f"is not a preset: choose one of {', '.join(PRESETS)} (or set "
+                      "target_regex)")
         self._check_regex()
-        if self.init not in INITS:
-            raise LoraError(f"LoRA init={self.init!r} is not supported: choose one of {', '.join(INITS)}")
+        self.check_choice("init", self.init, INITS)
         check_algorithm(self.algorithm, self.dropout, self.init)
         self._check_existing_lora()
 
     def _check_regex(self) -> None:
         rx = self.target_regex
         if rx is not None and not isinstance(rx, str):
-            raise LoraError(f"LoRA target_regex={rx!r} is not a string: give a regex such as '.*img_attn\\.qkv'")
+            self.fail("target_regex", rx, "is not a string: give a regex such as '.*img_attn\\.qkv'")
         if rx is None or not rx.strip():
             object.__setattr__(self, "target_regex", None)
             return
         try:
             re.compile(rx)
+            return
         except re.error as e:
-            raise LoraError(f"LoRA target_regex={rx!r} does not compile ({e}): fix the regex, e.g. "
-                            "'double_blocks\\.\\d+\\.img_attn\\.qkv'") from None
+            problem = f"does not compile ({e}): fix the regex, e.g. 'double_blocks\\.\\d+\\.img_attn\\.qkv'"
+        self.fail("target_regex", rx, problem)  # outside the except: the message says all, no chained traceback
 
     def _check_existing_lora(self) -> None:
         path = self.existing_lora
@@ -98,27 +99,17 @@ class LoraSpec:
             object.__setattr__(self, "existing_lora", None)
             return
         if not isinstance(path, (str, os.PathLike)):
-            raise LoraError(f"LoRA existing_lora={path!r} is not a path: give the path of a .safetensors LoRA")
+            self.fail("existing_lora", path, "is not a path: give the path of a .safetensors LoRA")
         path = os.fspath(path)
         if not path.lower().endswith(".safetensors"):
-            raise LoraError(f"LoRA existing_lora={path!r} is not a .safetensors file: Tightrope only loads "
-                            "safetensors (never pickled .ckpt/.pt/.bin); convert it or leave existing_lora empty")
+            self.fail("existing_lora", path, "is not a .safetensors file: Tightrope only loads safetensors (never "
+                      "pickled .ckpt/.pt/.bin); convert it or leave existing_lora empty")
         object.__setattr__(self, "existing_lora", path)
 
     @property
     def scale(self) -> float:
         """The factor on B @ A: alpha/r, or alpha/sqrt(r) with rsLoRA (peft's `scaling`)."""
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LoraSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(data) - known:
-            raise LoraError(f"unknown LoRA setting(s) {sorted(set(data) - known)}: known are {sorted(known)}")
-        return cls(**data)
 
 
 def resolve_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
