@@ -7,7 +7,7 @@ from ..training.optimizer import optimizer_class
 from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigError, TrainConfig
 from ..training.tensorboard_log import summary_writer_class
 from ..training.timesteps import SAMPLINGS
-from ..training.trainer import resolve_device
+from ..training.distributed import resolve_device
 from ..training.training_run import run_training_node
 from . import host
 from .input_validation import validation_result

@@ -162,6 +162,16 @@ def local_device(device: torch.device) -> torch.device:
     return device
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device this process trains on, from `name` ('auto', 'cpu', 'cuda', 'cuda:1'); under torchrun, this
+    rank's own GPU."""
+    if name == "auto":
+        return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available: choose 'auto' or 'cpu'")
+    return local_device(torch.device(name))
+
+
 # ------------------------------------------------------------------------------------------------------ data
 def check_batch_size(batch_size: int, par: Parallel | None = None) -> None:
     par = par or current()

@@ -99,14 +99,6 @@ class _RunParts:
     should_stop: Callable[[], bool] | None  # asked before each step
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return distributed.local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available: choose 'auto' or 'cpu'")
-    return distributed.local_device(torch.device(name))
-
-
 def train(session: TrainingSession, steps: int, *, device: torch.device, save: SaveTarget | None = None,
           progress: Progress | None = None, should_stop: Callable[[], bool] | None = None,
           run_start: int | None = None, log_dir: str | Path | None = None,

@@ -13,7 +13,8 @@ from .session import TrainingSession
 from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
-from .trainer import SaveTarget, resolve_device, train
+from .distributed import resolve_device
+from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
 
 
