@@ -29,9 +29,12 @@ def test_without_comfyui_dir_the_server_part_is_skipped_with_its_reason(tmp_path
 
 
 def test_server_rows_are_reported_per_training_prompt():
-    row = {"offload": 1.0, "loaded_above_started_w": 1.0,
-           "runs": [{"plateau_above_loaded_w": 0.37, "peak_above_loaded_w": 0.38, "after_vs_loaded": 0.012},
-                    {"plateau_above_loaded_w": 0.38, "peak_above_loaded_w": 0.39, "after_vs_loaded": 0.013}]}
+    loaded = {"RssAnon": 1000 * MiB, "RssFile": 100 * MiB}
+    row = {"offload": 1.0, "loaded_above_started_w": 1.0, "loaded": loaded,
+           "runs": [{"plateau_above_loaded_w": 0.37, "peak_above_loaded_w": 0.38, "after_vs_loaded": 0.012,
+                     "after": {"RssAnon": 1012 * MiB, "RssFile": 113 * MiB}},
+                    {"plateau_above_loaded_w": 0.38, "peak_above_loaded_w": 0.39, "after_vs_loaded": 0.013,
+                     "after": {"RssAnon": 1013 * MiB, "RssFile": 113 * MiB}}]}
     lines = host_memory_server.markdown([row])
-    assert "| 1 | +1.00 W | 1 | +0.37 W | +0.38 W | +1.2 % |" in lines
-    assert "| 1 | +1.00 W | 2 | +0.38 W | +0.39 W | +1.3 % |" in lines
+    assert "| 1 | +1.00 W | 1 | +0.37 W | +0.38 W | +1.20 % | +12.0 / +13.0 |" in lines
+    assert "| 1 | +1.00 W | 2 | +0.38 W | +0.39 W | +1.30 % | +13.0 / +13.0 |" in lines
