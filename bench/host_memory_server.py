@@ -172,12 +172,14 @@ def markdown(rows: list[dict], env: dict[str, str] | None = None) -> list[str]:
              f"{PROMPTS} training prompts of 2 steps each (64-token images, batch 1), each with a new seed. "
              "Loaded: the "
              "server's RSS after the load prompt. Plateau: the median RSS while a prompt runs; peak: its maximum "
-             "(sampled every 20 ms from outside); after: settled, vs loaded.", "",
+             "(sampled every 20 ms from outside); after: settled, vs loaded, and the anonymous and file-backed "
+             "(library code) parts of it in MiB.", "",
              "| offload | loaded (above the idle server) | prompt | plateau above loaded | peak above loaded | "
-             "after vs loaded |", "| --- | --- | --- | --- | --- | --- |"]
+             "after vs loaded | after: anon / file |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for k, run in enumerate(r["runs"], 1):
+            anon, file = ((run["after"][key] - r["loaded"][key]) / 2**20 for key in ("RssAnon", "RssFile"))
             lines.append(f"| {r['offload']:g} | +{r['loaded_above_started_w']:.2f} W | {k} | "
                          f"{run['plateau_above_loaded_w']:+.2f} W | {run['peak_above_loaded_w']:+.2f} W | "
-                         f"{100 * run['after_vs_loaded']:+.1f} % |")
+                         f"{100 * run['after_vs_loaded']:+.2f} % | {anon:+.1f} / {file:+.1f} |")
     return lines

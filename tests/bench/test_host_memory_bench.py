@@ -3,8 +3,11 @@ and the report holds the headless and the 2-rank tables (the measuring children 
 from tightrope.bench import host_memory, host_memory_ranks, host_memory_server
 
 W = 1 << 30
+MiB = 1 << 20
 HEADLESS = [{"offload": f, "weights_bytes": W, "peak_above_loaded_w": 0.3 + f / 4, "slots_w": f / 4,
-             "host_beyond_slots_w": 0.3, "after_vs_loaded": 0.004} for f in (0.0, 0.5, 1.0)]
+             "host_beyond_slots_w": 0.3, "after_vs_loaded": 0.004, "after_last_vs_loaded": 0.005,
+             "growth_per_run_bytes": MiB // 10, "loaded": {"anon": 1000 * MiB, "file": 300 * MiB, "malloc_in_use": 0},
+             "after": [{"anon": 1001 * MiB, "file": 313 * MiB, "malloc_in_use": MiB // 5}]} for f in (0.0, 0.5, 1.0)]
 RANKS = [{"offload": 1.0, "ranks": 2, "shared": s, "loaded_w": 2.0, "weights_w": 1.02 if s else 2.0,
           "step_beyond_slots_w": 1.3 if s else 2.3, "after_w": 1.05 if s else 2.05, "slots_w": 0.4} for s in (0, 1)]
 
@@ -19,16 +22,19 @@ def test_without_comfyui_dir_the_server_part_is_skipped_with_its_reason(tmp_path
     assert f"skipping the ComfyUI server part: {host_memory_server.SKIP_REASON}" in out
     text = (tmp_path / "host_memory.md").read_text()
     assert f"Skipped: {host_memory_server.SKIP_REASON}" in text
-    assert "| 1 | +0.55 W | 0.25 W | +0.30 W | +0.4 % |" in text
+    assert "| 1 | +0.55 W | 0.25 W | +0.30 W | +0.40 % | +0.50 % | +0.1 MiB | +1.0 / +13.0 / +0.2 |" in text
     assert "| 1 | one per rank | 2.00 W | 2.00 W | 2.30 W | 2.05 W |" in text
     assert "| 1 | one, shared | 2.00 W | 1.02 W | 1.30 W | 1.05 W |" in text
     assert "offload adds +0.00 W at 0.5, +0.00 W at 1" in text
 
 
 def test_server_rows_are_reported_per_training_prompt():
-    row = {"offload": 1.0, "loaded_above_started_w": 1.0,
-           "runs": [{"plateau_above_loaded_w": 0.37, "peak_above_loaded_w": 0.38, "after_vs_loaded": 0.012},
-                    {"plateau_above_loaded_w": 0.38, "peak_above_loaded_w": 0.39, "after_vs_loaded": 0.013}]}
+    loaded = {"RssAnon": 1000 * MiB, "RssFile": 100 * MiB}
+    row = {"offload": 1.0, "loaded_above_started_w": 1.0, "loaded": loaded,
+           "runs": [{"plateau_above_loaded_w": 0.37, "peak_above_loaded_w": 0.38, "after_vs_loaded": 0.012,
+                     "after": {"RssAnon": 1012 * MiB, "RssFile": 113 * MiB}},
+                    {"plateau_above_loaded_w": 0.38, "peak_above_loaded_w": 0.39, "after_vs_loaded": 0.013,
+                     "after": {"RssAnon": 1013 * MiB, "RssFile": 113 * MiB}}]}
     lines = host_memory_server.markdown([row])
-    assert "| 1 | +1.00 W | 1 | +0.37 W | +0.38 W | +1.2 % |" in lines
-    assert "| 1 | +1.00 W | 2 | +0.38 W | +0.39 W | +1.3 % |" in lines
+    assert "| 1 | +1.00 W | 1 | +0.37 W | +0.38 W | +1.20 % | +12.0 / +13.0 |" in lines
+    assert "| 1 | +1.00 W | 2 | +0.38 W | +0.39 W | +1.30 % | +13.0 / +13.0 |" in lines

@@ -2,11 +2,17 @@
 the LoRA and optimizer state, not a second copy of the model's weights."""
 import copy
 import gc
+import json
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 from live_tensors import live_cpu_storages
 
 from tightrope.demo.model import demo_model
+from tightrope.memory import host_memory
 from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImages
@@ -77,3 +83,39 @@ def test_train_node_returns_freed_heap_memory_once_the_run_is_gone(tmp_path, mon
     monkeypatch.setattr(training_run, "release_freed_host_memory", trim)
     train_node_outputs(tmp_path, demo_model(0), runs=1)
     assert calls == [0]
+
+
+RUNS_IN_A_FRESH_PROCESS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from two_stream import make_lora_model, train_steps
+from tightrope.memory.host_memory import malloc_in_use_bytes
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy
+
+model = make_lora_model(d=512, heads=2)
+loaded = malloc_in_use_bytes()
+after = []
+for run in range(2):
+    with MemoryRuntime(model, Strategy.of(offload_fraction=1.0, compute_dtype="fp32"), "cpu") as rt:
+        train_steps(model, steps=1, runtime=rt)
+    after.append(malloc_in_use_bytes() - loaded)  # the runtime's undo released what the run freed
+print(json.dumps(after))
+"""
+
+
+@pytest.mark.skipif(host_memory.malloc_in_use_bytes() is None, reason="mallinfo2 is glibc's (>= 2.33)")
+def test_a_run_leaves_no_allocated_host_memory_behind():
+    """A fresh process, two runs of a hidden-512 model: what malloc still has handed out after each run, above the
+    loaded model, is back under 0.75 MiB and does not grow. Without freeing oneMKL's buffer pools, the GEMMs' packing
+    buffers stayed allocated for the life of the process (+1.5 MiB here on one thread; ~21 MiB for the benchmark's
+    hidden-1024 model on 2 threads: 1.6 % of its W, kept by a ComfyUI server); malloc_trim cannot return memory
+    still allocated. What remains (0.15 MiB measured) is Python's and autograd's first-use objects, made once. One
+    intra-op thread: MKL keeps a pool per thread, so the old figure does not depend on the machine's core count."""
+    helpers = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers")
+    proc = subprocess.run([sys.executable, "-c", RUNS_IN_A_FRESH_PROCESS, helpers], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+    after = json.loads(proc.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert after[0] < 0.75 * mib, [a / mib for a in after]
+    assert after[1] - after[0] < 0.1 * mib, [a / mib for a in after]  # made once, not per run
