@@ -119,3 +119,17 @@ def test_a_run_leaves_no_allocated_host_memory_behind():
     mib = 2**20
     assert after[0] < 0.75 * mib, [a / mib for a in after]
     assert after[1] - after[0] < 0.1 * mib, [a / mib for a in after]  # made once, not per run
+
+
+def test_the_pinned_host_cache_is_emptied_only_once_cuda_has_run(monkeypatch):
+    """PyTorch's caching host allocator keeps freed pinned blocks (activation offload's host copies) for the life of
+    the process: the end-of-run release empties it, once CUDA is initialised (before, nothing can be pinned, and
+    the call would initialise CUDA for nothing). tests/reliability/test_leaks.py checks the bytes on a GPU."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("emptied"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    host_memory.release_freed_host_memory()
+    assert calls == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    host_memory.release_freed_host_memory()
+    assert calls == ["emptied"]

@@ -54,6 +54,33 @@ def test_ten_runs_keep_cuda_memory_flat(out):
         f"{[a - allocated[WARMUP - 1] for a in allocated]}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory exists only with CUDA")
+def test_a_cuda_run_gives_its_pinned_host_memory_back():
+    """Activation offload's pinned host copies come from PyTorch's caching host allocator, which keeps freed blocks
+    page-locked for the life of the process: after the runtime's undo the allocator holds no more pinned bytes than
+    before the run (a ComfyUI server goes back to its idle footprint). The run must have pinned something, or the
+    test proves nothing."""
+    from two_stream import make_lora_model, train_steps
+
+    from tightrope.memory.runtime import MemoryRuntime
+    from tightrope.memory.strategy import Strategy
+
+    def pinned() -> int:
+        return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)  # active + cached blocks
+
+    torch.cuda.init()
+    before = pinned()
+    model = make_lora_model()
+    strat = Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True, compute_dtype="fp32")
+    with MemoryRuntime(model, strat, "cuda", activation_min_bytes=0) as rt:
+        train_steps(model, steps=2, runtime=rt)
+        torch.cuda.synchronize()
+        during = pinned()
+    gc.collect()
+    assert during > before, f"the run pinned nothing ({during} bytes): activation offload did not pin its copies"
+    assert pinned() == before, f"{pinned() - before} pinned bytes stay cached after the run ({during} during it)"
+
+
 def test_the_baseline_is_taken_after_the_warmup():
     """Workspaces made once by the first run are no leak; growth after the warm-up is."""
     once = [0, 8 << 20] + [8 << 20] * (RUNS - 2)
