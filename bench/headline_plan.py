@@ -136,12 +136,12 @@ def _model_inputs(params, batch: int, resolution: int, n_txt: int, mode: FakeTen
     return inputs
 
 
-def headline_strategies() -> dict[str, Strategy]:
+def headline_strategies() -> list[tuple[str, Strategy]]:
     base = Strategy.of(compute_dtype="bf16", checkpoint="all", activation_offload=True)
     chunked = base.replace(offload_fraction=1.0, token_chunks=TOKEN_CHUNKS)
-    return {"offload 0.9": base.replace(offload_fraction=0.9), "offload 1.0": base.replace(offload_fraction=1.0),
-            f"offload 1.0, {TOKEN_CHUNKS} token chunks": chunked,
-            f"offload 1.0, {TOKEN_CHUNKS} token chunks, depth 0": chunked.replace(prefetch_depth=0)}
+    return [("offload 0.9", base.replace(offload_fraction=0.9)), ("offload 1.0", base.replace(offload_fraction=1.0)),
+            (f"offload 1.0 + {TOKEN_CHUNKS} token chunks", chunked),
+            (f"offload 1.0 + {TOKEN_CHUNKS} token chunks", chunked.replace(prefetch_depth=0))]
 
 
 def least_peak(profile: Profile) -> tuple[Strategy, Prediction]:
@@ -179,7 +179,7 @@ def report(resolution: int = 2048, budget: int = HEADLINE_BUDGET) -> str:
               f"{_gib(profile.act_other)}; blocks {profile.n_blocks}, frozen block weights "
               f"{_gib(sum(profile.block_frozen))}, outside the blocks {_gib(profile.other_weight_bytes)}, LoRA "
               f"{profile.trainable_numel / 1e6:.1f} M parameters.", ""]
-    for name, strategy in headline_strategies().items():
+    for name, strategy in headline_strategies():
         p = predict(profile, strategy)
         depth = strategy.offload.prefetch_depth
         lines += [f"## {name} + activation offload + checkpoint all, prefetch depth {depth}", "",

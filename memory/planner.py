@@ -175,8 +175,8 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
         if s.compiler.per_block:
             second += ", with each block compiled"
         if s.checkpointing.token_chunks > 1:
-            second += (f", and blocks run their token-wise parts in {s.checkpointing.token_chunks} chunks recomputed in "
-                       "backward (a smaller working set)")
+            second += (f", and each block runs its token-wise parts in {s.checkpointing.token_chunks} token chunks, "
+                       "recomputed in backward (a smaller working set)")
     second += f" ({format_bytes(b['activations'])} of activations"
     second += f", {format_bytes(b['host_activations'])} more waiting in host memory)" if s.activations.enabled \
         else ")"
