@@ -5,8 +5,9 @@ The profile the planner reads is built without running the model:
   - weights exactly, from the model built on the `meta` device with its rank-16 LoRA (bench/models.py);
   - per-block activation bytes (saved, kept at the checkpoint boundary, the peak over forward + backward) from one
     double and one single block run under FakeTensorMode (memory/shape_profile.py says how close that is to CUDA),
-    every block of a type alike, each also with its token-chunked forward at probe.TOKEN_CHUNKS chunks; inputs every block receives (vec, RoPE table) counted once; what the layers
-    outside the blocks save from a fake run of the whole model with each block replaced by a copy of its inputs;
+    every block of a type alike, each also with its token-chunked forward at probe.TOKEN_CHUNKS chunks; inputs
+    every block receives (vec, RoPE table) counted once; what the layers outside the blocks save from a fake run
+    of the whole model with each block replaced by a copy of its inputs;
   - times from FLOPs at an assumed ASSUMED_FLOPS (bf16 on an H100, about 40 % of its dense peak) and
     ASSUMED_H2D_BYTES_PER_S pinned (PCIe 4 x16 as measured on common hosts): they only order the candidates the
     planner compares, the peak does not depend on them.

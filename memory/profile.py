@@ -60,7 +60,7 @@ class Profile:
     h2d_pinned: bool = True              # CUDA copies from pinned memory overlap compute; pageable ones block the host
     compile: dict[str, dict[str, CompileFactors]] | None = None  # block type -> str(budget) -> factors
     token_chunks: int = 1                # the chunk count `chunked` was measured at (1: not measured)
-    chunked: list[ChunkedBlock | None] | None = None  # per block: measured chunked, None where it has no chunked forward
+    chunked: list[ChunkedBlock | None] | None = None  # per block, measured chunked; None: no chunked forward
     measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
     strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
 
