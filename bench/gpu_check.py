@@ -6,8 +6,9 @@ In order (a section that crashes is recorded and the next one runs; see bench/gp
   3. the CUDA leak test;
   4. the headline: a Flux-dev-shaped model (random bf16 weights made on the machine, rank-16 LoRA) at 2048 px,
      batch 1: offload 0.9 + activation offload + checkpoint all; offload 1.0 (likewise); offload 1.0 at prefetch
-     depth 0 (the planner's least-peak configuration: bench/headline_plan.py); and their offload-0 twin,
-     whose compute gives the bound max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others.
+     depth 0; offload 1.0 with the blocks in token chunks, at depth 1 and at depth 0 (the planner's least-peak
+     configuration: bench/headline_plan.py); and their offload-0 twins, whose compute gives the bound
+     max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others.
 About 6-8 minutes on one H100. `--tiny` runs three strategies of the matrix and the headline's on the tiny model
 at 64 px; with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu" and
 "cpu:0".
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..memory.probe import measure_h2d_bandwidth
+from ..memory.probe import TOKEN_CHUNKS, measure_h2d_bandwidth
 from ..memory.strategy import Strategy
 from . import cuda_checks
 from .grid import BenchConfig, with_references
@@ -35,8 +36,9 @@ RATIO_TARGET = "<= 1.15"
 
 
 # The planner's least-peak candidate for the headline (`tightrope bench headline-plan`; tests/bench check it is):
-# every block offloaded through one cell of slots (single blocks still stream one ahead in it).
-LEAST_PEAK = {"offload_fraction": 1.0, "prefetch_depth": 0}
+# every block offloaded through one cell of slots (single blocks still stream one ahead in it), every block's
+# token-wise parts in chunks (memory/token_chunks.py; the count: memory/probe.py TOKEN_CHUNKS).
+LEAST_PEAK = {"offload_fraction": 1.0, "prefetch_depth": 0, "token_chunks": TOKEN_CHUNKS}
 
 
 def headline_configs(device_type: str, resolution: int, batch: int) -> list[BenchConfig]:
@@ -44,6 +46,9 @@ def headline_configs(device_type: str, resolution: int, batch: int) -> list[Benc
                        activation_offload=True)
     return with_references([BenchConfig(base.replace(offload_fraction=0.9), batch, resolution),
                             BenchConfig(base.replace(offload_fraction=1.0), batch, resolution),
+                            BenchConfig(base.replace(offload_fraction=1.0, prefetch_depth=0), batch, resolution),
+                            BenchConfig(base.replace(offload_fraction=1.0, token_chunks=TOKEN_CHUNKS), batch,
+                                        resolution),
                             BenchConfig(base.replace(**LEAST_PEAK), batch, resolution)])
 
 
@@ -109,7 +114,7 @@ def _summarise_headline(run: Run, headline: dict) -> None:
     px = f"{headline['model']} {headline['resolution']} px"
     for r in headline["configs"]:
         off = r["strategy"]["offload_fraction"]
-        target = PEAK_TARGET if off == 0.9 or r["strategy"]["prefetch_depth"] == LEAST_PEAK["prefetch_depth"] else ""
+        target = PEAK_TARGET if off == 0.9 or all(r["strategy"][k] == v for k, v in LEAST_PEAK.items()) else ""
         if r.get("oom"):
             run.add(f"{px} {r['label']}", f"out of memory: {r.get('error', '')[:100]}", target)
             continue

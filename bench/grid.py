@@ -32,13 +32,15 @@ class BenchConfig:
 
 
 def strategy_label(s: Strategy) -> str:
-    """Short and unique within a grid: 'off0.50/d2 ckpt-all actoff compile@0.5'."""
+    """Short and unique within a grid: 'off0.50/d2 ckpt-all actoff compile@0.5', 'off1.00/d0 ckpt-all chunks8'."""
     off, ckpt = s.offload, s.checkpointing
     parts = [f"off{off.fraction:.2f}" + (f"/d{off.prefetch_depth}" if off.fraction and off.prefetch_depth != 1
                                          else "")]
     parts.append({"off": "ckpt-off", "all": "ckpt-all", "every_n": f"ckpt-every{ckpt.every}"}[ckpt.mode])
     if s.activations.enabled:
         parts.append("actoff")
+    if ckpt.token_chunks > 1:
+        parts.append(f"chunks{ckpt.token_chunks}")
     if s.compiler.per_block:
         parts.append(f"compile@{s.compiler.activation_memory_budget:g}")
     return " ".join(parts)

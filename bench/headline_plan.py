@@ -5,8 +5,9 @@ The profile the planner reads is built without running the model:
   - weights exactly, from the model built on the `meta` device with its rank-16 LoRA (bench/models.py);
   - per-block activation bytes (saved, kept at the checkpoint boundary, the peak over forward + backward) from one
     double and one single block run under FakeTensorMode (memory/shape_profile.py says how close that is to CUDA),
-    every block of a type alike; inputs every block receives (vec, RoPE table) counted once; what the layers
-    outside the blocks save from a fake run of the whole model with each block replaced by a copy of its inputs;
+    every block of a type alike, each also with its token-chunked forward at probe.TOKEN_CHUNKS chunks; inputs
+    every block receives (vec, RoPE table) counted once; what the layers outside the blocks save from a fake run
+    of the whole model with each block replaced by a copy of its inputs;
   - times from FLOPs at an assumed ASSUMED_FLOPS (bf16 on an H100, about 40 % of its dense peak) and
     ASSUMED_H2D_BYTES_PER_S pinned (PCIe 4 x16 as measured on common hosts): they only order the candidates the
     planner compares, the peak does not depend on them.
@@ -28,9 +29,11 @@ from ..memory.blocks import discover_blocks
 from ..memory.memory_model import measure_weight_sizes
 from ..memory.plan_cost import Prediction, predict
 from ..memory.planner import Plan, autotune_batch, candidate_strategies, plan
-from ..memory.profile import Profile
+from ..memory.probe import TOKEN_CHUNKS
+from ..memory.profile import ChunkedBlock, Profile
 from ..memory.shape_profile import BlockShape, fake_parameters, measure_block, saved_bytes_of
 from ..memory.strategy import Strategy, StrategyError
+from ..memory.token_chunks import ChunkContext, chunked_forward_for
 from .grid import strategy_label
 from .models import MODEL_PARAMS, TEXT_TOKENS, _meta_model
 
@@ -76,10 +79,16 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
             args, kwargs = inputs[kind]
             shapes[kind] = measure_block(b.module, args, kwargs, list(b.module.parameters()), mode,
                                          compute_dtype=bf16)
+            fn, ctx = chunked_forward_for(b.module), ChunkContext(TOKEN_CHUNKS, plain=b.module.forward)
+            if fn is not None:
+                shapes[f"{kind}, {TOKEN_CHUNKS} token chunks"] = measure_block(
+                    functools.partial(fn, b.module, ctx), args, kwargs, list(b.module.parameters()), mode,
+                    compute_dtype=bf16)
     shared = vec.untyped_storage().nbytes() + pe.untyped_storage().nbytes()
     other_saved, other_flops = _outside_blocks(model, [b.module for b in blocks], mode,
                                                _model_inputs(params, batch, resolution, n_txt, mode))
     per = [shapes[type(b.module).__name__] for b in blocks]
+    chunked = [shapes.get(f"{type(b.module).__name__}, {TOKEN_CHUNKS} token chunks") for b in blocks]
     profile = Profile(
         device="cuda", batch=batch, block_names=[b.name for b in blocks],
         block_types=[type(b.module).__name__ for b in blocks], block_frozen=list(sizes.block_frozen),
@@ -90,7 +99,9 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
         fwd_s=[s.fwd_flops / ASSUMED_FLOPS for s in per], bwd_s=[s.bwd_flops / ASSUMED_FLOPS for s in per],
         other_s=3 * other_flops / ASSUMED_FLOPS, h2d_bytes_per_s=ASSUMED_H2D_BYTES_PER_S,
         optimizer_s=16 * sum(p.numel() for p in trainable) / 2e12,  # AdamW: ~16 B/element at ~2 TB/s
-        act_full_alloc=[s.alloc for s in per], block_peak_alloc=[s.peak for s in per])
+        act_full_alloc=[s.alloc for s in per], block_peak_alloc=[s.peak for s in per], token_chunks=TOKEN_CHUNKS,
+        chunked=[c and ChunkedBlock(saved=max(c.saved, c.alloc), peak=c.peak, fwd_s=c.fwd_flops / ASSUMED_FLOPS,
+                                    bwd_s=c.bwd_flops / ASSUMED_FLOPS) for c in chunked])
     return profile, shapes
 
 
@@ -126,9 +137,12 @@ def _model_inputs(params, batch: int, resolution: int, n_txt: int, mode: FakeTen
     return inputs
 
 
-def headline_strategies() -> dict[str, Strategy]:
+def headline_strategies() -> list[tuple[str, Strategy]]:
     base = Strategy.of(compute_dtype="bf16", checkpoint="all", activation_offload=True)
-    return {"offload 0.9": base.replace(offload_fraction=0.9), "offload 1.0": base.replace(offload_fraction=1.0)}
+    chunked = base.replace(offload_fraction=1.0, token_chunks=TOKEN_CHUNKS)
+    return [("offload 0.9", base.replace(offload_fraction=0.9)), ("offload 1.0", base.replace(offload_fraction=1.0)),
+            (f"offload 1.0 + {TOKEN_CHUNKS} token chunks", chunked),
+            (f"offload 1.0 + {TOKEN_CHUNKS} token chunks", chunked.replace(prefetch_depth=0))]
 
 
 def least_peak(profile: Profile) -> tuple[Strategy, Prediction]:
@@ -166,7 +180,7 @@ def report(resolution: int = 2048, budget: int = HEADLINE_BUDGET) -> str:
               f"{_gib(profile.act_other)}; blocks {profile.n_blocks}, frozen block weights "
               f"{_gib(sum(profile.block_frozen))}, outside the blocks {_gib(profile.other_weight_bytes)}, LoRA "
               f"{profile.trainable_numel / 1e6:.1f} M parameters.", ""]
-    for name, strategy in headline_strategies().items():
+    for name, strategy in headline_strategies():
         p = predict(profile, strategy)
         depth = strategy.offload.prefetch_depth
         lines += [f"## {name} + activation offload + checkpoint all, prefetch depth {depth}", "",

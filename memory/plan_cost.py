@@ -13,6 +13,9 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   (peak reserved - peak allocated), and the prediction adds it (scaled with the batch). On the first H100 run
   (2026-11-23) a fixed 256 MiB allowance let the 8 and 12 GB plans for Flux-dev at 1024 px run out of memory with
   0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
+A strategy with token_chunks > 1 takes, for each block measured chunked (`Profile.chunked`), the chunked figures in
+place of the block's own: bytes saved without checkpointing, the peak over forward + backward, and the forward and
+backward times (the backward includes the chunks' recompute; a checkpointed block adds its chunked forward again).
 
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
@@ -90,11 +93,15 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
     compiled = strategy.compiler.per_block
     budget = strategy.compiler.activation_memory_budget
-    kept, full, c_fwd, c_bwd, compact = [], [], [], [], []
+    kept, full, c_fwd, c_bwd, compact, block_peak = [], [], [], [], [], []
     compile_s: dict[str, float] = {}
     factors: dict[str, tuple[float, float, float, float]] = {}
+    measured_peak = profile.block_peak_alloc or [0] * n
     for i in range(n):
-        f_i = profile.kept_full(i) * s
+        chunked = profile.chunked_block(i, strategy.checkpointing.token_chunks)
+        f_i = (chunked.saved if chunked else profile.kept_full(i)) * s
+        fwd_s, bwd_s = (chunked.fwd_s, chunked.bwd_s) if chunked else (profile.fwd_s[i], profile.bwd_s[i])
+        block_peak.append((chunked.peak if chunked else measured_peak[i]) * s)
         ckpt_i = profile.act_ckpt[i] * s
         ff = bf = af = 1.0
         if compiled:
@@ -108,8 +115,8 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
         kept.append(k_i)
         full.append(f_i * af if compiled else f_i)
         compact.append(keep is not Keep.ALL)
-        c_fwd.append(profile.fwd_s[i] * s * ff)
-        c_bwd.append(profile.bwd_s[i] * s * bf + (profile.fwd_s[i] * s * ff if eager_ckpt else 0.0))
+        c_fwd.append(fwd_s * s * ff)
+        c_bwd.append(bwd_s * s * bf + (fwd_s * s * ff if eager_ckpt else 0.0))
 
     on_device = list(kept)
     act_host = [0.0] * n
@@ -122,9 +129,8 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     else:
         act_device = sum(on_device)
     activations = act_device + (profile.act_shared + profile.act_other) * s
-    measured_peak = profile.block_peak_alloc or [0] * n
     transient = max((max((full[i] - kept[i] if compact[i] else 0.0) + 2 * profile.act_ckpt[i] * s,
-                         measured_peak[i] * s - kept[i]) for i in range(n)), default=0.0)
+                         block_peak[i] - kept[i]) for i in range(n)), default=0.0)
     weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     slots = predict_slot_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     grads = profile.trainable_bytes

@@ -3,12 +3,14 @@
 It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 0-2
 (depth 0 keeps one cell of slots: the least memory, for budgets nothing else fits; small blocks still prefetch),
 checkpointing off / every 2nd block / all, activation offload on/off, and, when the profile measured it, per-block
-compile at activation budgets 1.0 and 0.5), predicts each one's peak memory and step time from a measured Profile
+compile at activation budgets 1.0 and 0.5, and token chunks at the count the profile measured them at (probe.py
+says why that count)), predicts each one's peak memory and step time from a measured Profile
 (plan_cost.predict), and picks the fastest that fits; equal times go to the one using less memory. A larger budget
 can therefore never give a slower plan: it only adds candidates.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,21 +74,23 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
             seconds = sum(per[str(b)].compile_s for per in profile.compile.values())
             if compile_time_budget_s is None or seconds <= compile_time_budget_s:
                 compiles.append(("per_block", b))
+    chunk_counts = (1, profile.token_chunks) if profile.chunked and profile.token_chunks > 1 else (1,)
     out, seen = [], set()
     for chosen, f in offload_sets.items():
         for depth in ((0, 1, 2) if chosen else (base.offload.prefetch_depth,)):
             for ckpt in ("off", "every_n", "all"):
-                for compile_mode, budget in compiles:
+                for (compile_mode, budget), chunks in itertools.product(compiles, chunk_counts):
                     try:
                         s = base.replace(offload_fraction=f, offload_blocks=None, prefetch_depth=depth,
                                          checkpoint=ckpt, checkpoint_every=2, activation_offload=False,
-                                         compile=compile_mode, activation_memory_budget=budget)
+                                         compile=compile_mode, activation_memory_budget=budget, token_chunks=chunks)
                     except StrategyError:
-                        continue  # a combination the Strategy refuses (eager checkpointing of budget-compiled blocks)
+                        continue  # a combination the Strategy refuses (eager checkpointing of budget-compiled
+                        # blocks, compiled blocks in token chunks)
                     # activation offload only moves what blocks keep at less than everything
                     compact = any(s.keeps(i) is not Keep.ALL for i in range(profile.n_blocks))
                     for act_offload in ((False, True) if compact else (False,)):
-                        key = (chosen, depth, ckpt, compile_mode, budget, act_offload)
+                        key = (chosen, depth, ckpt, compile_mode, budget, chunks, act_offload)
                         if key not in seen:
                             seen.add(key)
                             out.append((s.replace(activation_offload=act_offload), list(chosen)))
@@ -145,6 +149,8 @@ def _describe(s: Strategy, p: Prediction, profile: Profile) -> str:
               "every_n": f"one block in {s.checkpointing.every} checkpointed"}[s.checkpointing.mode]]
     if s.activations.enabled:
         parts.append("activation offload")
+    if s.checkpointing.token_chunks > 1:
+        parts.append(f"{s.checkpointing.token_chunks} token chunks")
     if s.compiler.per_block:
         parts.append(f"per-block compile at activation budget {s.compiler.activation_memory_budget:g}")
     return ", ".join(parts)
@@ -174,6 +180,9 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
         second = acts[s.checkpointing.mode]
         if s.compiler.per_block:
             second += ", with each block compiled"
+        if s.checkpointing.token_chunks > 1:
+            second += (f", and each block runs its token-wise parts in {s.checkpointing.token_chunks} token chunks, "
+                       "recomputed in backward (a smaller working set)")
     second += f" ({format_bytes(b['activations'])} of activations"
     second += f", {format_bytes(b['host_activations'])} more waiting in host memory)" if s.activations.enabled \
         else ")"

@@ -16,6 +16,13 @@
 The probe runs with strategy_base's weight and activation offload (checkpointing all blocks), so with the most
 frugal base (offload 1.0 + activation offload, as `auto` uses on CUDA) it fits any budget a plan could fit.
 Optionally (measure_compile) the first block of each type is compiled per block at activation budgets 1.0 and 0.5.
+Blocks whose type has a token-chunked forward (token_chunks.py) are measured a second time in pass 2, chunked
+(`Profile.chunked`), at strategy_base's token_chunks, or TOKEN_CHUNKS when that is 1. TOKEN_CHUNKS = 8: a chunked
+block's peak is the larger of attention's working set (q, k, v, its output, their gradients, fixed) and one chunk's
+recompute plus backward (the unchunked transient / chunks); both grow with the tokens alike, so the count that
+reaches attention's floor does not depend on the resolution. Measured on Flux-dev's blocks (bench headline-plan,
+fake tensors): the peak falls from 31-34 H (H = tokens x hidden x 2 bytes) unchunked to 12.5/14.5 H at 4 chunks and
+11.2/13.0 H at 8, and stays at 11.0/13.0 H at 16 and 32 (double/single block).
 """
 from __future__ import annotations
 
@@ -32,11 +39,14 @@ from torch import nn
 from .block_compile import compile_block
 from .layer_offload import in_backward
 from .probe_tools import Captured, Clock, SavedBytes, measure_h2d_bandwidth, output_tensors
-from .profile import CompileFactors, Profile
+from .profile import ChunkedBlock, CompileFactors, Profile
 from .runtime import MemoryRuntime
 from .strategy import Strategy
+from .token_chunks import ChunkContext, chunked_forward_for
 
 __all__ = ["probe_model", "measure_h2d_bandwidth"]
+
+TOKEN_CHUNKS = 8  # the chunk count chunked blocks are measured (and planned) at: see the module docstring
 
 InputsMaker = Callable[[], tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]
 
@@ -96,6 +106,8 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         act_full, act_alloc, peak, fwd_s, bwd_s = ([r[k] for r in eager] for k in ("saved", "alloc", "peak", "fwd_s",
                                                                                   "bwd_s"))
         compile_factors = _probe_compile(probe, blocks, forwards, eager) if measure_compile else None
+        chunks = base.checkpointing.token_chunks if base.checkpointing.token_chunks > 1 else TOKEN_CHUNKS
+        chunked = _probe_chunked(probe, blocks, forwards, chunks, cuda=device.type == "cuda")
         sizes = rt.sizes
         # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
         pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
@@ -115,6 +127,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned), h2d_pinned=pinned,
         optimizer_s=optimizer_s, act_full_alloc=act_alloc if device.type == "cuda" else None,
         block_peak_alloc=peak if device.type == "cuda" else None, compile=compile_factors,
+        token_chunks=chunks if chunked else 1, chunked=chunked,
         measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict())
 
 
@@ -300,3 +313,21 @@ def _probe_compile(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, 
                 fwd_factor=r["fwd_s"] / max(e["fwd_s"], 1e-12), bwd_factor=r["bwd_s"] / max(e["bwd_s"], 1e-12),
                 act_factor=r["saved"] / max(e["saved"], 1), compile_s=compile_s)
     return factors
+
+
+def _probe_chunked(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, chunks: int,
+                   cuda: bool) -> list[ChunkedBlock | None] | None:
+    """Each block that has a token-chunked forward, alone, chunked: saved bytes, peak (CUDA) and times."""
+    if not any(chunked_forward_for(m) for m in blocks):
+        return None
+    out: list[ChunkedBlock | None] = []
+    for i, module in enumerate(blocks):
+        fn = chunked_forward_for(module)
+        if fn is None:
+            out.append(None)
+            continue
+        ctx = ChunkContext(chunks, plain=forwards[i])  # nothing else loads while one block is probed alone
+        r = _probe_block(probe, i, lambda *a, fn=fn, m=module, ctx=ctx, **k: fn(m, ctx, *a, **k))
+        out.append(ChunkedBlock(saved=int(r["saved"]), peak=int(r["peak"]) if cuda else 0, fwd_s=r["fwd_s"],
+                                bwd_s=r["bwd_s"]))
+    return out

@@ -26,6 +26,16 @@ class CompileFactors:
 
 
 @dataclass
+class ChunkedBlock:
+    """One block measured with its token-chunked forward (`Profile.token_chunks` chunks), without checkpointing:
+    the figures that replace the block's own when a strategy chunks (plan_cost.predict)."""
+    saved: int                 # bytes saved for backward (q, k, v, attention's output, the chunks' inputs)
+    peak: int                  # peak over forward + backward above its inputs (0: not measured, as on CPU)
+    fwd_s: float               # forward seconds
+    bwd_s: float               # backward seconds, the chunks' recompute included
+
+
+@dataclass
 class Profile(ConfigBase):
     FIELD_PREFIX = "Profile."
     FIELD_NOUN = "profile field"
@@ -54,13 +64,15 @@ class Profile(ConfigBase):
     block_peak_alloc: list[int] | None = None  # CUDA: allocator peak over each block's forward + backward alone
     h2d_pinned: bool = True              # CUDA copies from pinned memory overlap compute; pageable ones block the host
     compile: dict[str, dict[str, CompileFactors]] | None = None  # block type -> str(budget) -> factors
+    token_chunks: int = 1                # the chunk count `chunked` was measured at (1: not measured)
+    chunked: list[ChunkedBlock | None] | None = None  # per block, measured chunked; None: no chunked forward
     measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
     strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
 
     def __post_init__(self) -> None:
         n = len(self.block_names)
         for name in ("block_types", "block_frozen", "block_packed", "block_trainable", "act_full", "act_ckpt",
-                     "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc"):
+                     "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc", "chunked"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise self.ERROR(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} "
                                  "blocks: give one entry per block")
@@ -80,6 +92,13 @@ class Profile(ConfigBase):
         alloc = self.act_full_alloc[i] if self.act_full_alloc else 0
         return max(self.act_full[i], alloc)
 
+    def chunked_block(self, i: int, token_chunks: int) -> ChunkedBlock | None:
+        """Block i's chunked figures when a strategy runs it in `token_chunks` chunks (None: it runs unchunked).
+        They were measured at `self.token_chunks`; another count > 1 gets them as its estimate."""
+        if token_chunks <= 1 or not self.chunked:
+            return None
+        return self.chunked[i]
+
     def at_batch(self, batch: int) -> "Profile":
         """This profile linearly rescaled to another batch size: activations and compute time scale with the batch,
         weights do not. (Linear time is pessimistic for batches too small to fill the device.)"""
@@ -96,6 +115,8 @@ class Profile(ConfigBase):
             act_full_alloc=ints(self.act_full_alloc) if self.act_full_alloc else None,
             block_peak_alloc=ints(self.block_peak_alloc) if self.block_peak_alloc else None,
             fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,
+            chunked=[c and ChunkedBlock(int(round(c.saved * r)), int(round(c.peak * r)), c.fwd_s * r, c.bwd_s * r)
+                     for c in self.chunked] if self.chunked else None,
             measured={})
 
     # -- JSON (config_base.py) -----------------------------------------------------------------------------------
@@ -105,6 +126,8 @@ class Profile(ConfigBase):
         if data.get("compile"):
             data["compile"] = {t: {b: CompileFactors(**f) for b, f in per.items()}
                                for t, per in data["compile"].items()}
+        if data.get("chunked"):
+            data["chunked"] = [c and ChunkedBlock(**c) for c in data["chunked"]]
         return cls(**data)
 
     def to_json(self) -> str:

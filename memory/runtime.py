@@ -8,9 +8,12 @@ Apply order:
   2. placement: everything except offloaded blocks' frozen weights moves to the device (frozen weights in the
      weight dtype); trainable parameters (LoRA) are always resident, so their optimizer state is too.
   3. layer offload: host master copies and device slots for the offloaded blocks.
-  4. block forwards, from the inside out: per-block compile, then "load this block (and prefetch)" plus input
-     clones, then eager checkpointing, then saved-tensor hooks (weight references, activation offload). The result
-     is set as the block's instance-level `forward`, so module names and state-dict keys never change.
+  4. block forwards, from the inside out: per-block compile or, with token_chunks > 1 for a block whose type has a
+     registered chunked forward (token_chunks.py), that chunked forward (each chunk one recompute region that loads
+     the block again before running: a chunk recomputed in backward must not read another block's slot), then
+     "load this block (and prefetch)" plus input clones, then eager checkpointing, then saved-tensor hooks (weight
+     references, activation offload). The result is set as the block's instance-level `forward`, so module names
+     and state-dict keys never change.
 undo() reverses 4, 3, 2, then 0 (the sharded copy is dropped: the given model never changed). Use
 `with MemoryRuntime(...) as rt:`; the undo runs in `finally`.
 
@@ -38,6 +41,7 @@ from .offload_selection import select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
+from .token_chunks import ChunkContext, chunked_forward_for, recompute_region
 
 
 class MemoryRuntime:
@@ -158,12 +162,16 @@ class MemoryRuntime:
         checkpointed = keep is Keep.INPUTS
         offloaded = index in self.offloaded
         offload_acts = self.acts is not None and keep is not Keep.ALL
-        if not (compiled or checkpointed or self.offload is not None or offload_acts):
+        chunked = chunked_forward_for(module) if self.strategy.checkpointing.token_chunks > 1 else None
+        if not (compiled or checkpointed or chunked or self.offload is not None or offload_acts):
             return  # nothing to do for this block: no wrapper, no overhead
         previous = module.__dict__.get("forward")
         inner: Callable = module.forward
         if compiled:
             inner = compile_block(inner, self.strategy.compiler)
+        elif chunked is not None:
+            ctx = self._chunk_context(index, inner)
+            inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
 
         def body(*args, **kwargs):
             self._enter_block(index)
@@ -179,6 +187,17 @@ class MemoryRuntime:
 
         module.forward = forward
         self._patched.append((module, previous))
+
+    def _chunk_context(self, index: int, plain: Callable) -> ChunkContext:
+        """How block `index` runs its token chunks: each one a recompute region that enters the block first, in
+        forward and when recomputed in backward (by then other blocks may hold the slots: its weights must be
+        loaded again)."""
+        def run(f: Callable, *args):
+            def region(*a):
+                self._enter_block(index)
+                return f(*a)
+            return recompute_region(region, *args)
+        return ChunkContext(self.strategy.checkpointing.token_chunks, run=run, plain=plain)
 
     def _enter_block(self, index: int) -> None:
         if self.offload is not None:

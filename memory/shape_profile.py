@@ -164,12 +164,13 @@ def saved_bytes_of(run, params: list[torch.Tensor], mode: FakeTensorMode, *,
 def measure_block(forward, args: tuple, kwargs: dict[str, Any], params: list[torch.Tensor], mode: FakeTensorMode,
                   *, compute_dtype: torch.dtype | None) -> BlockShape:
     """Run `forward(*args, **kwargs)` and its backward on fake tensors (made under `mode`); count as described
-    above. `params` are the block's parameters (never counted as saved activations)."""
+    above. `params` are the block's parameters (never counted as saved activations). FLOPs are counted in a run of
+    their own: FlopCounterMode's module tracker keeps the tensors a recompute region makes in backward alive (a
+    token-chunked block then measured every chunk's recompute at once)."""
     counter = _SavedCounter(params)
     live = LiveBytes()
-    flops = FlopCounterMode(display=False)
     live.ignore(params)
-    with mode, live, flops, cuda_autocast_policy():
+    with mode, live, cuda_autocast_policy():
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         for t in inputs:
             live.track(t)
@@ -177,13 +178,25 @@ def measure_block(forward, args: tuple, kwargs: dict[str, Any], params: list[tor
         live.reset_peak()
         with counter.hooks(), _autocast(compute_dtype):
             out = forward(*args, **kwargs)
-        fwd_flops = flops.get_total_flops()
         outs = [o for o in output_tensors(out) if o.requires_grad]
         alloc = live.live - before - sum(o.untyped_storage().nbytes() for o in output_tensors(out))
-        grads = [torch.empty_like(o) for o in outs]
-        torch.autograd.backward(outs, grads)
+        torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
         peak = live.peak - before
-        del out, outs, grads
+        del out, outs
+    fwd_flops, bwd_flops = _flops(forward, args, kwargs, mode, compute_dtype)
     return BlockShape(saved=counter.total, alloc=max(0, alloc), peak=peak,
-                      inputs=sum(t.untyped_storage().nbytes() for t in inputs), fwd_flops=float(fwd_flops),
-                      bwd_flops=float(flops.get_total_flops() - fwd_flops))
+                      inputs=sum(t.untyped_storage().nbytes() for t in inputs), fwd_flops=fwd_flops,
+                      bwd_flops=bwd_flops)
+
+
+def _flops(forward, args: tuple, kwargs: dict[str, Any], mode: FakeTensorMode,
+           compute_dtype: torch.dtype | None) -> tuple[float, float]:
+    """(forward, backward) FLOPs of `forward(*args, **kwargs)` on fake tensors; backward includes recomputes."""
+    flops = FlopCounterMode(display=False)
+    with mode, flops, cuda_autocast_policy():
+        with _autocast(compute_dtype):
+            out = forward(*args, **kwargs)
+        fwd = flops.get_total_flops()
+        outs = [o for o in output_tensors(out) if o.requires_grad]
+        torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
+    return float(fwd), float(flops.get_total_flops() - fwd)

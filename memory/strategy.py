@@ -99,17 +99,29 @@ class CheckpointConfig(_Part):
     """Eager activation checkpointing (`checkpointing.checkpointed_call`): a checkpointed block keeps only its
     inputs and runs its forward again in backward. A compiled block with an activation memory budget below 1
     (`CompileConfig.activation_memory_budget`) is already recomputed by the compiler, so the two are not combined:
-    the Strategy refuses eager checkpointing with such a budget."""
-    FLAT = {"mode": "checkpoint", "every": "checkpoint_every"}
+    the Strategy refuses eager checkpointing with such a budget.
+
+    Token chunks are a field here, not a policy of their own: a chunk is a recomputed region (`token_chunks.py`),
+    the same mechanism as a checkpointed block at a finer grain, nested inside it when the block is checkpointed
+    and used alone when it is not."""
+    FLAT = {"mode": "checkpoint", "every": "checkpoint_every", "token_chunks": "token_chunks"}
 
     mode: str = "off"
     """'off', 'all' blocks, or 'every_n' (every `every`-th block)."""
     every: int = 2
     """N for mode='every_n': blocks 0, N, 2N, ... are recomputed in backward."""
+    token_chunks: int = 1
+    """Blocks whose type has a token-chunked forward (`token_chunks.register_chunked_forward`) compute every
+    token-wise part (norms, modulation, projections, MLP) in this many chunks over the token axis, each chunk
+    recomputed in backward: only attention's q, k, v and output span the whole sequence, so one block's forward +
+    backward working set shrinks (at 2048 px, most of it). 1 = off. Costs one more forward of the token-wise
+    parts; other blocks run as before."""
 
     def __post_init__(self) -> None:
         _check_choice("checkpoint", self.mode, CHECKPOINT_MODES)
         _check_int("checkpoint_every", self.every, 1, 1000, "N=1 checkpoints every block, N=2 every second block")
+        _check_int("token_chunks", self.token_chunks, 1, 64, "1 is off; 4-16 cut a block's working set at 1-4k "
+                   "tokens")
 
     def covers(self, index: int) -> bool:
         """Whether block `index` is checkpointed."""
@@ -256,6 +268,12 @@ class Strategy:
                 f"activation_memory_budget={self.compiler.activation_memory_budget:g}: the compiler already "
                 "recomputes inside each block under a budget below 1; set checkpoint='off', or "
                 "activation_memory_budget=1.0 to checkpoint the compiled blocks eagerly")
+        if self.compiler.per_block and self.checkpointing.token_chunks > 1:
+            # a chunk's region calls the runtime (it loads the block's weights when recomputed), which a compiled
+            # graph cannot contain; and a compiled block's recompute is the partitioner's to choose
+            raise StrategyError(
+                f"Strategy.token_chunks={self.checkpointing.token_chunks} does not combine with compile='per_block': "
+                "set token_chunks=1 to compile the blocks, or compile='off' to chunk them")
 
     # -- the one answer to "what does block i keep for backward" ------------------------------------------------
     def keeps(self, index: int) -> Keep:

@@ -62,6 +62,10 @@ class TightropeMemoryStrategy:
             "host_ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 65536.0, "step": 0.5,
                                              "tooltip": "auto mode: host RAM the run may use, the model included, "
                                                         "in GB; 0 = available RAM now minus a safety margin."}),
+            "token_chunks": ("INT", {"default": _D["token_chunks"], "min": 1, "max": 64,
+                                     "tooltip": "Run each block's token-wise layers in this many chunks, recomputed "
+                                                "in backward: a much smaller per-block working set at high "
+                                                "resolution for one more forward of those layers. 1 = off."}),
         }}
 
     @classmethod
@@ -69,6 +73,8 @@ class TightropeMemoryStrategy:
         """Before anything runs: every widget in range, and (manual mode) the fields fit together."""
         names = [n for n in cls.INPUT_TYPES()["required"] if n not in ("mode", "vram_budget_gb")]
         fields = {n: inputs.get(n) for n in names}
+        if "token_chunks" in inputs:  # optional: workflows saved before it existed leave it out
+            fields["token_chunks"] = inputs["token_chunks"]
 
         def fields_fit():
             if inputs.get("mode") == "manual" and None not in fields.values():  # linked values are not known yet

@@ -58,8 +58,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert [r["injection"] for r in ordering] == ["sleep on compute stream", "sleep on copy streams"]
     assert sections["leak_test"]["passed"] and sections["leak_test"]["counts"]["tests"] == 1
     headline = sections["headline"]["configs"]
-    assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"]) for r in headline] == \
-        [(0.9, 1), (1.0, 1), (1.0, 0), (0.0, 1)]  # the planner's least-peak configuration (depth 0) included
+    # the planner's least-peak configuration (depth 0, token chunks) included, and the unchunked one before it
+    assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"], r["strategy"]["token_chunks"])
+            for r in headline] == [(0.9, 1, 1), (1.0, 1, 1), (1.0, 0, 1), (1.0, 1, 8), (1.0, 0, 8), (0.0, 1, 1),
+                                   (0.0, 1, 8)]
     assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
     assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
 

@@ -16,7 +16,8 @@ def test_json_round_trip_is_tagged_by_part():
     data = json.loads(s.to_json())
     assert set(data) == {"offload", "checkpointing", "activations", "compiler", "precision", "sharding",
                          "block_lists"}
-    assert data["offload"]["blocks"] == [1, 3] and data["checkpointing"] == {"mode": "every_n", "every": 3}
+    assert data["offload"]["blocks"] == [1, 3]
+    assert data["checkpointing"] == {"mode": "every_n", "every": 3, "token_chunks": 1}
     again = Strategy.from_json(s.to_json())
     assert again == s and again.offload.blocks == (1, 3) and again.block_lists == ("blocks",)
     compiled = Strategy.of(compile="per_block", activation_memory_budget=0.5, compile_mode="max-autotune-no-cudagraphs")
@@ -24,6 +25,13 @@ def test_json_round_trip_is_tagged_by_part():
     sharded = Strategy.of(shard="fsdp", checkpoint="all")
     assert json.loads(sharded.to_json())["sharding"] == {"mode": "fsdp"} and Strategy.from_json(sharded.to_json()) \
         == sharded and sharded.sharding == ShardingConfig(mode="fsdp") and sharded.sharding.active
+    chunked = Strategy.of(checkpoint="all", token_chunks=8)
+    assert json.loads(chunked.to_json())["checkpointing"]["token_chunks"] == 8
+    assert Strategy.from_json(chunked.to_json()) == chunked and chunked.to_flat()["token_chunks"] == 8
+    # JSON written before token chunks existed (tagged, and flat) loads with them off
+    older = json.loads(s.to_json())
+    del older["checkpointing"]["token_chunks"]
+    assert Strategy.from_dict(older) == s and Strategy.from_dict(older).checkpointing.token_chunks == 1
 
 
 def test_a_strategy_saved_without_the_sharding_part_loads_unsharded():
@@ -50,7 +58,7 @@ def test_the_flat_form_of_version_0_1_still_loads():
     assert s.compiler == CompileConfig(scope="per_block", backend="aot_eager")
     assert (s.precision.compute_dtype, s.precision.weight_dtype) == ("bf16", "bf16")
     assert s.block_lists == ("double_blocks", "single_blocks")
-    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4], "shard": "off"}  # and it maps back (unsharded)
+    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4], "shard": "off", "token_chunks": 1}  # maps back
     assert Strategy.from_dict({"checkpoint": "all"}) == Strategy.of(checkpoint="all")  # partial flat dicts too
 
 
@@ -69,6 +77,9 @@ def test_the_flat_form_of_version_0_1_still_loads():
     ({"activation_offload": 1}, "activation_offload", "true or false"),
     ({"block_lists": ()}, "block_lists", "dotted names"),
     ({"shard": "ddp"}, "shard", "off, fsdp"),
+    ({"token_chunks": 0}, "token_chunks", "whole number from 1 to 64"),
+    ({"token_chunks": 65}, "token_chunks", "whole number from 1 to 64"),
+    ({"token_chunks": 2.0}, "token_chunks", "whole number from 1 to 64"),
 ])
 def test_bad_values_name_field_and_fix(kw, field, fix):
     with pytest.raises(StrategyError) as e:
@@ -90,6 +101,8 @@ def test_bad_values_name_field_and_fix(kw, field, fix):
      r".*set offload_fraction=0 and no offload_blocks .*or shard='off'"),
     ({"offload_blocks": (1,), "shard": "fsdp"},
      r"Strategy.shard='fsdp' \(--fsdp\) does not work with layer offload \(offload_fraction=0.0, offload_blocks=\[1\]\)"),
+    ({"checkpoint": "all", "compile": "per_block", "token_chunks": 4},
+     r"Strategy.token_chunks=4 does not combine with compile='per_block': set token_chunks=1 .* or compile='off'"),
 ])
 def test_cross_field_refusals_name_both_fields(kw, match):
     with pytest.raises(StrategyError, match=match):

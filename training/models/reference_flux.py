@@ -362,3 +362,6 @@ class Flux(nn.Module):
         out = out.reshape(B, h, w, c_out, PATCH, PATCH).permute(0, 3, 1, 4, 2, 5).reshape(B, c_out, h * PATCH,
                                                                                           w * PATCH)
         return out[:, :, :H, :W]
+
+
+from . import reference_flux_chunks  # noqa: E402,F401  registers the blocks' token-chunked forwards

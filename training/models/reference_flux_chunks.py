@@ -1,0 +1,120 @@
+"""Token-chunked forwards of the reference Flux blocks (the contract: memory/token_chunks.py).
+
+Each block runs in two passes over token chunks around one whole-sequence attention:
+  pass 1, per chunk: layer norm, modulation, the qkv projection, QK norm and RoPE (the chunk's slice of `pe`, so
+    no fp32 copy of the whole q and k is ever made) -> the chunk's q, k, v;
+  attention on the concatenated q, k, v (the double block: text tokens first, as `pe` is built);
+  pass 2, per chunk: the output projection, the MLP, the gates and the residual -> the chunk's output.
+Each pass-1 and pass-2 call is one `ctx.run` region, recomputed in backward: the whole-sequence tensors a block
+holds are its input, q, k, v, attention's output and its own output (and their gradients in backward); everything
+else lives one chunk at a time. The double block chunks its text and image tokens separately (separate weights).
+
+The single block's MLP input comes out of the same fused `linear1` as q, k, v. Pass 2 recomputes `linear1` on its
+chunk and takes the MLP columns, instead of keeping them from pass 1: kept, they would be 4 x hidden per token
+whole-sequence plus as much again of gradient (the pass-1 regions only run backward after attention's backward), 0.78
+GiB at 2048 px, a fifth of a 4 GB budget; recomputed, they cost one more `linear1` per region run (linear1 is a
+LoRA layer in general, so its qkv columns cannot be skipped), about 1/5 more FLOPs in a checkpointed single block.
+
+Values equal the plain forward up to the rounding of matrix products on fewer rows (the same sums, possibly
+blocked differently by the BLAS); every op is per token except attention, which is not chunked.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+from .reference_flux import DoubleStreamBlock, SelfAttention, SingleStreamBlock, apply_rope, split_qkv
+
+
+def _modulated(norm: nn.Module, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    return (1 + scale) * norm(x) + shift
+
+
+def _heads(o: Tensor) -> Tensor:
+    """(B, H, L, D) attention output -> (B, L, H*D)."""
+    return o.permute(0, 2, 1, 3).reshape(o.shape[0], o.shape[2], -1)
+
+
+def _pe(pe: Tensor, start: int, s: slice) -> Tensor:
+    return pe[:, :, start + s.start: start + s.stop]
+
+
+def _attention(qkv: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+    q, k, v = (torch.cat([c[j] for c in qkv], dim=2) for j in range(3))
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+# -- the double block ------------------------------------------------------------------------------------------------
+def _double_qkv(block: DoubleStreamBlock, norm: nn.Module, attn: SelfAttention):
+    def f(x, shift, scale, pe):
+        q, k, v = split_qkv(attn.qkv(_modulated(norm, x, shift, scale)), block.num_heads)
+        q, k = attn.norm(q, k, v)
+        q, k = apply_rope(q, k, pe)
+        return q, k, v
+    return f
+
+
+def _double_out(attn: SelfAttention, norm2: nn.Module, mlp: nn.Module):
+    def f(x, o, gate1, shift2, scale2, gate2):
+        x = x + gate1 * attn.proj(_heads(o))
+        return x + gate2 * mlp(_modulated(norm2, x, shift2, scale2))
+    return f
+
+
+def double_block_chunked(block: DoubleStreamBlock, ctx: ChunkContext, img: Tensor, txt: Tensor, vec: Tensor,
+                         pe: Tensor) -> tuple[Tensor, Tensor]:
+    img_mod1, img_mod2 = block.img_mod(vec)
+    txt_mod1, txt_mod2 = block.txt_mod(vec)
+    n_txt = txt.shape[1]
+    # (tokens, first position in the joint sequence, norm1, attention, mod1, norm2, mlp, mod2), text first
+    streams = [(txt, 0, block.txt_norm1, block.txt_attn, txt_mod1, block.txt_norm2, block.txt_mlp, txt_mod2),
+               (img, n_txt, block.img_norm1, block.img_attn, img_mod1, block.img_norm2, block.img_mlp, img_mod2)]
+    qkv = [ctx.run(_double_qkv(block, norm1, attn), x[:, s], mod1.shift, mod1.scale, _pe(pe, start, s))
+           for x, start, norm1, attn, mod1, *_ in streams for s in token_slices(x.shape[1], ctx.chunks)]
+    o = _attention(qkv)
+    out = []
+    for x, start, _, attn, mod1, norm2, mlp, mod2 in streams:
+        f = _double_out(attn, norm2, mlp)
+        out.append(torch.cat([ctx.run(f, x[:, s], o[:, :, start + s.start: start + s.stop], mod1.gate, mod2.shift,
+                                      mod2.scale, mod2.gate) for s in token_slices(x.shape[1], ctx.chunks)], dim=1))
+    txt_out, img_out = out
+    return img_out, txt_out
+
+
+# -- the single block ------------------------------------------------------------------------------------------------
+def _single_in(block: SingleStreamBlock, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    h = block.hidden_size
+    qkv, mlp = torch.split(block.linear1(_modulated(block.pre_norm, x, shift, scale)), [3 * h, block.mlp_hidden_dim],
+                           dim=-1)
+    return qkv, mlp
+
+
+def _single_qkv(block: SingleStreamBlock):
+    def f(x, shift, scale, pe):
+        q, k, v = split_qkv(_single_in(block, x, shift, scale)[0], block.num_heads)
+        q, k = block.norm(q, k, v)
+        q, k = apply_rope(q, k, pe)
+        return q, k, v
+    return f
+
+
+def _single_out(block: SingleStreamBlock):
+    def f(x, o, shift, scale, gate):
+        mlp = _single_in(block, x, shift, scale)[1]  # recomputed, not kept: see the module docstring
+        return x + gate * block.linear2(torch.cat((_heads(o), block.mlp_act(mlp)), dim=2))
+    return f
+
+
+def single_block_chunked(block: SingleStreamBlock, ctx: ChunkContext, x: Tensor, vec: Tensor, pe: Tensor) -> Tensor:
+    mod, _ = block.modulation(vec)
+    slices = token_slices(x.shape[1], ctx.chunks)
+    f_in = _single_qkv(block)
+    o = _attention([ctx.run(f_in, x[:, s], mod.shift, mod.scale, _pe(pe, 0, s)) for s in slices])
+    f_out = _single_out(block)
+    return torch.cat([ctx.run(f_out, x[:, s], o[:, :, s], mod.shift, mod.scale, mod.gate) for s in slices], dim=1)
+
+
+register_chunked_forward(DoubleStreamBlock, double_block_chunked)
+register_chunked_forward(SingleStreamBlock, single_block_chunked)
