@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import reference_flux_chunks  # noqa: F401  registers the reference Flux blocks' token-chunked forwards
 from .adapter import ModelAdapter
 
 

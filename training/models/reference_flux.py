@@ -363,5 +363,3 @@ class Flux(nn.Module):
                                                                                           w * PATCH)
         return out[:, :, :H, :W]
 
-
-from . import reference_flux_chunks  # noqa: E402,F401  registers the blocks' token-chunked forwards
