@@ -55,7 +55,8 @@ def two_stream():
 
 
 def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
-    """Eager: offload 0 / 0.5 / 1 x checkpoint off / all x activation offload; plus prefetch depth 2 and every-2nd.
+    """Eager: offload 0 / 0.5 / 1 x checkpoint off / all x activation offload; plus prefetch depth 2 and every-2nd,
+    and token chunks (offload 1 + checkpoint all + activation offload; offload 0.5 alone).
     tiny: three of them that still cover weight streaming with and without checkpointing and activation offload."""
     out = []
     for off, ckpt, act in itertools.product((0.0, 0.5, 1.0), ("off", "all"), (False, True)):
@@ -66,6 +67,10 @@ def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
     out.append(("off0.5 ckpt-every2 actoff depth2", Strategy.of(compute_dtype="fp32", offload_fraction=0.5,
                                                                checkpoint="every_n", checkpoint_every=2,
                                                                activation_offload=True, prefetch_depth=2)))
+    out += [(f"off{off:g} ckpt-{ckpt} chunks3" + (" actoff" if act else ""),
+             Strategy.of(compute_dtype="fp32", offload_fraction=off, checkpoint=ckpt, activation_offload=act,
+                         token_chunks=3))  # the test model's blocks have chunked forwards (two_stream.py)
+            for off, ckpt, act in ((1.0, "all", True), (0.5, "off", False))]
     return [out[k] for k in (3, 8, 9)] if tiny else out
 
 

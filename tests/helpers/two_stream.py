@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
+from tightrope.memory.token_chunks import register_chunked_forward, token_slices
+
 
 def _attention(h, qkv, proj, pe, heads):
     b, n, d = h.shape
@@ -53,6 +55,69 @@ class SingleBlock(nn.Module):
         h = F.layer_norm(x, x.shape[-1:])
         x = x + _attention(h, self.qkv, self.proj, pe, self.heads)
         return x + self.mlp(F.layer_norm(x, x.shape[-1:]))
+
+
+# -- token-chunked forwards (memory/token_chunks.py contract), so the runtime's chunk regions run under every strategy
+# of the equivalence matrix (bench/cuda_checks.py on a GPU): the blocks' values, inputs never changed
+def _qkv_chunks(block, ctx, x, pe, offset, norm, *extra):
+    """Pass 1 of one token stream: per chunk (one region), h = norm(chunk, *extra) and q, k, v of h, the chunk's
+    positions offset + its tokens in pe."""
+    slices = token_slices(x.shape[1], ctx.chunks)
+
+    def qkv_of(xc, pec, *e):
+        h = norm(xc, *e)
+        b, n, d = h.shape
+        q, k, v = block.qkv(h).view(b, n, 3, block.heads, d // block.heads).permute(2, 0, 3, 1, 4)
+        return q * pec, k * pec, v
+
+    return slices, [ctx.run(qkv_of, x[:, sl], pe[offset + sl.start:offset + sl.stop], *extra) for sl in slices]
+
+
+def _whole_attention(block, parts):
+    q, k, v = (torch.cat([p[i] for p in parts], 2) for i in range(3))
+    b, _, n, hd = q.shape
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, block.heads * hd)
+
+
+def double_block_chunked(block, ctx, img, txt, *, vec, pe):
+    bias = ctx.run(lambda t: block.txt_to_img(t.mean(1, keepdim=True)), txt)  # a mean over tokens: whole
+    shift, scale, gate = ctx.run(lambda v: block.mod(F.silu(v)).unsqueeze(1).chunk(3, -1), vec)
+    img = img + bias  # the block's in-place residual, out of place
+
+    def modulated(xc, sh, sc):
+        return F.layer_norm(xc, xc.shape[-1:]) * (1 + sc) + sh
+
+    n_txt = txt.shape[1]
+    t_slices, t_parts = _qkv_chunks(block, ctx, txt, pe, 0, modulated, shift, scale)
+    i_slices, i_parts = _qkv_chunks(block, ctx, img, pe, n_txt, modulated, shift, scale)
+    a = _whole_attention(block, t_parts + i_parts)
+    del t_parts, i_parts
+
+    def img_out(xc, ac, g):
+        y = xc + g * block.proj(ac)
+        return y + block.mlp(F.layer_norm(y, y.shape[-1:]))
+
+    txt_out = torch.cat([ctx.run(lambda xc, ac, g: xc + g * block.proj(ac), txt[:, sl], a[:, sl], gate) for sl in t_slices], 1)
+    img_out = torch.cat([ctx.run(img_out, img[:, sl], a[:, n_txt + sl.start:n_txt + sl.stop], gate)
+                         for sl in i_slices], 1)
+    return img_out, txt_out
+
+
+def single_block_chunked(block, ctx, x, *, vec, pe):
+    x = x + ctx.run(lambda v: block.shift(F.silu(v)).unsqueeze(1), vec)  # out of place
+    slices, parts = _qkv_chunks(block, ctx, x, pe, 0, lambda xc: F.layer_norm(xc, xc.shape[-1:]))
+    a = _whole_attention(block, parts)
+    del parts
+
+    def out(xc, ac):
+        y = xc + block.proj(ac)
+        return y + block.mlp(F.layer_norm(y, y.shape[-1:]))
+
+    return torch.cat([ctx.run(out, x[:, sl], a[:, sl]) for sl in slices], 1)
+
+
+register_chunked_forward(DoubleBlock, double_block_chunked)
+register_chunked_forward(SingleBlock, single_block_chunked)
 
 
 class TwoStream(nn.Module):

@@ -31,6 +31,17 @@ def test_compiled_matrix(offload, variant, act):
     assert_equivalent(run_managed(s), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("offload,ckpt,act,chunks", [(1.0, "all", True, 3), (0.5, "off", False, 3),
+                                                    (1.0, "every2", True, 20)])
+def test_token_chunks(offload, ckpt, act, chunks):
+    """The test model's blocks have chunked forwards (tests/helpers/two_stream.py): chunk regions recomputed in
+    backward under layer offload (also of blocks that are not checkpointed, whose weights only a region's own
+    load brings back), with activation offload; 20 chunks is more than the tokens (5 text, 12 image)."""
+    s = Strategy.of(offload_fraction=offload, activation_offload=act, compute_dtype="fp32", token_chunks=chunks,
+                    **CHECKPOINTS[ckpt])
+    assert_equivalent(run_managed(s))
+
+
 def test_prefetch_depths_and_policies():
     for kw in ({"prefetch_depth": 0}, {"prefetch_depth": 3}, {"offload_policy": "first"},
                {"offload_policy": "last"}, {"offload_blocks": (1, 4)}):
