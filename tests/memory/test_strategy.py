@@ -101,6 +101,9 @@ def test_bad_values_name_field_and_fix(kw, field, fix):
      r".*set offload_fraction=0 and no offload_blocks .*or shard='off'"),
     ({"offload_blocks": (1,), "shard": "fsdp"},
      r"Strategy.shard='fsdp' \(--fsdp\) does not work with layer offload \(offload_fraction=0.0, offload_blocks=\[1\]\)"),
+    ({"checkpoint": "all", "shard": "fsdp", "token_chunks": 8},
+     r"Strategy.token_chunks=8 does not work with shard='fsdp' \(--fsdp\) yet: set token_chunks=1 .* or run without "
+     r"--fsdp"),
     ({"checkpoint": "all", "compile": "per_block", "token_chunks": 4},
      r"Strategy.token_chunks=4 does not combine with compile='per_block': set token_chunks=1 .* or compile='off'"),
 ])
