@@ -4,9 +4,10 @@ Needs COMFYUI_DIR (ComfyUI's source dir) and its python, COMFYUI_PYTHON (default
 with Tightrope's requirements installed. For offload 0 / 0.5 / 1.0, one fresh server per configuration (--cpu, an
 in-memory database, a temporary base directory with this checkout as its only custom node):
 1. a load prompt: UNETLoader reads a Flux-shaped checkpoint of W bytes (fp32, written once), a Preview node shows
-   it; the server's RSS a few seconds later is the loaded level. (ComfyUI 0.33's default RAM-pressure cache was
-   seen to load the model again in each training prompt, the old one freed first; with --cache-classic, which
-   keeps it, offload 1.0 measured the same: see benchmarks/results/cpu-2026-11-23/host_memory_notes.md);
+   it; the server's RSS a few seconds later is the loaded level. (The training prompts reuse this model: traced in
+   session 5b, UNETLoader ran once per server and the weights kept their storages; ComfyUI 0.33's default
+   RAM-pressure cache drops an output the running prompt uses only when free RAM is below its headroom: see
+   benchmarks/results/cpu-2026-11-23/host_memory_notes.md);
 2. training prompts (Demo Images -> Load Dataset -> LoRA Setup -> Memory Strategy -> Train -> Save LoRA), each with
    a new seed so ComfyUI's cache re-runs the training but keeps the loaded model; the RSS is sampled from outside
    (/proc/PID/status, every 20 ms): the plateau (median while the prompt runs) and the peak, above the loaded level;
@@ -24,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from .comfy_server import Server, comfy_python
@@ -127,7 +129,7 @@ def measure_one(comfy_dir: str, checkpoint: Path, offload: float | None) -> dict
             server.wait_ready()
             load, train = prompts(checkpoint.name, 0.0 if offload is None else offload)
             if offload is None:
-                train = lambda seed: sample(load, seed)  # noqa: E731
+                train = partial(sample, load)
             started = memory_status(server.proc.pid)
             server.run(load)
             time.sleep(SETTLE_S)
