@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", metavar="DIR", help="output folder (default benchmarks/results/cpu-<date>)")
     ap.add_argument("--skip-server", action="store_true", help="leave out the ComfyUI server part")
     ap.add_argument("--skip-ranks", action="store_true", help="leave out the 2-rank torchrun part")
+    ap.add_argument("--server-control", action="store_true",
+                    help="also a server whose prompts sample instead of training (ComfyUI's own after-prompt RSS)")
     ap.add_argument("--child", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -187,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipping the ComfyUI server part: {host_memory_server.SKIP_REASON}")
     else:
         result["server_env"] = host_memory_server.environment()
-        result["server"] = host_memory_server.measure(MODEL["params"], OFFLOADS, weights)
+        result["server"] = host_memory_server.measure(MODEL["params"], OFFLOADS, weights,
+                                                      control=args.server_control)
     if not args.skip_ranks:
         result["ranks"] = host_memory_ranks.measure(1.0, CHILD_ENV)
     save_cpu_result("host_memory", result, markdown(result), args.out)

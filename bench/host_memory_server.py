@@ -4,13 +4,17 @@ Needs COMFYUI_DIR (ComfyUI's source dir) and its python, COMFYUI_PYTHON (default
 with Tightrope's requirements installed. For offload 0 / 0.5 / 1.0, one fresh server per configuration (--cpu, an
 in-memory database, a temporary base directory with this checkout as its only custom node):
 1. a load prompt: UNETLoader reads a Flux-shaped checkpoint of W bytes (fp32, written once), a Preview node shows
-   it; the server's RSS a few seconds later is the loaded level. (ComfyUI 0.33's default RAM-pressure cache was
-   seen to load the model again in each training prompt, the old one freed first; with --cache-classic, which
-   keeps it, offload 1.0 measured the same: see benchmarks/results/cpu-2026-11-23/host_memory_notes.md);
+   it; the server's RSS a few seconds later is the loaded level. (The training prompts reuse this model: traced in
+   session 5b, UNETLoader ran once per server and the weights kept their storages; ComfyUI 0.33's default
+   RAM-pressure cache drops an output the running prompt uses only when free RAM is below its headroom: see
+   benchmarks/results/cpu-2026-11-23/host_memory_notes.md);
 2. training prompts (Demo Images -> Load Dataset -> LoRA Setup -> Memory Strategy -> Train -> Save LoRA), each with
    a new seed so ComfyUI's cache re-runs the training but keeps the loaded model; the RSS is sampled from outside
    (/proc/PID/status, every 20 ms): the plateau (median while the prompt runs) and the peak, above the loaded level;
 3. after each prompt (settled), the RSS against the loaded level (target: within 2 %).
+With control=True, one more server runs sampling prompts instead (ComfyUI's KSampler, 2 steps on the same model at
+the training images' token count, no Tightrope node but the stand-in conditioning): what ComfyUI itself keeps after a
+prompt that runs the model, to set against what a training prompt keeps.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from .comfy_server import Server, comfy_python
@@ -99,7 +104,20 @@ def prompts(checkpoint: str, offload: float) -> tuple[dict, callable]:
     return load, train
 
 
-def measure_one(comfy_dir: str, checkpoint: Path, offload: float) -> dict:
+def sample(load: dict, seed: int) -> dict:
+    """The control prompt: ComfyUI's KSampler, 2 steps at 64 tokens (a 128 px latent, as the 32 px training images
+    under the demo VAE's 2x downscale), sharing the load prompt's loader node; PreviewAny is its output."""
+    return {"1": load["1"],
+            "3": _inputs("TightropeDemoConditioning", model=["1", 0], text="a red circle", tokens=16, seed=0),
+            "4": _inputs("EmptySD3LatentImage", width=128, height=128, batch_size=1),
+            "5": _inputs("KSampler", model=["1", 0], seed=seed, steps=2, cfg=1.0, sampler_name="euler",
+                         scheduler="simple", positive=["3", 0], negative=["3", 0], latent_image=["4", 0],
+                         denoise=1.0),
+            "6": _inputs("PreviewAny", source=["5", 0])}
+
+
+def measure_one(comfy_dir: str, checkpoint: Path, offload: float | None) -> dict:
+    """offload None: the sampling control (no training prompt)."""
     with tempfile.TemporaryDirectory(prefix="tightrope-host-memory-") as tmp:
         base = Path(tmp)
         (base / "custom_nodes").mkdir()
@@ -109,7 +127,9 @@ def measure_one(comfy_dir: str, checkpoint: Path, offload: float) -> dict:
         server = Server(comfy_dir, base)
         try:
             server.wait_ready()
-            load, train = prompts(checkpoint.name, offload)
+            load, train = prompts(checkpoint.name, 0.0 if offload is None else offload)
+            if offload is None:
+                train = partial(sample, load)
             started = memory_status(server.proc.pid)
             server.run(load)
             time.sleep(SETTLE_S)
@@ -144,13 +164,14 @@ def write_checkpoint(folder: Path, params) -> Path:
     return Path(make_tiny_checkpoint(folder / "host_memory_flux.safetensors", params=params, seed=0))
 
 
-def measure(params, offloads: tuple[float, ...], weights_bytes: int) -> list[dict]:
-    """One fresh server per offload; figures as multiples of W = `weights_bytes`."""
+def measure(params, offloads: tuple[float, ...], weights_bytes: int, control: bool = False) -> list[dict]:
+    """One fresh server per offload (and one for the sampling control, offload None, with `control`); figures as
+    multiples of W = `weights_bytes`."""
     comfy_dir = os.path.abspath(os.environ["COMFYUI_DIR"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="tightrope-host-memory-ckpt-") as tmp:
         checkpoint = write_checkpoint(Path(tmp), params)
-        for offload in offloads:
+        for offload in (*offloads, None) if control else offloads:
             r = measure_one(comfy_dir, checkpoint, offload)
             base = r["loaded"]["VmRSS"]
             r["weights_bytes"] = weights_bytes
@@ -160,9 +181,13 @@ def measure(params, offloads: tuple[float, ...], weights_bytes: int) -> list[dic
                 run["peak_above_loaded_w"] = (run["peak_rss_bytes"] - base) / weights_bytes
                 run["after_vs_loaded"] = run["after"]["VmRSS"] / base - 1
             rows.append(r)
-            print(f"server, offload {offload:g}: " + json.dumps(
+            print(f"server, {_label(offload)}: " + json.dumps(
                 [{k: round(v, 3) for k, v in run.items() if isinstance(v, float)} for run in r["runs"]]), flush=True)
     return rows
+
+
+def _label(offload: float | None) -> str:
+    return "control (KSampler, no training)" if offload is None else f"offload {offload:g}"
 
 
 def markdown(rows: list[dict], env: dict[str, str] | None = None) -> list[str]:
@@ -173,13 +198,17 @@ def markdown(rows: list[dict], env: dict[str, str] | None = None) -> list[str]:
              "Loaded: the "
              "server's RSS after the load prompt. Plateau: the median RSS while a prompt runs; peak: its maximum "
              "(sampled every 20 ms from outside); after: settled, vs loaded, and the anonymous and file-backed "
-             "(library code) parts of it in MiB.", "",
+             "(library code) parts of it in MiB."
+             + (" Control: a server whose prompts sample (ComfyUI's KSampler, 2 steps at the same 64 tokens) instead "
+                "of training: what ComfyUI keeps after a prompt that runs the model." if any(
+                    r["offload"] is None for r in rows) else ""), "",
              "| offload | loaded (above the idle server) | prompt | plateau above loaded | peak above loaded | "
              "after vs loaded | after: anon / file |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for k, run in enumerate(r["runs"], 1):
             anon, file = ((run["after"][key] - r["loaded"][key]) / 2**20 for key in ("RssAnon", "RssFile"))
-            lines.append(f"| {r['offload']:g} | +{r['loaded_above_started_w']:.2f} W | {k} | "
+            offload = "control" if r["offload"] is None else f"{r['offload']:g}"
+            lines.append(f"| {offload} | +{r['loaded_above_started_w']:.2f} W | {k} | "
                          f"{run['plateau_above_loaded_w']:+.2f} W | {run['peak_above_loaded_w']:+.2f} W | "
                          f"{100 * run['after_vs_loaded']:+.2f} % | {anon:+.1f} / {file:+.1f} |")
     return lines

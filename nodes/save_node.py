@@ -1,6 +1,7 @@
 """Save LoRA node: writes the session's LoRA where ComfyUI's LoraLoader finds it, never overwriting."""
 from __future__ import annotations
 
+from ..memory.host_memory import release_freed_host_memory
 from ..training.distributed import on_main_rank
 from ..training.input_checks import check_output_target
 from ..training.lora.dora_scale import DORA_FOR, check_dora_for
@@ -55,4 +56,5 @@ class TightropeSaveLora:
         ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix, dora_for)) \
             if save_ema else None
         paths = [str(path)] + ([str(ema)] if ema is not None else [])
+        release_freed_host_memory()  # the file's serialised bytes and state-dict copies are freed now
         return {"ui": {"text": paths}, "result": (str(path),)}

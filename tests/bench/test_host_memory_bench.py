@@ -38,3 +38,19 @@ def test_server_rows_are_reported_per_training_prompt():
     lines = host_memory_server.markdown([row])
     assert "| 1 | +1.00 W | 1 | +0.37 W | +0.38 W | +1.20 % | +12.0 / +13.0 |" in lines
     assert "| 1 | +1.00 W | 2 | +0.38 W | +0.39 W | +1.30 % | +13.0 / +13.0 |" in lines
+
+
+def test_the_sampling_control_is_a_row_of_its_own_and_its_prompt_samples_with_the_loaded_model():
+    loaded = {"RssAnon": 1000 * MiB, "RssFile": 100 * MiB}
+    run = {"plateau_above_loaded_w": 0.01, "peak_above_loaded_w": 0.02, "after_vs_loaded": 0.02,
+           "after": {"RssAnon": 1020 * MiB, "RssFile": 106 * MiB}}
+    train_row = {"offload": 1.0, "loaded_above_started_w": 1.0, "loaded": loaded, "runs": [run]}
+    lines = host_memory_server.markdown([train_row, {**train_row, "offload": None}])
+    assert "| 1 | +1.00 W | 1 | +0.01 W | +0.02 W | +2.00 % | +20.0 / +6.0 |" in lines
+    assert "| control | +1.00 W | 1 | +0.01 W | +0.02 W | +2.00 % | +20.0 / +6.0 |" in lines
+    assert "Control: a server whose prompts sample" in lines[2]
+    load, _ = host_memory_server.prompts("model.safetensors", 1.0)
+    control = host_memory_server.sample(load, seed=3)
+    assert control["1"] is load["1"]  # the loader node of the load prompt: ComfyUI's cache keeps the model
+    assert control["5"]["inputs"]["model"] == ["1", 0] and control["5"]["inputs"]["seed"] == 3
+    assert not any(node["class_type"] == "TightropeTrain" for node in control.values())
