@@ -8,7 +8,8 @@ Tolerance (fp32): a chunk runs the block's own ops on a subset of the tokens; ro
 the only differences are rounding: the BLAS kernel chosen for fewer rows may block the feature reduction otherwise,
 and a parameter's gradient sums the chunks' contributions in another order. Measured: at most 1.4e-6 of the
 largest value (about 12 fp32 ulps); 1e-5 leaves room for another CPU's kernels, while a wrong token offset, pe
-slice, gate or residual gives errors of order 1. With one chunk the shapes and ops are the block's own: bit-equal.
+slice, gate or residual gives errors of order 1. With one chunk the shapes and ops are the block's own: bit-equal,
+but for the single block's linear1 weight gradient, summed from two matmuls (qkv and MLP columns; 1e-7 measured).
 """
 import json
 import os
@@ -53,8 +54,9 @@ def test_chunked_block_matches_its_own_forward(result, case):
     print(f"\n{case}: {r}")
     assert r["plain_calls"] == 0 and r["missing_grads"] == [] and r["n_grads"] == CASES[case]
     assert r["unchanged"], "the chunked forward changed its inputs"
-    if case.endswith("chunks=1"):
-        assert r["out_err"] == 0 and r["grad_rel"] == 0
+    if case.endswith("chunks=1"):  # the block's own ops: bit-equal, except that the single block's linear1 weight
+        # gradient now sums its qkv-column and MLP-column parts in two matmuls (linear1 is recomputed in pass 4)
+        assert r["out_err"] == 0 and (r["grad_rel"] == 0 or case.startswith("single") and r["grad_rel"] <= RTOL)
     else:
         assert r["out_err"] <= RTOL * r["out_scale"] and r["grad_rel"] <= RTOL
 

@@ -9,9 +9,11 @@ the result differs from the block's own forward by at most the rounding of a mat
   1. modulation (vec -> shift, scale, gate): one region; not token-wise, but it reads the block's weights, so it is
      recomputed in backward like every other part that does;
   2. per chunk, one region: norm, modulation, qkv projection, QK norm and RoPE -> q, k, v (the single block's fused
-     linear1 also gives the MLP activation, handed on to pass 4 and kept for backward as its regions' input:
-     mlp_hidden values a token, 415 MB for Flux-dev at 2048 px in bf16; recomputing linear1 in pass 4 instead would
-     add two linear1 forwards a step, about 15 % of a single block's forward + backward work there);
+     linear1 also gives the MLP input: pass 4 recomputes linear1 on its chunk and takes the MLP columns, as the
+     reference Flux does (reference_flux_chunks.py). Kept from pass 2 instead, the MLP activation and its gradient
+     would span the whole sequence until the block's backward ends, ~0.78 GiB for Flux-dev at 2048 px in bf16, which
+     alone puts the 4 GB headline plan over budget; recomputing costs one more linear1 per region run, about 1/5 more
+     work in a checkpointed single block. linear1 is a LoRA layer in general, so its qkv columns cannot be skipped);
   3. ComfyUI's `attention` over the whole sequence, with the caller's transformer_options and pe=None;
   4. per chunk, one region: output projection, gate, residual (the double block: then norm, modulation, MLP, gate,
      residual; fp16 outputs clamped with nan_to_num, as the block does), out of place: the inputs are never changed.
@@ -97,23 +99,25 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         shift, scale, gate = _fields(a["vec"])
     hidden, heads = block.hidden_size, block.num_heads
 
-    def qkv_mlp(xc, shift, scale, *pe_chunk):
+    def linear1(xc, shift, scale):  # -> (qkv, mlp): the fused input projection
         h = block.linear1(apply_mod(block.pre_norm(xc), 1 + scale, shift))
-        qkv, mlp = torch.split(h, [3 * hidden, block.mlp_hidden_dim_first], dim=-1)
-        return (*_heads(block.norm, qkv, heads, pe_chunk), block.mlp_act(mlp))
+        return torch.split(h, [3 * hidden, block.mlp_hidden_dim_first], dim=-1)
+
+    def qkv(xc, shift, scale, *pe_chunk):
+        return _heads(block.norm, linear1(xc, shift, scale)[0], heads, pe_chunk)
 
     slices = token_slices(x.shape[1], ctx.chunks)
-    parts = [ctx.run(qkv_mlp, x[:, s], shift, scale, *_pe_chunk(pe, 0, s)) for s in slices]
+    parts = [ctx.run(qkv, x[:, s], shift, scale, *_pe_chunk(pe, 0, s)) for s in slices]
     q, k, v = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
-    mlp = [p[3] for p in parts]
     del parts
     attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
     del q, k, v
 
-    def out(xc, attn_c, mlp_c, gate):
-        return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp_c), 2)), gate)))
+    def out(xc, attn_c, shift, scale, gate):
+        mlp = block.mlp_act(linear1(xc, shift, scale)[1])  # recomputed, not kept: see the module docstring
+        return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp), 2)), gate)))
 
-    return torch.cat([ctx.run(out, x[:, s], attn[:, s], mlp_c, gate) for s, mlp_c in zip(slices, mlp)], dim=1)
+    return torch.cat([ctx.run(out, x[:, s], attn[:, s], shift, scale, gate) for s in slices], dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ the passes
