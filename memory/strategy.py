@@ -52,11 +52,6 @@ class _Part(ConfigBase):
     FLAT: ClassVar[dict[str, str]]
 
 
-# the shared checks (config_base.py), raising StrategyError
-_check_range, _check_int, _check_choice, _check_bool = \
-    _Part.check_range, _Part.check_int, _Part.check_choice, _Part.check_bool
-
-
 @dataclass(frozen=True, kw_only=True)
 class LayerOffloadConfig(_Part):
     """Layer offload (`layer_offload.LayerOffload`): frozen block weights live in host memory and stream in."""
@@ -77,17 +72,17 @@ class LayerOffloadConfig(_Part):
     (CUDA only; ignored elsewhere)."""
 
     def __post_init__(self) -> None:
-        _check_range("offload_fraction", self.fraction, 0.0, 1.0,
+        self.check_range("offload_fraction", self.fraction, 0.0, 1.0,
                      "0.0 keeps every block on the GPU, 1.0 offloads every block")
-        _check_choice("offload_policy", self.policy, OFFLOAD_POLICIES)
+        self.check_choice("offload_policy", self.policy, OFFLOAD_POLICIES)
         if self.blocks is not None:
             if isinstance(self.blocks, (str, bytes)) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.blocks):
                 raise StrategyError(f"Strategy.offload_blocks={self.blocks!r} is invalid: give a list of "
                                     "block indices >= 0 (model order), or leave it empty to use offload_fraction")
             object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))))
-        _check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
-        _check_bool("pin_memory", self.pin_memory)
+        self.check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
+        self.check_bool("pin_memory", self.pin_memory)
 
     @property
     def active(self) -> bool:
@@ -118,9 +113,9 @@ class CheckpointConfig(_Part):
     parts; other blocks run as before."""
 
     def __post_init__(self) -> None:
-        _check_choice("checkpoint", self.mode, CHECKPOINT_MODES)
-        _check_int("checkpoint_every", self.every, 1, 1000, "N=1 checkpoints every block, N=2 every second block")
-        _check_int("token_chunks", self.token_chunks, 1, 64, "1 is off; 4-16 cut a block's working set at 1-4k "
+        self.check_choice("checkpoint", self.mode, CHECKPOINT_MODES)
+        self.check_int("checkpoint_every", self.every, 1, 1000, "N=1 checkpoints every block, N=2 every second block")
+        self.check_int("token_chunks", self.token_chunks, 1, 64, "1 is off; 4-16 cut a block's working set at 1-4k "
                    "tokens")
 
     def covers(self, index: int) -> bool:
@@ -138,7 +133,7 @@ class ActivationOffloadConfig(_Part):
     for backward."""
 
     def __post_init__(self) -> None:
-        _check_bool("activation_offload", self.enabled)
+        self.check_bool("activation_offload", self.enabled)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,10 +153,10 @@ class CompileConfig(_Part):
     in backward, in place of eager checkpointing of that block. Ignored when scope is 'off'."""
 
     def __post_init__(self) -> None:
-        _check_choice("compile", self.scope, COMPILE_MODES)
-        _check_choice("compile_mode", self.mode, COMPILE_OPTIONS)
-        _check_choice("compile_backend", self.backend, COMPILE_BACKENDS)
-        _check_range("activation_memory_budget", self.activation_memory_budget, 0.0, 1.0,
+        self.check_choice("compile", self.scope, COMPILE_MODES)
+        self.check_choice("compile_mode", self.mode, COMPILE_OPTIONS)
+        self.check_choice("compile_backend", self.backend, COMPILE_BACKENDS)
+        self.check_range("activation_memory_budget", self.activation_memory_budget, 0.0, 1.0,
                      "1.0 keeps all activations, 0.5 lets the compiler recompute cheap ops")
 
     @property
@@ -186,8 +181,8 @@ class PrecisionConfig(_Part):
     compute_dtype 'bf16' or 'fp16' (autocast casts the weights per matmul; fp32 compute has no autocast)."""
 
     def __post_init__(self) -> None:
-        _check_choice("compute_dtype", self.compute_dtype, DTYPES)
-        _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        self.check_choice("compute_dtype", self.compute_dtype, DTYPES)
+        self.check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,7 +198,7 @@ class ShardingConfig(_Part):
     outside the blocks stay whole on every rank."""
 
     def __post_init__(self) -> None:
-        _check_choice("shard", self.mode, SHARDING_MODES)
+        self.check_choice("shard", self.mode, SHARDING_MODES)
 
     @property
     def active(self) -> bool:
