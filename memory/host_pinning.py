@@ -9,8 +9,11 @@ allocation up to a power of two and keeps it cached for the life of the process)
   longer be copied). So no other allocation ever shares a registered page, and the offloader splits each weight's
   copy where its storage's registered interior begins and ends (`split`).
 - Memory someone else already pinned (ComfyUI's own pinned weights, a torch pinned tensor) is left as it is.
-- Registration can be refused (`ulimit -l`, WSL and Windows limits, a read-only mmap) or be impossible (a CPU-only
-  torch): the memory stays pageable, host-to-device copies from it are staged by the driver, and one warning line
+- A read-only mapping (ComfyUI's dynamic VRAM loads weights as a read-only mmap of the model file) cannot be pinned
+  for device writes; a range the default registration refuses is registered again read-only
+  (`cudaHostRegisterReadOnly`), which is all a host-to-device copy needs.
+- Registration can be refused (`ulimit -l`, WSL and Windows limits, read-only registration unsupported) or be
+  impossible (a CPU-only torch): the memory stays pageable, host-to-device copies from it are staged by the driver, and one warning line
   says so. Every refused call's error is cleared at once, so it cannot surface at the next kernel launch.
 - `release()` unregisters what this object registered; the offloader calls it in `finally`.
 """
@@ -24,6 +27,7 @@ from typing import Any, Iterable
 import torch
 
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: pinned by someone else, who will unpin it
+READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the range (every copy from a weight is host-to-device)
 
 
 def storage_spans(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
@@ -62,18 +66,23 @@ class PinnedRanges:
             return
         refused, reason = 0, ""
         for start, nbytes in interior_ranges(storage_spans(tensors)):
-            code = int(cudart.cudaHostRegister(start, nbytes, 0))
+            code = self._try(cudart, start, nbytes, 0)
+            if code not in (0, ALREADY_REGISTERED) and self._try(cudart, start, nbytes, READ_ONLY) == 0:
+                code = 0  # a read-only mapping: the device only reads it
             if code == 0:
                 self.registered.append((start, nbytes))
-                continue
-            text = _error_text(cudart, code)
-            _clear_last_error(self.device, text)  # every refusal, "already registered" too, sets the last error
-            if code != ALREADY_REGISTERED:
+            elif code != ALREADY_REGISTERED:
                 refused += nbytes
-                reason = f"{text}, error {code}"
+                reason = f"{_error_text(cudart, code)}, error {code}"
         self.registered.sort()
         if refused:
             self._note(refused, reason)
+
+    def _try(self, cudart: Any, start: int, nbytes: int, flags: int) -> int:
+        code = int(cudart.cudaHostRegister(start, nbytes, flags))
+        if code:  # every refusal, "already registered" too, sets the thread's last error
+            _clear_last_error(self.device, _error_text(cudart, code))
+        return code
 
     def release(self) -> None:
         """Unregister everything registered here (the caller has synchronised the copies reading from it)."""

@@ -4,6 +4,8 @@ What the driver does, and the first H100 run showed (2026-11-23):
 - cudaHostRegister pins whole pages; a range that overlaps one already registered is refused (712, already
   registered), and refusing sets the thread's last error.
 - cudaHostUnregister takes the start of a registered range; anything else is refused (713, not registered).
+- Read-only memory (a PROT_READ mapping, as ComfyUI's dynamic VRAM loads weights) registers only with
+  cudaHostRegisterReadOnly (flag 8): the driver pins its pages for device reads only. Without it: 1, invalid argument.
 - A copy whose host buffer lies partly inside a registered range and partly outside fails ("invalid argument").
   `StraddleCheck` raises exactly there, for every copy the simulation makes, whichever side is the host.
 """
@@ -12,7 +14,7 @@ import mmap
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ALREADY_REGISTERED, NOT_REGISTERED = 712, 713
+ALREADY_REGISTERED, NOT_REGISTERED, INVALID_VALUE, READ_ONLY = 712, 713, 1, 8
 
 
 class FakeCudart:
@@ -22,6 +24,7 @@ class FakeCudart:
         self.refuse, self.page = refuse, page
         self.live: dict[int, int] = {}          # start -> nbytes, registered now
         self.registered, self.unregistered = [], []  # every successful call, in order
+        self.flags: dict[int, int] = {}         # start -> the flags it was registered with
 
     def cudaHostRegister(self, ptr, nbytes, flags):
         if self.refuse:
@@ -29,7 +32,9 @@ class FakeCudart:
         a, b = ptr // self.page * self.page, -(-(ptr + nbytes) // self.page) * self.page
         if any(s < b and a < s + n for s, n in self.live.items()):
             return ALREADY_REGISTERED
-        self.live[ptr] = nbytes
+        if not flags & READ_ONLY and not _writable(a, b):
+            return INVALID_VALUE
+        self.live[ptr], self.flags[ptr] = nbytes, flags
         self.registered.append((ptr, nbytes))
         return 0
 
@@ -44,7 +49,7 @@ class FakeCudart:
         return code
 
     def cudaGetErrorString(self, code):
-        return {2: "out of memory", ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+        return {INVALID_VALUE: "invalid argument", 2: "out of memory", ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
                 NOT_REGISTERED: "pointer does not correspond to a registered memory region"}.get(code, "unknown")
 
     def straddles(self, address: int, nbytes: int) -> bool:
@@ -55,6 +60,16 @@ class FakeCudart:
             if 0 < inside < nbytes:
                 return True
         return False
+
+
+def _writable(a: int, b: int) -> bool:
+    """Whether every mapping of this process that overlaps [a, b) may be written (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo < b and a < hi and line.split()[1][1] != "w":
+                return False
+    return True
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -3,6 +3,7 @@ only pages wholly inside one storage are registered, so no other allocation shar
 host memory wholly in or wholly out of a registered range; every range is unregistered at undo, before the copies
 back; refusals and failed unregistrations are notes whose CUDA error is cleared, never a crash later."""
 import mmap
+import warnings
 
 import pytest
 import torch
@@ -143,3 +144,59 @@ def test_pinning_without_a_cuda_runtime_is_a_note_not_a_crash(monkeypatch):
         pins.register([torch.ones(1024)])
     assert pins.pinned_bytes == 0 and pins.refused_bytes == 4096
     pins.release()
+
+
+def _read_only(tensors, folder):
+    """The tensors' bytes in a file, each at a page boundary, mapped read-only (as ComfyUI's dynamic VRAM maps a
+    model file): views of the mapping, the mapping. A write to any of them kills the process (SIGSEGV)."""
+    path, offsets, n = folder / "weights.bin", [], 0
+    with open(path, "wb") as f:
+        for t in tensors:
+            offsets.append(n)
+            f.seek(n)
+            f.write(t.detach().contiguous().numpy().tobytes())
+            n = -(-(n + t.nbytes) // PAGE) * PAGE
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        views = [torch.frombuffer(mapping, dtype=t.dtype, count=t.numel(), offset=o).view(t.shape)
+                 for t, o in zip(tensors, offsets)]
+    return views, mapping
+
+
+def test_a_read_only_mapping_is_registered_read_only(tmp_path):
+    """The default registration is refused for a read-only mapping; the read-only one is all a host-to-device copy
+    needs, so the weights are pinned, with no note (the old code left them pageable with a warning)."""
+    fake = FakeCudart()
+    (view,), mapping = _read_only([torch.ones(4 * PAGE)], tmp_path)
+    writable = torch.ones(4 * PAGE)
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no note
+        pins.register([view, writable])
+    assert pins.refused_bytes == 0
+    assert sorted(pins.registered) == interior_ranges(host_pinning.storage_spans([view, writable]))
+    flags = {fake.flags[a] for a, _ in pins.registered if a >= view.data_ptr() and a < view.data_ptr() + view.nbytes}
+    assert flags == {host_pinning.READ_ONLY}
+    assert {fake.flags[a] for a, _ in pins.registered} == {0, host_pinning.READ_ONLY}
+    pins.release()
+    assert not fake.live
+
+
+def test_offload_streams_from_read_only_weights_without_writing_them(pinned, tmp_path):
+    """Offloaded weights that live in a read-only mapping (ComfyUI's dynamic VRAM) stream from it, page-locked
+    read-only, through apply, two steps and undo: the same losses and gradients, and they are never written (a write
+    would kill the process), nor copied: after undo each weight is its mapping's view again."""
+    model = make_lora_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    views, mapping = _read_only(frozen, tmp_path)
+    for p, v in zip(frozen, views):
+        p.data = v
+    with MemoryRuntime(model, OFFLOAD_ALL, "cpu", poison_slots=True, activation_min_bytes=0) as rt, \
+            StraddleCheck(pinned) as check:
+        assert rt.offload.host_copy_bytes() == 0
+        losses, grads = train_steps(model, steps=2, runtime=rt)
+    assert_equivalent((losses, grads))
+    assert check.pinned_copies > 0 and set(pinned.flags.values()) == {host_pinning.READ_ONLY}
+    assert [p.data_ptr() for p in frozen] == [v.data_ptr() for v in views] and not pinned.live

@@ -35,6 +35,7 @@ import comfy.utils
 from ...memory.blocks import discover_blocks
 from ..lora.targets import LoraError
 from .adapter import ordinary_alias
+from .comfy_dynamic_vram import cast_to_model_dtypes, dynamic_vram_state
 from .comfy_flux_chunks import register_comfy_flux_chunks
 from ..train_config import ConfigError
 
@@ -127,8 +128,6 @@ class ComfyModelAdapter:
     @contextlib.contextmanager
     def training_module(self) -> Iterator[nn.Module]:
         patcher = self.patcher
-        if patcher.is_dynamic():  # dynamic VRAM: weights are not plain tensors; ComfyUI's own trainer does the same
-            patcher = patcher.clone(force_deepcopy=True)
         mm.unload_all_models()  # base weights back, unpatched, on the offload device; the GPU is ours
         if patcher.backup or patcher.model.model_lowvram:
             raise RuntimeError("ComfyUI still holds this model patched after unloading it; run the workflow again "
@@ -145,16 +144,27 @@ class ComfyModelAdapter:
     @staticmethod
     def _trainable_copy(patcher) -> nn.Module:
         source = patcher.get_model_object("diffusion_model")
+        dynamic = patcher.is_dynamic()
         memo = {id(patcher.model): patcher.model}
         for t in itertools.chain(source.parameters(), source.buffers()):
             memo.setdefault(id(t), ordinary_alias(t))
+        if dynamic:  # shared with the copy, never copied (device buffers, driver handles), then dropped from it
+            for m in source.modules():
+                for _, value in dynamic_vram_state(m):
+                    memo.setdefault(id(value), value)
         module = copy.deepcopy(source, memo)
+        if dynamic:
+            for m in module.modules():
+                for name, _ in dynamic_vram_state(m):
+                    del m.__dict__[name]
         module.requires_grad_(False)
         _guard_in_place_residuals(module)
         for key in patcher.patches:  # a LoRA already on the MODEL: train on the weights ComfyUI would sample with
             if key.startswith(PREFIX):
                 weight = patcher.patch_weight_to_device(key, device_to=None, return_weight=True)
                 comfy.utils.set_attr_param(module, key[len(PREFIX):], weight)
+        if dynamic:
+            cast_to_model_dtypes(module)
         return module
 
     def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
