@@ -14,8 +14,10 @@ weights, so fixed per-process costs do not dominate):
   printed otherwise.
 - 2 local ranks under torchrun, offload 1.0, PSS summed over the ranks (bench/host_memory_ranks.py): the host copies
   of the weights, one per rank vs one shared; target <= 1.1 W.
+- a MODEL as ComfyUI's dynamic VRAM holds it, emulated on the CPU, when COMFYUI_DIR is set
+  (bench/host_memory_dynamic.py; its own files, host_memory_dynamic.json/.md).
 
-    tightrope bench --host-memory [--out DIR] [--skip-server] [--skip-ranks]
+    tightrope bench --host-memory [--out DIR] [--skip-server] [--skip-ranks] [--skip-dynamic] [--dynamic-only]
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from ..memory.host_memory import malloc_in_use_bytes, release_freed_host_memory
 from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
 from ..training.models.reference_flux import FluxParams
-from . import host_memory_ranks, host_memory_server
+from . import host_memory_dynamic, host_memory_ranks, host_memory_server
 from .models import build_bench_model
 from .runtime_overhead import CHILD_ENV
 from .report import save_cpu_result
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-ranks", action="store_true", help="leave out the 2-rank torchrun part")
     ap.add_argument("--server-control", action="store_true",
                     help="also a server whose prompts sample instead of training (ComfyUI's own after-prompt RSS)")
+    ap.add_argument("--skip-dynamic", action="store_true", help="leave out the ComfyUI dynamic-VRAM part")
+    ap.add_argument("--dynamic-only", action="store_true", help="only the ComfyUI dynamic-VRAM part")
     ap.add_argument("--child", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -179,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists("/proc/self/clear_refs"):
         print("error: the host-memory benchmark reads peak RSS from /proc (Linux only)", file=sys.stderr)
         return 2
+    if args.dynamic_only:
+        return host_memory_dynamic.main(args.out)
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "device": "cpu", "rows": measure()}
     weights = result["rows"][0]["weights_bytes"]
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_ranks:
         result["ranks"] = host_memory_ranks.measure(1.0, CHILD_ENV)
     save_cpu_result("host_memory", result, markdown(result), args.out)
-    return 0
+    return 0 if args.skip_dynamic else host_memory_dynamic.main(args.out)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ into a second, ordinary model: +1 W of host RAM), no weight byte copied, the dyn
 left out of the copy and kept on the MODEL, and the same training as an ordinary load of the file, with layer offload
 streaming from the mapping.
 
-ModelPatcherDynamic needs CUDA, so the runner loads the model with ComfyUI's own dynamic-VRAM file loading (aimdo's
-read-only mmap, tensors assigned as they are, in the file's dtype) under a ModelPatcher that says it is dynamic, then
-puts on each cast module the state ModelPatcherDynamic.load leaves there, with ComfyUI's own pin-state structure
-(real aimdo HostBuffers, which a deep copy would double-free)."""
+ModelPatcherDynamic needs CUDA; the runner emulates it as the host-memory benchmark does
+(bench/host_memory_dynamic.load_dynamic): ComfyUI's own dynamic-VRAM file loading (aimdo's read-only mmap, tensors
+assigned as they are, in the file's dtype) under a ModelPatcher that says it is dynamic, and on each cast module the
+state ModelPatcherDynamic.load leaves there, with ComfyUI's own pin-state structure (real aimdo HostBuffers, which a
+deep copy would double-free)."""
 import json
 
 import torch
@@ -19,10 +20,10 @@ from comfy_runner import run_in_comfyui
 pytestmark = needs_comfyui
 
 RUNNER = """
-    import gc, importlib
-    import comfy_aimdo.control, comfy_aimdo.host_buffer
-    import comfy.memory_management, comfy.model_patcher as mp
+    import gc
+    import comfy_aimdo.host_buffer
     from pathlib import Path
+    from tightrope.bench.host_memory_dynamic import load_dynamic
     from tightrope.demo.conditioning import demo_conditioning
     from tightrope.memory.strategy import Strategy
     from tightrope.training.data.builder import dataset_from_conditioning
@@ -33,32 +34,9 @@ RUNNER = """
     from tightrope.training.training_run import run_training_node
     ckpt, loras = ARGS
     out = {}
-    assert comfy_aimdo.control.init("cuda")  # loads aimdo's library; its file mapping and host buffers need no GPU
-    importlib.reload(comfy_aimdo.host_buffer)  # imported by ComfyUI before the library was loaded
-
-    class Dynamic(mp.ModelPatcher):
-        def is_dynamic(self):
-            return True
 
     def load(dynamic, **options):
-        comfy.memory_management.aimdo_enabled, mp.CoreModelPatcher = dynamic, Dynamic if dynamic else mp.ModelPatcher
-        try:
-            p = comfy.sd.load_diffusion_model(ckpt, model_options=options)
-        finally:
-            comfy.memory_management.aimdo_enabled, mp.CoreModelPatcher = False, mp.ModelPatcher
-        if dynamic:  # what loading it for sampling leaves on each cast module (ModelPatcherDynamic.load)
-            dev = torch.device("cuda:0")
-            p.model.dynamic_pins = {}
-            mp.ModelPatcherDynamic.register_load_device(p, dev)
-            for name, m in p.model.diffusion_model.named_modules():
-                if hasattr(m, "comfy_cast_weights"):
-                    m.comfy_cast_weights, m.seed_key, m._pin_state = True, name, p.model.dynamic_pins[dev]
-                    m._v, m._v_signature = (0, 0, 4096), None
-                    m.weight_lowvram_function = m.bias_lowvram_function = None
-                    m.weight_function, m.bias_function = [], []
-        loads, (loader, args) = [], p.cached_patcher_init[:2]
-        p.cached_patcher_init = (lambda *a, **k: loads.append(a) or loader(*a, **k), args)
-        return p, loads
+        return load_dynamic(ckpt, **options) if dynamic else (comfy.sd.load_diffusion_model(ckpt, options), [])
 
     def mapped():
         spans = []
