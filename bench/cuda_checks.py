@@ -9,8 +9,9 @@
    forward, recompute and backward) and on the side streams (on entering every `torch.cuda.stream` context the
    runtime opens): a missing wait between the streams then reads a slot before its copy lands, or overwrites it
    while a queued kernel still needs it, and the gradients show it.
-3. The CUDA leak tests of the test suite (tests/reliability/test_leaks.py: device memory flat over ten runs, pinned
-   host memory given back after a run), in their own process.
+3. The CUDA tests of the test suite, in their own process: the leak tests (tests/reliability/test_leaks.py: device
+   memory flat over ten runs, pinned host memory given back after a run) and weights streamed from a read-only file
+   mapping, page-locked read-only (tests/memory/test_host_pinning.py; ComfyUI's dynamic VRAM holds weights so).
 The test helpers are imported from the source checkout's tests/helpers (this is a developer's command).
 """
 from __future__ import annotations
@@ -195,14 +196,15 @@ def _compare(losses, grads, reference, rtol: float, atol: float) -> float:
 
 
 def run_leak_test(device_type: str, folder: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """tests/reliability/test_leaks.py's CUDA tests in a fresh process (on the CPU dry run: its baseline test). It
-    passes only if the test ran and passed (a skip is a failure here); pytest's junit XML says which."""
-    test = ROOT / "tests" / "reliability" / "test_leaks.py"
-    select = "ten_runs_keep_cuda_memory_flat or pinned_host_memory_back" if device_type == "cuda" \
-        else "baseline_is_taken_after_the_warmup"
-    expected = 2 if device_type == "cuda" else 1
+    """The test suite's CUDA tests (the leak tests, weights streamed from a read-only mapping) in a fresh process (on
+    the CPU dry run: the leak tests' baseline test). It passes only if every test ran and passed (a skip is a failure
+    here); pytest's junit XML says which."""
+    tests = [str(ROOT / "tests" / part) for part in ("reliability/test_leaks.py", "memory/test_host_pinning.py")]
+    select = "ten_runs_keep_cuda_memory_flat or pinned_host_memory_back or read_only_mapping_page_locked" \
+        if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
+    expected = 3 if device_type == "cuda" else 1
     report = (folder / "leak-test.xml").resolve()  # the test runs from the checkout's root
-    cmd = [sys.executable, "-m", "pytest", str(test), "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
+    cmd = [sys.executable, "-m", "pytest", *tests, "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
     t0 = time.perf_counter()
     counts: dict[str, int] = {}
     try:

@@ -200,3 +200,23 @@ def test_offload_streams_from_read_only_weights_without_writing_them(pinned, tmp
     assert_equivalent((losses, grads))
     assert check.pinned_copies > 0 and set(pinned.flags.values()) == {host_pinning.READ_ONLY}
     assert [p.data_ptr() for p in frozen] == [v.data_ptr() for v in views] and not pinned.live
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking needs a CUDA driver")
+def test_on_cuda_offload_streams_from_a_read_only_mapping_page_locked(tmp_path, monkeypatch):
+    """The real driver (run by `make gpu-check`): weights in a read-only file mapping, as ComfyUI's dynamic VRAM holds
+    them, are page-locked read-only and stream to the GPU; the run equals the CPU reference and gives every page
+    back. A driver that refuses read-only registration shows here as refused bytes (the run then streams pageable)."""
+    model = make_lora_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    views, mapping = _read_only(frozen, tmp_path)
+    for p, v in zip(frozen, views):
+        p.data = v
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 against the CPU reference
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with MemoryRuntime(model, OFFLOAD_ALL, "cuda", poison_slots=True, activation_min_bytes=0) as rt:
+        pins = rt.offload._pinned
+        losses, grads = train_steps(model, steps=2, runtime=rt)
+        assert pins.refused_bytes == 0 and pins.pinned_bytes > 0 and rt.offload.host_copy_bytes() == 0
+    assert_equivalent((losses, grads))
+    assert not pins.registered and [p.data_ptr() for p in frozen] == [v.data_ptr() for v in views]
