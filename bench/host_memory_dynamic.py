@@ -156,7 +156,10 @@ def markdown(result: dict) -> list[str]:
              f"{rows[0]['weights_bytes'] / 2**20:.0f} MiB of fp32 weights (bench/host_memory.py's model).", "",
              "A MODEL as ComfyUI's dynamic VRAM holds it (the model file mapped read-only; see "
              "bench/host_memory_dynamic.py), every file page read once, then 2 training steps at offload 1.0 on the "
-             "CPU device; one fresh process per row. The loaded level counts the mapped file's pages (file-backed).",
+             "CPU device; one fresh process per row. The loaded level counts the mapped file's pages (file-backed). "
+             "A server under dynamic VRAM uploads weights with file reads, so its own RSS may leave them out; they "
+             "sit in the kernel's page cache either way (shared with it, not a copy), and streaming from host RAM "
+             "needs them resident: Tightrope page-locks them, read-only, for the run.",
              "", "| path | file reloads | peak RSS above loaded | loaded: anon / file-backed (MiB) |",
              "| --- | --- | --- | --- |"]
     for mode, label in (("tightrope", "Tightrope: the copy shares the mapped weights"),
