@@ -1,6 +1,9 @@
-"""`tightrope bench --host-memory` without ComfyUI: the server part is skipped with the reason printed and written,
-and the report holds the headless and the 2-rank tables (the measuring children are replaced by fixed rows)."""
-from tightrope.bench import host_memory, host_memory_ranks, host_memory_server
+"""`tightrope bench --host-memory` without ComfyUI: the server and dynamic-VRAM parts are skipped with the reason
+printed and written, and the report holds the headless and the 2-rank tables (the measuring children are replaced by
+fixed rows); the dynamic-VRAM part's own report."""
+import json
+
+from tightrope.bench import host_memory, host_memory_dynamic, host_memory_ranks, host_memory_server
 
 W = 1 << 30
 MiB = 1 << 20
@@ -20,6 +23,8 @@ def test_without_comfyui_dir_the_server_part_is_skipped_with_its_reason(tmp_path
     assert host_memory.main(["--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"skipping the ComfyUI server part: {host_memory_server.SKIP_REASON}" in out
+    assert "skipping the ComfyUI dynamic-VRAM part: COMFYUI_DIR is not set" in out
+    assert not (tmp_path / "host_memory_dynamic.md").exists()
     text = (tmp_path / "host_memory.md").read_text()
     assert f"Skipped: {host_memory_server.SKIP_REASON}" in text
     assert "| 1 | +0.55 W | 0.25 W | +0.30 W | +0.40 % | +0.50 % | +0.1 MiB | +1.0 / +13.0 / +0.2 |" in text
@@ -54,3 +59,18 @@ def test_the_sampling_control_is_a_row_of_its_own_and_its_prompt_samples_with_th
     assert control["1"] is load["1"]  # the loader node of the load prompt: ComfyUI's cache keeps the model
     assert control["5"]["inputs"]["model"] == ["1", 0] and control["5"]["inputs"]["seed"] == 3
     assert not any(node["class_type"] == "TightropeTrain" for node in control.values())
+
+
+def test_the_dynamic_vram_part_reports_both_paths_in_files_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMFYUI_DIR", str(tmp_path))
+    loaded = {"rss": 2000 * MiB, "anon": 300 * MiB, "file": 1700 * MiB}
+    rows = [{"mode": m, "weights_bytes": W, "loaded": loaded, "peak_above_loaded_w": w, "reloads": n,
+             "torch": "2.13.0+cpu"} for m, w, n in (("tightrope", 0.36, 0), ("reload", 2.0, 1))]
+    monkeypatch.setattr(host_memory_dynamic, "measure", lambda params: rows)
+    monkeypatch.setattr(host_memory, "measure", lambda: (_ for _ in ()).throw(AssertionError("ran the headless part")))
+    assert host_memory.main(["--dynamic-only", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "host_memory_dynamic.md").read_text()
+    assert "| Tightrope: the copy shares the mapped weights | 0 | +0.36 W | 300 / 1700 |" in text
+    assert "first (Tightrope before session 6) | 1 | +2.00 W | 300 / 1700 |" in text
+    assert "the reload adds +1.64 W" in text
+    assert json.loads((tmp_path / "host_memory_dynamic.json").read_text())["rows"] == rows
