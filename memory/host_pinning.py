@@ -13,8 +13,9 @@ allocation up to a power of two and keeps it cached for the life of the process)
   for device writes; a range the default registration refuses is registered again read-only
   (`cudaHostRegisterReadOnly`), which is all a host-to-device copy needs.
 - Registration can be refused (`ulimit -l`, WSL and Windows limits, read-only registration unsupported) or be
-  impossible (a CPU-only torch): the memory stays pageable, host-to-device copies from it are staged by the driver, and one warning line
-  says so. Every refused call's error is cleared at once, so it cannot surface at the next kernel launch.
+  impossible (a CPU-only torch): the memory stays pageable, host-to-device copies from it are staged by the driver,
+  and one warning line says so. Every refused call's error is cleared at once, so it cannot surface at the next
+  kernel launch.
 - `release()` unregisters what this object registered; the offloader calls it in `finally`.
 """
 from __future__ import annotations

@@ -5,8 +5,10 @@ on its offload device, and the GPU is free for the memory runtime), then the tra
 model: new module objects whose parameters are new tensors sharing the base weights' storage. ComfyUI loads weights
 as inference tensors, which autograd cannot save for backward; an alias made outside inference mode is an ordinary
 tensor and costs no memory. Weights the MODEL patches (a LoRA applied before training) are computed into the copy with
-ComfyUI's own patch math. `comfy.model_management.in_training` is True only inside the context (it selects ComfyUI's
-autograd-safe code paths). LoRA goes into the copy, so the user's MODEL is never changed.
+ComfyUI's own patch math. Under ComfyUI's dynamic VRAM the base weights are a read-only mapping of the model file,
+shared the same way (comfy_dynamic_vram.py: no reload, no copy). `comfy.model_management.in_training` is True only
+inside the context (it selects ComfyUI's autograd-safe code paths). LoRA goes into the copy, so the user's MODEL is
+never changed.
 
 predict(): ComfyUI's own `_apply_model` (latent scaling, timestep scaling, dtype casts, the family's forward) on a
 shallow copy of the model object whose diffusion_model is the training copy and whose model sampling returns the raw
