@@ -4,7 +4,9 @@ A run's host memory is the model's own weights (already loaded: offloaded blocks
 layer_offload) plus what the strategy adds: a host copy of each offloaded block whose weights cannot stream in place
 (a weight_dtype other than the model's, weights on the device, non-contiguous ones) and the activations offloaded to
 the host. The budget is host RAM the run may occupy, the model included; by default what is available now plus the
-model's own bytes, minus a margin.
+model's own anonymous bytes, minus a margin. Weights in a file mapping (ComfyUI's dynamic VRAM maps the model file)
+are not added: the kernel counts their cached pages as available already, and the run page-locks them, so they come
+out of what is available.
 """
 from __future__ import annotations
 
@@ -40,6 +42,22 @@ def available_host_bytes() -> int | None:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     return None
+
+
+def file_backed_bytes(spans: dict[int, int]) -> int:
+    """Bytes of the (address -> nbytes) spans that lie in a file mapping of this process (/proc/self/maps; 0 where
+    the system has none)."""
+    files = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)  # range, perms, offset, dev, inode, path
+                if len(fields) == 6 and fields[5].startswith("/"):
+                    lo, hi = fields[0].split("-")
+                    files.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        return 0
+    return sum(n for a, n in spans.items() if any(lo <= a and a + n <= hi for lo, hi in files))
 
 
 @functools.cache
@@ -148,7 +166,8 @@ class HostNeeds:
     @classmethod
     def measure(cls, model: nn.Module, blocks: list[nn.Module], weight_dtype: torch.dtype | None,
                 budget_bytes: int | None = None) -> "HostNeeds":
-        """`budget_bytes` None: available host memory + the model's own host bytes - AUTO_HOST_MARGIN_BYTES."""
+        """`budget_bytes` None: available host memory + the model's own anonymous host bytes (not those in a file
+        mapping) - AUTO_HOST_MARGIN_BYTES."""
         spans, small = {}, {}
         for t in itertools.chain(model.parameters(), model.buffers()):
             if t.device.type == "cpu":
@@ -163,7 +182,7 @@ class HostNeeds:
             free = available_host_bytes()
             if free is None:
                 raise StrategyError("the available host RAM cannot be read on this system: give host_ram_budget_gb")
-            budget_bytes = free + model_bytes - AUTO_HOST_MARGIN_BYTES
+            budget_bytes = free + model_bytes - file_backed_bytes(spans) - AUTO_HOST_MARGIN_BYTES
         return cls(int(budget_bytes), model_bytes, sum(small.values()), copies)
 
     def need(self, p: Prediction) -> int:

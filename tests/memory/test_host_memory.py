@@ -2,10 +2,12 @@
 weights, page-locking in place is released (or falls back to pageable memory with a note), and the inference-mode
 model is trained through aliases, not a copy."""
 import json
+import mmap
 import os
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -164,6 +166,29 @@ def test_default_host_budget_is_available_ram_plus_the_model(monkeypatch):
     if os.path.exists("/proc/meminfo"):
         monkeypatch.undo()
         assert 0 < host_memory.available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_default_host_budget_does_not_add_weights_in_a_file_mapping(monkeypatch, tmp_path):
+    """Weights in a file mapping (ComfyUI's dynamic VRAM maps the model file) are page cache the kernel already counts
+    as available, and the run page-locks them: the budget adds only the model's anonymous bytes (the old budget added
+    them all, W too much for a mapped model)."""
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 << 30)
+    model = make_lora_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    (tmp_path / "weights.bin").write_bytes(b"".join(p.detach().numpy().tobytes() for p in frozen))
+    with open(tmp_path / "weights.bin", "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        flat = torch.frombuffer(mapping, dtype=torch.float32)
+    offset = 0
+    for p in frozen:
+        p.data, offset = flat[offset:offset + p.numel()].view(p.shape), offset + p.numel()
+    needs = HostNeeds.measure(model, [b.module for b in discover_blocks(model)], None)
+    mapped = flat.nbytes
+    assert host_memory.file_backed_bytes({flat.data_ptr(): mapped}) == mapped
+    assert needs.budget_bytes == (10 << 30) + needs.model_bytes - mapped - host_memory.AUTO_HOST_MARGIN_BYTES
+    assert 0 < needs.model_bytes - mapped < mapped  # the LoRA weights are anonymous, still added
 
 
 def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
