@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tightrope.memory.layer_offload import LayerOffload, WeightRef
 from tightrope.training.lora import linear_columns as lc
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
 
@@ -138,3 +139,41 @@ def test_fake_weights_are_computed_by_rows(monkeypatch):
         lin, x = nn.Linear(IN, OUT), torch.empty(3, IN)
         out = lc.linear_columns(lin, x, COLS[1])
     assert fallbacks == [] and out.shape == (3, 32)
+
+
+def test_a_saved_row_slice_of_an_offloaded_weight_unpacks_to_its_rows(monkeypatch):
+    """Under layer offload a frozen weight is a view into its block's slot; its row slice, which autograd saves for
+    the input's gradient, is packed by (block, offset) like the whole weight and unpacked wherever the block is then.
+    One cell, poisoned slots: block 0 is evicted (its bytes NaN, then block 1's) before backward reloads it."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(IN, OUT)).requires_grad_(False) for _ in range(2)]
+    weights = [b[0].weight.detach().clone() for b in blocks]
+    lo = LayerOffload(blocks, [0, 1], torch.device("cpu"), prefetch_depth=0, pin_memory=False, weight_dtype=None,
+                      poison_slots=True)
+    lo.attach()
+    refs = []
+    try:
+        lo.load(0)
+        x = torch.randn(5, IN, requires_grad=True)
+        cols = COLS[1]
+
+        def pack(t):
+            if lo.owns(t):
+                refs.append(lo.pack(t))
+                return refs[-1]
+            return t
+
+        def unpack(r):
+            return lo.unpack(r) if isinstance(r, WeightRef) else r
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = lc.linear_columns(blocks[0][0], x, cols)
+        lo.load(1)  # block 0 leaves the only cell
+        assert torch.isnan(blocks[0][0].weight).all()
+        out.sum().backward()
+    finally:
+        lo.detach()
+    assert [(r.block, r.offset, tuple(r.shape)) for r in refs] == [(0, cols.start * IN, (IN, OUT - cols.start))]
+    # x.grad = ones @ W[cols]: sums of 32 fp32 terms of order 0.2, maybe in another order (1e-5 is ~100 ulp of
+    # them); NaN, the other block's rows or rows at another offset are off by O(0.1) or more
+    torch.testing.assert_close(x.grad, weights[0][cols].sum(0).expand(5, IN), rtol=0, atol=1e-5)

@@ -9,14 +9,16 @@ Layers computed by rows (the same ops as their own forward on fewer weight rows,
 rounding of a matmul with fewer output columns):
   - a plain `nn.Linear` (or a subclass that keeps its forward): F.linear with the rows of weight and bias;
   - a peft LoRA `Linear` with plain LoRA adapters (any scaling, rsLoRA included, and dropout): peft's own forward
-    (peft 0.21 `lora.layer.Linear.forward`) per column: the base layer's columns, then per active adapter the input
-    cast by peft's `_cast_input_dtype`, `lora_A(dropout(x))` in full (rank r: small), lora_B's rows, times the
-    scaling, and the sum cast back to the base result's dtype. Dropout sees the whole input, so it draws the same
+    (`lora.layer.Linear.forward`, as read in peft 0.21) per column: the base layer's columns, then per active
+    adapter the input cast by peft's `_cast_input_dtype`, `lora_A(dropout(x))` in full (rank r: small), lora_B's
+    rows, times the scaling, and the sum cast back to the base result's dtype. Dropout sees the whole input, so it draws the same
     mask from the same RNG state as the full forward.
 Anything else runs the whole layer and takes the columns (`full_columns`), so a result never changes silently: a
 DoRA or any other peft lora_variant, disabled or merged adapters, fan_in_fan_out, another peft layer type, a weight
 that is a tensor subclass (quantized, DTensor; FakeTensor, the planner's shape-only stand-in, is a plain tensor
-here), a layer with a forward of its own (set on the instance, or overridden by its class) or with module hooks.
+here), a layer with a forward of its own (set on the instance, or overridden by its class) or with hooks of its own.
+Global module hooks (register_module_forward_hook: FlopCounterMode's module tracker, for one) are not consulted: a
+layer computed by rows is not called as a module, so they do not see it.
 """
 from __future__ import annotations
 
@@ -71,11 +73,12 @@ def plain_tensors(*tensors: Tensor | None) -> bool:
 
 
 def _lora_columns(layer: LoraLinear, x: Tensor, cols: slice, base: BaseColumns) -> Tensor | None:
-    if layer.disable_adapters or layer.merged or layer.fan_in_fan_out or \
+    variants = getattr(layer, "lora_variant", None)  # a peft older than its lora_variant (0.13) does DoRA otherwise
+    if variants is None or layer.disable_adapters or layer.merged or layer.fan_in_fan_out or \
             not runs_own_forward(layer, LoraLinear.forward):
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A.keys()]
-    if any(a in layer.lora_variant or not runs_own_forward(layer.lora_B[a], nn.Linear.forward) or
+    if any(a in variants or layer.use_dora.get(a) or not runs_own_forward(layer.lora_B[a], nn.Linear.forward) or
            not plain_tensors(layer.lora_B[a].weight, layer.lora_B[a].bias) for a in active):
         return None
     result = base(layer.base_layer, x, cols)
