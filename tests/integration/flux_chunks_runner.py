@@ -20,20 +20,26 @@ import comfy.ops  # noqa: E402
 import comfy.sd  # noqa: E402
 from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, Modulation, SingleStreamBlock  # noqa: E402
 
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
 from tightrope.memory.token_chunks import ChunkContext, chunked_forward_for, recompute_region  # noqa: E402
+from tightrope.training.lora import linear_columns  # noqa: E402
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters  # noqa: E402
 from tightrope.training.models import comfy_flux_chunks as cfc  # noqa: E402
 from tightrope.training.models.comfy import ComfyModelAdapter, _guard_in_place_residuals  # noqa: E402
 
 HIDDEN, HEADS, B, N_TXT, N_IMG = 64, 4, 2, 5, 10  # head dim 16; 15 tokens: 3 chunks do not divide either stream
 out = {}
+whole_layers = []  # linear_columns' fallbacks: a layer run whole, then sliced
+_full_columns = linear_columns.full_columns
+linear_columns.full_columns = lambda *a: whole_layers.append(1) or _full_columns(*a)
 
 
-def blocks(**variant):
+def blocks(ops=comfy.ops.disable_weight_init, **variant):
     """A double and a single block with random weights, in a holder laid out like Flux (the LoRA presets and the
-    adapter's in-place-residual guard find them there, as in training)."""
+    adapter's in-place-residual guard find them there, as in training). `ops`: ComfyUI's layers, left
+    uninitialised (filled below)."""
     torch.manual_seed(0)
-    ops = comfy.ops.disable_weight_init  # ComfyUI's own layers, left uninitialised: filled below
     holder = nn.Module()
     single_variant = {k: v for k, v in variant.items() if k != "proj_bias"}
     holder.double_blocks = nn.ModuleList([DoubleStreamBlock(HIDDEN, HEADS, 4.0, qkv_bias=True, operations=ops,
@@ -99,6 +105,7 @@ def compare(kind, holder, t, chunks, params=None, global_mod=None):
         t = {"x": torch.cat((t["txt"], t["img"]), 1), "vec": t["vec"], "pe": t["pe"]}
     ref_out, ref_grads, _ = forward_backward(kind, block, t, params, global_mod)
     plain_calls = []
+    whole_layers.clear()
     ctx = ChunkContext(chunks=chunks, run=recompute_region, plain=lambda *a, **k: plain_calls.append(1))
     fn = cfc.chunked_double_stream if kind == "double" else cfc.chunked_single_stream
     outs, grads, unchanged = forward_backward(kind, lambda *a, **k: fn(block, ctx, *a, **k), t, params, global_mod)
@@ -107,7 +114,23 @@ def compare(kind, holder, t, chunks, params=None, global_mod=None):
            if g is not None and grads[k] is not None}
     return {"out_err": max((o - r).abs().max().item() for o, r in zip(outs, ref_out)),
             "out_scale": min(r.abs().max().item() for r in ref_out), "grad_rel": max(rel.values()),
-            "n_grads": len(rel), "missing_grads": missing, "unchanged": unchanged, "plain_calls": len(plain_calls)}
+            "n_grads": len(rel), "missing_grads": missing, "unchanged": unchanged, "plain_calls": len(plain_calls),
+            "whole_layers": len(whole_layers)}
+
+
+def single_flops(rank=4):
+    """Forward FLOPs of the single block with a rank-`rank` LoRA on every Linear, its own forward vs chunked."""
+    holder = blocks()
+    inject_lora(holder, LoraSpec(rank=rank, targets="all_linear"), "flux")
+    block, t = holder.single_blocks[0], inputs()
+    x = torch.cat((t["txt"], t["img"]), 1).requires_grad_(True)
+    ctx = ChunkContext(chunks=3, run=recompute_region, plain=None)
+    counts = []
+    for fn in (block, lambda *a, **k: cfc.chunked_single_stream(block, ctx, *a, **k)):
+        with FlopCounterMode(display=False) as counter:
+            fn(x.clone(), vec=t["vec"], pe=t["pe"], attn_mask=None, transformer_options={})  # residual added in place
+        counts.append(counter.get_total_flops())
+    return {"plain": counts[0], "chunked": counts[1], "lora_a_once_more": 2 * x.shape[0] * x.shape[1] * rank * HIDDEN}
 
 
 def fallbacks():
@@ -180,6 +203,7 @@ def whole_model(patcher):
             for p in lora.values():
                 p.normal_(0, 0.1)  # B too (peft starts it at zero, which would leave A's gradient zero)
         results = []
+        whole_layers.clear()
         for chunked in (False, True):
             for p in lora.values():
                 p.grad = None
@@ -197,7 +221,7 @@ def whole_model(patcher):
     (ref, ref_grads), (got, grads) = results
     return {"out_err": (got - ref).abs().max().item(), "out_scale": ref.abs().max().item(),
             "grad_rel": max(((grads[k] - r).abs().max() / r.abs().max()).item() for k, r in ref_grads.items()),
-            "n_lora": len(ref_grads)}
+            "n_lora": len(ref_grads), "whole_layers": len(whole_layers)}
 
 
 def fp16():
@@ -251,6 +275,19 @@ try:
             for p in lora.values():
                 p.normal_(0, 0.1)
         out["blocks"][f"{kind} lora chunks=3"] = compare(kind, holder, inputs(), 3, params=lora)
+    holder = blocks()  # DoRA on linear1: not computed by rows, run whole and sliced
+    inject_lora(holder, LoraSpec(rank=4, targets="all_linear", algorithm="dora"), "flux")
+    lora = lora_parameters(holder)
+    with torch.no_grad():
+        for name, p in lora.items():
+            if "magnitude" not in name:  # A, B; the magnitudes start as the base rows' norms
+                p.normal_(0, 0.1)
+    out["blocks"]["single dora chunks=3"] = compare("single", holder, inputs(), 3, params=lora)
+    holder = blocks(ops=comfy.ops.manual_cast)  # ComfyUI's cast path: the weight and bias its functions give
+    holder.single_blocks[0].linear1.weight_function = [lambda w: 1.5 * w]
+    holder.single_blocks[0].linear1.bias_function = [lambda b: b + 0.1]
+    out["blocks"]["single manual_cast weight_function chunks=3"] = compare("single", holder, inputs(), 3)
+    out["single_flops"] = single_flops()
     out["fallbacks"] = fallbacks()
     out["fp16"] = fp16()
 finally:

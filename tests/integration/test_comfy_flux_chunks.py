@@ -28,7 +28,9 @@ CASES = {**{f"{kind} chunks={n}": grads for kind, grads in (("double", 28), ("si
          "double no pe chunks=3": 27, "single no pe chunks=3": 10,  # no pe: one input gradient fewer
          "double mlp_silu_act chunks=3": 24, "single mlp_silu_act chunks=3": 11, "double yak_mlp chunks=3": 32,
          "double global modulation chunks=3": 24, "single global modulation chunks=3": 9,
-         "double lora chunks=3": 24, "single lora chunks=3": 9}  # LoRA: 10 / 3 layers x (A, B) + the inputs
+         "double lora chunks=3": 24, "single lora chunks=3": 9,  # LoRA: 10 / 3 layers x (A, B) + the inputs
+         "single dora chunks=3": 12,  # DoRA: 3 layers x (A, B, magnitude) + the inputs
+         "single manual_cast weight_function chunks=3": 11}
 FALLBACKS = ("double attn_mask", "double attn1_patch", "double attn1_output_patch", "double modulation_dims_img",
              "double pe of another length", "double unknown keyword", "single attn_mask", "single attn1_patch",
              "single modulation_dims", "single yak_mlp")
@@ -54,8 +56,10 @@ def test_chunked_block_matches_its_own_forward(result, case):
     print(f"\n{case}: {r}")
     assert r["plain_calls"] == 0 and r["missing_grads"] == [] and r["n_grads"] == CASES[case]
     assert r["unchanged"], "the chunked forward changed its inputs"
-    if case.endswith("chunks=1"):  # the block's own ops: bit-equal, except that the single block's linear1 weight
-        # gradient now sums its qkv-column and MLP-column parts in two matmuls (linear1 is recomputed in pass 4)
+    # the single block's linear1 by weight rows (ComfyUI's Linear, its cast path, a LoRA on it), except a DoRA
+    assert (r["whole_layers"] > 0) == (case == "single dora chunks=3")
+    if case.endswith("chunks=1"):  # the block's own ops: bit-equal, except the single block's gradients through
+        # linear1, whose qkv columns (pass 2) and MLP columns (pass 4) are two matmuls
         assert r["out_err"] == 0 and (r["grad_rel"] == 0 or case.startswith("single") and r["grad_rel"] <= RTOL)
     else:
         assert r["out_err"] <= RTOL * r["out_scale"] and r["grad_rel"] <= RTOL
@@ -65,6 +69,15 @@ def test_chunked_block_matches_its_own_forward(result, case):
 def test_unsupported_calls_go_to_the_plain_forward(result, case):
     """ctx.plain gets exactly the caller's arguments (the same objects) and its result is returned; nothing changed."""
     assert result["fallbacks"][case] == {"plain": True, "unchanged": True}
+
+
+def test_the_chunked_single_block_computes_linear1_once(result):
+    """Forward FLOPs of the single block with a rank-4 LoRA on every Linear: each chunked pass computes only its own
+    columns of linear1 (qkv in pass 2, MLP in pass 4), so the chunked forward does the block's own work plus one
+    more product with linear1's LoRA A factor (2 r hidden per token), where linear1 whole in both passes would add
+    2 x hidden x 7 hidden per token. Attention, modulation and linear2 run the same either way."""
+    r = result["single_flops"]
+    assert r["chunked"] == r["plain"] + r["lora_a_once_more"], r
 
 
 def test_fp16_outputs_are_clamped_as_the_blocks_do(result):
@@ -86,5 +99,5 @@ def test_a_whole_flux_with_chunked_blocks_matches(result):
     routed to its registered chunked forward: the velocity and the gradients of all 52 LoRA tensors."""
     r = result["whole_model"]
     print(f"\n{r}")
-    assert r["n_lora"] == 52
+    assert r["n_lora"] == 52 and r["whole_layers"] == 0
     assert r["out_err"] <= RTOL * r["out_scale"] and r["grad_rel"] <= RTOL

@@ -4,16 +4,20 @@ Flux MODEL. ComfyUI is imported lazily, inside the functions.
 
 The maths is ComfyUI's own: the block's norms, Modulation, Linear layers, QKNorm and MLP modules and ComfyUI's
 `apply_mod`, `apply_rope` and `attention`, called in the order of the block's forward; only the token axis is cut, so
-the result differs from the block's own forward by at most the rounding of a matmul over fewer rows. Each forward:
+the result differs from the block's own forward by at most the rounding of a matmul over fewer rows (or, in the
+single block's linear1, fewer columns). Each forward:
 
   1. modulation (vec -> shift, scale, gate): one region; not token-wise, but it reads the block's weights, so it is
      recomputed in backward like every other part that does;
   2. per chunk, one region: norm, modulation, qkv projection, QK norm and RoPE -> q, k, v (the single block's fused
-     linear1 also gives the MLP input: pass 4 recomputes linear1 on its chunk and takes the MLP columns, as the
-     reference Flux does (reference_flux_chunks.py). Kept from pass 2 instead, the MLP activation and its gradient
-     would span the whole sequence until the block's backward ends, ~0.78 GiB for Flux-dev at 2048 px in bf16, which
-     alone puts the 4 GB headline plan over budget; recomputing costs one more linear1 per region run, about 1/5 more
-     work in a checkpointed single block. linear1 is a LoRA layer in general, so its qkv columns cannot be skipped);
+     linear1 also gives the MLP input: pass 4 recomputes it on its chunk, as the reference Flux does
+     (reference_flux_chunks.py). Kept from pass 2 instead, the MLP activation and its gradient would span the whole
+     sequence until the block's backward ends, ~0.78 GiB for Flux-dev at 2048 px in bf16, which alone puts the 4 GB
+     headline plan over budget. Each pass computes only its own columns of linear1, from those weight rows
+     (training/lora/linear_columns.py, with ComfyUI's Linear handled here: the weight and bias its own forward uses,
+     cast by ComfyUI's CastBiasWeightContext when it casts): pass 2 the qkv columns, pass 4 the MLP columns,
+     so the single block's forward does the matmul work of the block's own (plus a LoRA's small A factor once
+     more); a layer it cannot compute by rows runs whole and is sliced);
   3. ComfyUI's `attention` over the whole sequence, with the caller's transformer_options and pe=None;
   4. per chunk, one region: output projection, gate, residual (the double block: then norm, modulation, MLP, gate,
      residual; fp16 outputs clamped with nan_to_num, as the block does), out of place: the inputs are never changed.
@@ -38,6 +42,7 @@ import torch
 from torch import nn
 
 from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+from ..lora.linear_columns import linear_columns, plain_columns, plain_tensors, rows_linear, runs_own_forward
 
 _PATCHES = ("attn1_patch", "attn1_output_patch")  # read by the blocks' forwards: a patched call runs plain
 _DOUBLE_ARGS = {"img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
@@ -99,12 +104,13 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         shift, scale, gate = _fields(a["vec"])
     hidden, heads = block.hidden_size, block.num_heads
 
-    def linear1(xc, shift, scale):  # -> (qkv, mlp): the fused input projection
-        h = block.linear1(apply_mod(block.pre_norm(xc), 1 + scale, shift))
-        return torch.split(h, [3 * hidden, block.mlp_hidden_dim_first], dim=-1)
+    qkv_cols, mlp_cols = slice(0, 3 * hidden), slice(3 * hidden, 3 * hidden + block.mlp_hidden_dim_first)
+
+    def linear1(xc, shift, scale, cols):  # columns of the fused input projection
+        return linear_columns(block.linear1, apply_mod(block.pre_norm(xc), 1 + scale, shift), cols, _comfy_columns)
 
     def qkv(xc, shift, scale, *pe_chunk):
-        return _heads(block.norm, linear1(xc, shift, scale)[0], heads, pe_chunk)
+        return _heads(block.norm, linear1(xc, shift, scale, qkv_cols), heads, pe_chunk)
 
     slices = token_slices(x.shape[1], ctx.chunks)
     parts = [ctx.run(qkv, x[:, s], shift, scale, *_pe_chunk(pe, 0, s)) for s in slices]
@@ -114,7 +120,7 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
     del q, k, v
 
     def out(xc, attn_c, shift, scale, gate):
-        mlp = block.mlp_act(linear1(xc, shift, scale)[1])  # recomputed, not kept: see the module docstring
+        mlp = block.mlp_act(linear1(xc, shift, scale, mlp_cols))  # recomputed, not kept: see the module docstring
         return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp), 2)), gate)))
 
     return torch.cat([ctx.run(out, x[:, s], attn[:, s], shift, scale, gate) for s in slices], dim=1)
@@ -184,6 +190,25 @@ def _supported(a: dict[str, Any], n_tokens: int) -> bool:
     if any(p in options.get("patches", {}) for p in _PATCHES):
         return False
     return pe is None or (isinstance(pe, torch.Tensor) and pe.ndim >= 3 and pe.shape[2] == n_tokens)
+
+
+def _comfy_columns(layer: nn.Module, x: torch.Tensor, cols: slice) -> torch.Tensor | None:
+    """linear_columns' `base` for ComfyUI's Linear (comfy.ops, unchanged forward): F.linear on rows `cols` of the
+    weight and bias its forward would use, ComfyUI's cast ones when it casts (comfy_cast_weights, weight or bias
+    functions); a plain nn.Linear as linear_columns does it; None for any other layer (it then runs whole)."""
+    from comfy import ops
+    linear = ops.disable_weight_init.Linear
+    if not isinstance(layer, linear):
+        return plain_columns(layer, x, cols)
+    context = getattr(ops, "CastBiasWeightContext", None)  # the cast as the layer's own forward makes it
+    if context is None or not runs_own_forward(layer, linear.forward) or \
+            type(layer).forward_comfy_cast_weights is not linear.forward_comfy_cast_weights or \
+            not plain_tensors(layer.weight, layer.bias):
+        return None
+    if not (layer.comfy_cast_weights or layer.weight_function or layer.bias_function):
+        return rows_linear(x, layer.weight, layer.bias, cols)
+    with context(layer, x, offloadable=True) as (weight, bias):
+        return rows_linear(x, weight, bias, cols)
 
 
 def _pe_chunk(pe: torch.Tensor | None, offset: int, s: slice) -> tuple:

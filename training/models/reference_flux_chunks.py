@@ -9,14 +9,18 @@ Each pass-1 and pass-2 call is one `ctx.run` region, recomputed in backward: the
 holds are its input, q, k, v, attention's output and its own output (and their gradients in backward); everything
 else lives one chunk at a time. The double block chunks its text and image tokens separately (separate weights).
 
-The single block's MLP input comes out of the same fused `linear1` as q, k, v. Pass 2 recomputes `linear1` on its
-chunk and takes the MLP columns, instead of keeping them from pass 1: kept, they would be 4 x hidden per token
-whole-sequence plus as much again of gradient (the pass-1 regions only run backward after attention's backward), 0.78
-GiB at 2048 px, a fifth of a 4 GB budget; recomputed, they cost one more `linear1` per region run (linear1 is a
-LoRA layer in general, so its qkv columns cannot be skipped), about 1/5 more FLOPs in a checkpointed single block.
+The single block's MLP input comes out of the same fused `linear1` as q, k, v. Pass 2 recomputes it on its chunk
+instead of keeping it from pass 1: kept, it would be 4 x hidden per token whole-sequence plus as much again of
+gradient (the pass-1 regions only run backward after attention's backward), 0.78 GiB at 2048 px, a fifth of a 4 GB
+budget. Each pass computes only its own columns of linear1, from those rows of the weight (training/lora/
+linear_columns.py: a plain Linear or a plain peft LoRA on one; anything else runs the whole layer and slices): pass 1
+the 3 x hidden qkv columns, pass 2 the 4 x hidden MLP columns, so a chunked single block's forward does the
+matmul work of the plain one (per token 6h^2 + 8h^2 + 10h^2 = 24h^2 with hidden h), plus one more product with a
+LoRA's small A factor (2rh per token at rank r). Checkpointed, every region also runs again in backward, as in any
+checkpointed block.
 
-Values equal the plain forward up to the rounding of matrix products on fewer rows (the same sums, possibly
-blocked differently by the BLAS); every op is per token except attention, which is not chunked.
+Values equal the plain forward up to the rounding of matrix products on fewer rows or columns (the same sums,
+possibly blocked differently by the BLAS); every op is per token except attention, which is not chunked.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+from ..lora.linear_columns import linear_columns
 from .reference_flux import DoubleStreamBlock, SelfAttention, SingleStreamBlock, apply_rope, split_qkv
 
 
@@ -84,16 +89,14 @@ def double_block_chunked(block: DoubleStreamBlock, ctx: ChunkContext, img: Tenso
 
 
 # -- the single block ------------------------------------------------------------------------------------------------
-def _single_in(block: SingleStreamBlock, x: Tensor, shift: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-    h = block.hidden_size
-    qkv, mlp = torch.split(block.linear1(_modulated(block.pre_norm, x, shift, scale)), [3 * h, block.mlp_hidden_dim],
-                           dim=-1)
-    return qkv, mlp
+def _single_in(block: SingleStreamBlock, x: Tensor, shift: Tensor, scale: Tensor, cols: slice) -> Tensor:
+    """Columns `cols` of linear1 on the modulated chunk: the qkv or the MLP input."""
+    return linear_columns(block.linear1, _modulated(block.pre_norm, x, shift, scale), cols)
 
 
 def _single_qkv(block: SingleStreamBlock):
     def f(x, shift, scale, pe):
-        q, k, v = split_qkv(_single_in(block, x, shift, scale)[0], block.num_heads)
+        q, k, v = split_qkv(_single_in(block, x, shift, scale, slice(0, 3 * block.hidden_size)), block.num_heads)
         q, k = block.norm(q, k, v)
         q, k = apply_rope(q, k, pe)
         return q, k, v
@@ -102,7 +105,8 @@ def _single_qkv(block: SingleStreamBlock):
 
 def _single_out(block: SingleStreamBlock):
     def f(x, o, shift, scale, gate):
-        mlp = _single_in(block, x, shift, scale)[1]  # recomputed, not kept: see the module docstring
+        h = block.hidden_size  # the MLP columns, recomputed, not kept: see the module docstring
+        mlp = _single_in(block, x, shift, scale, slice(3 * h, 3 * h + block.mlp_hidden_dim))
         return x + gate * block.linear2(torch.cat((_heads(o), block.mlp_act(mlp)), dim=2))
     return f
 
