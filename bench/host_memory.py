@@ -32,12 +32,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..memory.host_memory import malloc_in_use_bytes, release_freed_host_memory
+from ..memory.host_memory import release_freed_host_memory
 from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
 from ..training.models.reference_flux import FluxParams
 from . import host_memory_dynamic, host_memory_ranks, host_memory_server
 from .models import build_bench_model
+from .proc_memory import process_memory, status_bytes
 from .runtime_overhead import CHILD_ENV
 from .report import save_cpu_result
 
@@ -51,21 +52,6 @@ OFFLOADS = (0.0, 0.5, 1.0)
 RUNS = 3  # runs per process: a one-time cost of the first run (code pages, first-use objects) is not a leak
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def _memory() -> dict[str, int | None]:
-    """RSS, split into anonymous and file-backed pages (code of the libraries touched), and what malloc has handed
-    out (None without glibc)."""
-    return {"rss": _status("VmRSS"), "anon": _status("RssAnon"), "file": _status("RssFile"),
-            "malloc_in_use": malloc_in_use_bytes()}
-
-
 def child(offload: float) -> dict:
     """In a fresh process: build, reset the peak mark, then RUNS times: train two steps with `offload`, undo, free
     the optimizer and trim as the Train node does; RSS figures after each run."""
@@ -76,7 +62,7 @@ def child(offload: float) -> dict:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    loaded, after = _memory(), []
+    loaded, after = process_memory(), []
     for _ in range(RUNS):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         with MemoryRuntime(model, Strategy.of(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
@@ -88,9 +74,9 @@ def child(offload: float) -> dict:
         del opt, rt
         gc.collect()
         release_freed_host_memory()  # what the Train node does once train() has returned (training_run.py)
-        after.append(_memory())
+        after.append(process_memory())
     return {"offload": offload, "weights_bytes": weights, "loaded_rss_bytes": loaded["rss"], "loaded": loaded,
-            "peak_rss_bytes": _status("VmHWM"), "after_rss_bytes": after[0]["rss"], "after": after,
+            "peak_rss_bytes": status_bytes("VmHWM"), "after_rss_bytes": after[0]["rss"], "after": after,
             "slot_bytes": slots}
 
 
@@ -184,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the host-memory benchmark reads peak RSS from /proc (Linux only)", file=sys.stderr)
         return 2
     if args.dynamic_only:
-        return host_memory_dynamic.main(args.out)
+        return host_memory_dynamic.main(args.out, MODEL)
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "device": "cpu", "rows": measure()}
     weights = result["rows"][0]["weights_bytes"]
@@ -200,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_ranks:
         result["ranks"] = host_memory_ranks.measure(1.0, CHILD_ENV)
     save_cpu_result("host_memory", result, markdown(result), args.out)
-    return 0 if args.skip_dynamic else host_memory_dynamic.main(args.out)
+    return 0 if args.skip_dynamic else host_memory_dynamic.main(args.out, MODEL)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def load_dynamic(checkpoint: str, **model_options):
     return p, loads
 
 
-def child(comfy_dir: str, checkpoint: str, mode: str) -> dict:
+def child(comfy_dir: str, checkpoint: str, mode: str, txt_len: int, resolution: int) -> dict:
     sys.path.insert(0, comfy_dir)
     from comfy.cli_args import args
     args.cpu = True
@@ -82,45 +82,46 @@ def child(comfy_dir: str, checkpoint: str, mode: str) -> dict:
     from ..training.lora.layers import LoraSpec
     from ..training.train_config import TrainConfig
     from ..training.training_run import run_training_node
-    from .host_memory import MODEL, _memory, _status
+    from .proc_memory import process_memory, status_bytes
     with torch.inference_mode():  # as ComfyUI runs nodes
         patcher, loads = load_dynamic(checkpoint)
         weights = sum(t.nbytes for t in patcher.model.diffusion_model.parameters())
         for t in patcher.model.diffusion_model.parameters():
             t.sum()  # every file page read once, as sampling with the model did
         g = torch.Generator().manual_seed(0)
-        cond = demo_conditioning(patcher, "a red circle", MODEL["txt_len"], 0)
-        side = MODEL["resolution"] // 8
+        cond = demo_conditioning(patcher, "a red circle", txt_len, 0)
+        side = resolution // 8
         data = dataset_from_conditioning({"samples": torch.randn(1, 16, side, side, generator=g)}, cond)
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
-        loaded = _memory()
+        loaded = process_memory()
         model = patcher.clone(force_deepcopy=True) if mode == "reload" else patcher
         with tempfile.TemporaryDirectory() as out:
             run_training_node(TrainConfig(learning_rate=1e-5), 2, session=None, model=model, dataset=data,
                               lora=LoraSpec(rank=4), strategy=Strategy.of(offload_fraction=1.0, compute_dtype="fp32"),
                               device="cpu", save_dir=Path(out), filename_prefix="bench", save_every=0, progress=None,
                               should_stop=None)
-        peak = _status("VmHWM")
+        peak = status_bytes("VmHWM")
     return {"mode": mode, "weights_bytes": weights, "loaded": loaded, "peak_rss_bytes": peak,
-            "after": _memory(), "reloads": len(loads), "torch": torch.__version__}
+            "after": process_memory(), "reloads": len(loads), "torch": torch.__version__}
 
 
-def measure(params) -> list[dict]:
-    """One fresh ComfyUI-python process per mode; needs COMFYUI_DIR."""
+def measure(model: dict) -> list[dict]:
+    """One fresh ComfyUI-python process per mode for `model` (bench/host_memory.py's MODEL); needs COMFYUI_DIR."""
     from .host_memory_server import write_checkpoint
     comfy_dir = os.path.abspath(os.environ["COMFYUI_DIR"])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = write_checkpoint(Path(tmp), params)
+        checkpoint = write_checkpoint(Path(tmp), model["params"])
         pythonpath = Path(tmp) / "pythonpath"
         pythonpath.mkdir()
         (pythonpath / "tightrope").symlink_to(REPO, target_is_directory=True)
         env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": "1"}
         for mode in MODES:
             proc = subprocess.run([comfy_python(comfy_dir), "-m", "tightrope.bench.host_memory_dynamic", comfy_dir,
-                                   str(checkpoint), mode], capture_output=True, text=True, env=env, cwd=tmp)
+                                   str(checkpoint), mode, str(model["txt_len"]), str(model["resolution"])],
+                                  capture_output=True, text=True, env=env, cwd=tmp)
             if proc.returncode != 0:
                 raise RuntimeError(f"dynamic-VRAM host-memory child ({mode}) failed (exit {proc.returncode}):\n"
                                    f"{proc.stderr[-3000:]}")
@@ -132,17 +133,16 @@ def measure(params) -> list[dict]:
     return rows
 
 
-def main(out: str | None) -> int:
+def main(out: str | None, model: dict) -> int:
     """`tightrope bench --host-memory --dynamic-only`: host_memory_dynamic.json/.md under `out`."""
     import datetime
 
-    from .host_memory import MODEL
     from .report import save_cpu_result
     if not os.environ.get("COMFYUI_DIR"):
         print("skipping the ComfyUI dynamic-VRAM part: COMFYUI_DIR is not set (a ComfyUI source dir with "
               "comfy-aimdo installed in its python)")
         return 0
-    rows = measure(MODEL["params"])
+    rows = measure(model)
     result = {"date": datetime.date.today().isoformat(), "device": "cpu", "torch": rows[0]["torch"], "rows": rows}
     save_cpu_result("host_memory_dynamic", result, "\n".join(markdown(result)) + "\n", out)
     return 0
@@ -175,4 +175,4 @@ def markdown(result: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(*sys.argv[1:4])))
+    print(json.dumps(child(*sys.argv[1:4], *map(int, sys.argv[4:6]))))

@@ -66,7 +66,7 @@ def test_the_dynamic_vram_part_reports_both_paths_in_files_of_its_own(tmp_path, 
     loaded = {"rss": 2000 * MiB, "anon": 300 * MiB, "file": 1700 * MiB}
     rows = [{"mode": m, "weights_bytes": W, "loaded": loaded, "peak_above_loaded_w": w, "reloads": n,
              "torch": "2.13.0+cpu"} for m, w, n in (("tightrope", 0.36, 0), ("reload", 2.0, 1))]
-    monkeypatch.setattr(host_memory_dynamic, "measure", lambda params: rows)
+    monkeypatch.setattr(host_memory_dynamic, "measure", lambda model: rows)
     monkeypatch.setattr(host_memory, "measure", lambda: (_ for _ in ()).throw(AssertionError("ran the headless part")))
     assert host_memory.main(["--dynamic-only", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "host_memory_dynamic.md").read_text()
