@@ -3,11 +3,12 @@ $COMFYUI_DIR/../venv/bin/python), both read by tests/helpers/comfy_runner.py; te
 COMFYUI_DIR is unset. Also the environment of a `python -m tightrope` subprocess in ComfyUI's python."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
-from comfy_runner import COMFYUI_DIR, SKIP_REASON, comfy_python  # noqa: F401 (the integration tests import them here)
+from comfy_runner import COMFYUI_DIR, SKIP_REASON, comfy_python, run_in_comfyui  # noqa: F401 (tests import them here)
 
 REPO = Path(__file__).resolve().parents[2]
 needs_comfyui = pytest.mark.skipif(not COMFYUI_DIR, reason=SKIP_REASON)
@@ -22,3 +23,13 @@ def tightrope_env(tmp_path: Path) -> dict:
         (pythonpath / "tightrope").symlink_to(REPO, target_is_directory=True)
     return {**os.environ, "PYTHONPATH": str(pythonpath), "COMFYUI_DIR": os.path.abspath(COMFYUI_DIR),
             "PYTHONUNBUFFERED": "1"}
+
+
+def run_on_tiny_flux(tmp_path: Path, runner: str):
+    """`runner` in ComfyUI's python (comfy_runner.run_in_comfyui) with ARGS = (a tiny random Flux checkpoint, a LoRA
+    folder), this checkout importable: the value it passed to result(), printed."""
+    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
+    r, _ = run_in_comfyui(tmp_path, runner, ckpt, tmp_path / "loras", env=tightrope_env(tmp_path))
+    print(f"\n{json.dumps(r, indent=1)}")
+    return r

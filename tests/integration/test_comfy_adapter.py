@@ -1,12 +1,10 @@
 """The ComfyUI model adapter inside ComfyUI's python (a subprocess, no server): predict() is ComfyUI's own
 apply_model in velocity form, training leaves the user's MODEL as it was, fp8 base weights train with an fp32 LoRA,
 a MODEL that already has a LoRA trains on ComfyUI's patched weights, and eps-prediction models are refused."""
-import json
 import math
 
 import pytest
-from comfy_env import needs_comfyui, tightrope_env
-from comfy_runner import run_in_comfyui
+from comfy_env import needs_comfyui, run_on_tiny_flux
 
 pytestmark = needs_comfyui
 
@@ -81,10 +79,7 @@ RUNNER = """
 
 @pytest.mark.usefixtures("comfyui_python")  # Tightrope's requirements installed in ComfyUI's python
 def test_adapter_in_comfyui(tmp_path):
-    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
-    r, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "loras", env=tightrope_env(tmp_path))
-    print(f"\n{json.dumps(r, indent=1)}")
+    r = run_on_tiny_flux(tmp_path, RUNNER)
     assert r["base_unchanged"] and r["input_patches"] == 0 and r["output_patches"] > 0
     assert r["in_training_inside"] is True and r["in_training_after"] is False
     assert r["velocity_vs_apply_model"] <= 1e-5

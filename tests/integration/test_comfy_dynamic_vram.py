@@ -9,13 +9,9 @@ ModelPatcherDynamic needs CUDA; the runner emulates it as the host-memory benchm
 assigned as they are, in the file's dtype) under a ModelPatcher that says it is dynamic, and on each cast module the
 state ModelPatcherDynamic.load leaves there, with ComfyUI's own pin-state structure (real aimdo HostBuffers, which a
 deep copy would double-free)."""
-import json
-
-import torch
-
 import pytest
-from comfy_env import needs_comfyui, tightrope_env
-from comfy_runner import run_in_comfyui
+import torch
+from comfy_env import needs_comfyui, run_on_tiny_flux
 
 pytestmark = needs_comfyui
 
@@ -104,10 +100,7 @@ RUNNER = """
 
 @pytest.mark.usefixtures("comfyui_python")  # Tightrope's requirements installed in ComfyUI's python
 def test_a_dynamic_vram_model_trains_from_comfyuis_own_mapped_weights(tmp_path):
-    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
-    ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
-    r, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "loras", env=tightrope_env(tmp_path))
-    print(f"\n{json.dumps(r, indent=1)}")
+    r = run_on_tiny_flux(tmp_path, RUNNER)
     assert r["mapping_read_only"] and r["source_in_file"] and r["source_state_modules"] > 10
     # the old code reloaded the file (ComfyUI's clone(force_deepcopy=True)): 1 reload, every byte copied
     assert r["reloads"] == 0 and r["reloads_after_training"] == 0
