@@ -15,7 +15,8 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
 A strategy with token_chunks > 1 takes, for each block measured chunked (`Profile.chunked`), the chunked figures in
 place of the block's own: bytes saved without checkpointing, the peak over forward + backward, and the forward and
-backward times (the backward includes the chunks' recompute; a checkpointed block adds its chunked forward again).
+backward times (the backward includes the chunks' recompute; a checkpointed block adds its chunked forward again:
+an upper bound, as the block's recompute skips its output regions, see token_chunks.ChunkContext.output_region).
 
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel

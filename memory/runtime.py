@@ -170,7 +170,7 @@ class MemoryRuntime:
         if compiled:
             inner = compile_block(inner, self.strategy.compiler)
         elif chunked is not None:
-            ctx = self._chunk_context(index, inner)
+            ctx = self._chunk_context(index, inner, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
 
         def body(*args, **kwargs):
@@ -188,16 +188,21 @@ class MemoryRuntime:
         module.forward = forward
         self._patched.append((module, previous))
 
-    def _chunk_context(self, index: int, plain: Callable) -> ChunkContext:
+    def _chunk_context(self, index: int, plain: Callable, own_checkpoint: bool = False) -> ChunkContext:
         """How block `index` runs its token chunks: each one a recompute region that enters the block first, in
         forward and when recomputed in backward (by then other blocks may hold the slots: its weights must be
-        loaded again)."""
+        loaded again). With the block checkpointed on its own, an output region is skipped while that checkpoint
+        recomputes the block (see ChunkContext.output_region): its first argument stands for its result there."""
         def run(f: Callable, *args):
             def region(*a):
                 self._enter_block(index)
                 return f(*a)
             return recompute_region(region, *args)
-        return ChunkContext(self.strategy.checkpointing.token_chunks, run=run, plain=plain)
+
+        def run_output(f: Callable, *args):
+            return run(_stand_in if in_backward() else f, *args)
+        return ChunkContext(self.strategy.checkpointing.token_chunks, run=run, plain=plain,
+                            output_region=run_output if own_checkpoint else None)
 
     def _enter_block(self, index: int) -> None:
         if self.offload is not None:
@@ -296,3 +301,9 @@ def _storage_ptrs(tensors) -> set[int]:
         except RuntimeError:
             continue
     return ptrs
+
+
+def _stand_in(first: torch.Tensor, *rest: Any) -> torch.Tensor:
+    """An output region's result while its block's checkpoint recomputes the block: its first argument (same
+    shape; the value is never used, since nothing the block saved depends on it)."""
+    return first

@@ -11,7 +11,10 @@ device when a chunk is recomputed in backward).
 The contract of a chunked forward `fn(block, ctx, *args, **kwargs)`:
   - returns what `block`'s own forward returns for the same arguments (same structure, same values up to the
     rounding of a different summation order: none here, chunks split tokens, never a reduction);
-  - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis;
+  - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis, and
+    through `ctx.run_output(f, *tensors)` a part whose result goes only into the block's output (nothing the block
+    computes after it is saved for backward) and has the shape, dtype and device of its first argument: the last
+    pass of a block (output projection, MLP, gates, residual);
   - calls `ctx.plain(*args, **kwargs)` (the block's own forward) for any argument it does not support (masks,
     patches, variants), rather than computing something different;
   - never mutates its inputs.
@@ -41,6 +44,16 @@ class ChunkContext:
     """run(f, *args) -> f(*args), as one region recomputed in backward."""
     plain: Callable[..., Any] | None = None
     """The block's own forward, for arguments the chunked form does not support."""
+    output_region: Callable[..., Any] | None = None
+    """How `run_output` runs a region (None: as `run`). The runtime, which checkpoints each block on its own, skips
+    such a region's work while the block's checkpoint recomputes the block in backward: that recompute only
+    rebuilds what the block saved, and nothing saved comes from the block's output. Each region still saves its
+    inputs there, as in forward (the checkpoint matches them one to one), and is recomputed in full for its own
+    backward."""
+
+    def run_output(self, f: Callable[..., Any], *args: Any) -> Any:
+        """f(*args) as one recomputed region whose result goes only into the block's output."""
+        return (self.output_region or self.run)(f, *args)
 
 
 ChunkedForward = Callable[..., Any]  # fn(block, ctx, *args, **kwargs)

@@ -97,8 +97,9 @@ def double_block_chunked(block, ctx, img, txt, *, vec, pe):
         y = xc + g * block.proj(ac)
         return y + block.mlp(F.layer_norm(y, y.shape[-1:]))
 
-    txt_out = torch.cat([ctx.run(lambda xc, ac, g: xc + g * block.proj(ac), txt[:, sl], a[:, sl], gate) for sl in t_slices], 1)
-    img_out = torch.cat([ctx.run(img_out, img[:, sl], a[:, n_txt + sl.start:n_txt + sl.stop], gate)
+    txt_out = torch.cat([ctx.run_output(lambda xc, ac, g: xc + g * block.proj(ac), txt[:, sl], a[:, sl], gate)
+                         for sl in t_slices], 1)
+    img_out = torch.cat([ctx.run_output(img_out, img[:, sl], a[:, n_txt + sl.start:n_txt + sl.stop], gate)
                          for sl in i_slices], 1)
     return img_out, txt_out
 
@@ -113,7 +114,7 @@ def single_block_chunked(block, ctx, x, *, vec, pe):
         y = xc + block.proj(ac)
         return y + block.mlp(F.layer_norm(y, y.shape[-1:]))
 
-    return torch.cat([ctx.run(out, x[:, sl], a[:, sl]) for sl in slices], 1)
+    return torch.cat([ctx.run_output(out, x[:, sl], a[:, sl]) for sl in slices], 1)
 
 
 register_chunked_forward(DoubleBlock, double_block_chunked)

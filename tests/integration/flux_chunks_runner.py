@@ -4,6 +4,7 @@ test asserts on them.
 
     python flux_chunks_runner.py COMFYUI_DIR PACKAGES TINY_FLUX_CHECKPOINT
 """
+import contextlib
 import json
 import sys
 
@@ -22,6 +23,9 @@ from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, Modulation, Single
 
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
+from tightrope.memory import runtime as runtime_module  # noqa: E402
+from tightrope.memory.runtime import MemoryRuntime  # noqa: E402
+from tightrope.memory.strategy import Strategy  # noqa: E402
 from tightrope.memory.token_chunks import ChunkContext, chunked_forward_for, recompute_region  # noqa: E402
 from tightrope.training.lora import linear_columns  # noqa: E402
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters  # noqa: E402
@@ -204,24 +208,35 @@ def whole_model(patcher):
                 p.normal_(0, 0.1)  # B too (peft starts it at zero, which would leave A's gradient zero)
         results = []
         whole_layers.clear()
-        for chunked in (False, True):
+        # plain; every block through its chunked forward; and under the memory runtime: each block its own checkpoint
+        # (whose recompute skips the output chunks), weights streamed through poisoned slots, 3 chunks
+        runtime = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", token_chunks=3)
+        stand_ins, real_stand_in = [], runtime_module._stand_in
+        runtime_module._stand_in = lambda *a: stand_ins.append(1) or real_stand_in(*a)
+        for way in ("plain", "chunked", "runtime"):
             for p in lora.values():
                 p.grad = None
             blocks_ = [*module.double_blocks, *module.single_blocks]
             try:
-                for b in blocks_ if chunked else []:
+                for b in blocks_ if way == "chunked" else []:
                     ctx = ChunkContext(chunks=3, plain=b.forward)
                     b.forward = (lambda b, ctx: lambda *a, **k: chunked_forward_for(b)(b, ctx, *a, **k))(b, ctx)
-                v = adapter.predict(module, x, t, context, pooled, 3.5)
-                (v * torch.randn(v.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
+                with (MemoryRuntime(module, runtime, "cpu", poison_slots=True) if way == "runtime"
+                      else contextlib.nullcontext()):
+                    v = adapter.predict(module, x, t, context, pooled, 3.5)
+                    (v * torch.randn(v.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
             finally:
                 for b in blocks_:
                     b.__dict__.pop("forward", None)
             results.append((v.detach(), {k: p.grad.clone() for k, p in lora.items()}))
-    (ref, ref_grads), (got, grads) = results
-    return {"out_err": (got - ref).abs().max().item(), "out_scale": ref.abs().max().item(),
-            "grad_rel": max(((grads[k] - r).abs().max() / r.abs().max()).item() for k, r in ref_grads.items()),
-            "n_lora": len(ref_grads), "whole_layers": len(whole_layers)}
+    runtime_module._stand_in = real_stand_in
+    (ref, ref_grads), *others = results
+    out = {"out_scale": ref.abs().max().item(), "n_lora": len(ref_grads), "whole_layers": len(whole_layers),
+           "skipped_output_chunks": len(stand_ins)}
+    for way, (got, grads) in zip(("chunked", "runtime"), others):
+        out[f"{way}_out_err"] = (got - ref).abs().max().item()
+        out[f"{way}_grad_rel"] = max(((grads[k] - r).abs().max() / r.abs().max()).item() for k, r in ref_grads.items())
+    return out
 
 
 def fp16():

@@ -16,6 +16,7 @@ from tightrope.memory.strategy import Strategy
 from tightrope.memory.token_chunks import ChunkContext, chunked_forward_for
 from tightrope.training.lora import linear_columns
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
+from tightrope.training.models import reference_flux_chunks
 from tightrope.training.models.reference_flux import DoubleStreamBlock, EmbedND, SingleStreamBlock
 
 N_TXT, N_IMG, HIDDEN = 5, 13, 128  # the tiny Flux: head dim 128, axes (16, 56, 56)
@@ -184,8 +185,35 @@ def test_a_chunk_recomputed_in_backward_loads_its_block_first(monkeypatch):
     """Negative control: chunks run as plain recompute regions that do not enter their block (the default
     ChunkContext.run) read, when recomputed in backward, whatever the poisoned slots hold by then: NaN gradients.
     The equality above therefore depends on the runtime's chunk regions loading the block."""
-    monkeypatch.setattr(MemoryRuntime, "_chunk_context",
-                        lambda self, index, plain: ChunkContext(self.strategy.checkpointing.token_chunks, plain=plain))
+    monkeypatch.setattr(MemoryRuntime, "_chunk_context", lambda self, index, plain, **kw: ChunkContext(
+        self.strategy.checkpointing.token_chunks, plain=plain))
     losses, grads = train(CHUNKED["offload 1.0, depth 0, chunks alone (no checkpointing)"], steps=1)
     assert all(torch.isfinite(torch.tensor(losses)))  # the forward ran with each block loaded
     assert any(torch.isnan(g).any() for g in grads[0].values())
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_checkpointed_block_runs_its_output_chunks_twice_not_three_times(checkpointed, monkeypatch):
+    """Under the runtime a checkpointed block is its own checkpoint, whose recompute in backward only rebuilds what
+    the block saved: the q, k, v regions (attention saves their results) run in forward, in that recompute and for
+    their own backward; the output regions (output projection, MLP, gates, residual), whose results only make the
+    block's output, in forward and for their own backward only (a third run was a third of a checkpointed chunked
+    block's forward work). Without the block's checkpoint nothing is recomputed but the regions themselves."""
+    runs = {"qkv": 0, "out": 0}
+
+    def counted(factory, kind):
+        def make(*a):
+            f = factory(*a)
+
+            def g(*args):
+                runs[kind] += 1
+                return f(*args)
+            return g
+        return make
+    for name, kind in (("_double_qkv", "qkv"), ("_single_qkv", "qkv"), ("_double_out", "out"), ("_single_out", "out")):
+        monkeypatch.setattr(reference_flux_chunks, name, counted(getattr(reference_flux_chunks, name), kind))
+    strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, token_chunks=4,
+                           checkpoint="all" if checkpointed else "off")
+    train(strategy, steps=1)
+    regions = 2 * (3 + 4) + 2 * 4  # per pass: 2 double blocks (3 text + 4 image chunks), 2 single blocks (4 chunks)
+    assert runs == {"qkv": (3 if checkpointed else 2) * regions, "out": 2 * regions}

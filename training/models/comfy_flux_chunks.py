@@ -19,8 +19,10 @@ single block's linear1, fewer columns). Each forward:
      so the single block's forward does the matmul work of the block's own (plus a LoRA's small A factor once
      more); a layer it cannot compute by rows runs whole and is sliced);
   3. ComfyUI's `attention` over the whole sequence, with the caller's transformer_options and pe=None;
-  4. per chunk, one region: output projection, gate, residual (the double block: then norm, modulation, MLP, gate,
-     residual; fp16 outputs clamped with nan_to_num, as the block does), out of place: the inputs are never changed.
+  4. per chunk, one output region (ctx.run_output: its result goes only into the block's output, so the memory
+     runtime's recompute of a checkpointed block skips it): output projection, gate, residual (the double block: then
+     norm, modulation, MLP, gate, residual; fp16 outputs clamped with nan_to_num, as the block does), out of place:
+     the inputs are never changed.
 
 RoPE is applied per chunk in pass 2 rather than inside `attention` as the block does: it is elementwise per token
 (same values either way), and ComfyUI computes it in fp32, so for a bf16 model its transients (an fp32 copy of q or k
@@ -123,7 +125,7 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         mlp = block.mlp_act(linear1(xc, shift, scale, mlp_cols))  # recomputed, not kept: see the module docstring
         return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp), 2)), gate)))
 
-    return torch.cat([ctx.run(out, x[:, s], attn[:, s], shift, scale, gate) for s in slices], dim=1)
+    return torch.cat([ctx.run_output(out, x[:, s], attn[:, s], shift, scale, gate) for s in slices], dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ the passes
@@ -157,7 +159,8 @@ def _output_chunks(ctx: ChunkContext, x: torch.Tensor, attn: torch.Tensor, mods,
         xc = _residual(xc, apply_mod(mlp(apply_mod(norm2(xc), 1 + scale2, shift2)), gate2))
         return _clamp_fp16(xc) if clamp_fp16 else xc
 
-    return torch.cat([ctx.run(out, x[:, s], attn[:, s], *mods) for s in token_slices(x.shape[1], ctx.chunks)], dim=1)
+    return torch.cat([ctx.run_output(out, x[:, s], attn[:, s], *mods) for s in token_slices(x.shape[1], ctx.chunks)],
+                     dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -5,7 +5,8 @@ Each block runs in two passes over token chunks around one whole-sequence attent
     no fp32 copy of the whole q and k is ever made) -> the chunk's q, k, v;
   attention on the concatenated q, k, v (the double block: text tokens first, as `pe` is built);
   pass 2, per chunk: the output projection, the MLP, the gates and the residual -> the chunk's output.
-Each pass-1 and pass-2 call is one `ctx.run` region, recomputed in backward: the whole-sequence tensors a block
+Each pass-1 call is one `ctx.run` region and each pass-2 call one `ctx.run_output` region (its result goes only into
+the block's output), each recomputed for its own backward: the whole-sequence tensors a block
 holds are its input, q, k, v, attention's output and its own output (and their gradients in backward); everything
 else lives one chunk at a time. The double block chunks its text and image tokens separately (separate weights).
 
@@ -16,8 +17,9 @@ budget. Each pass computes only its own columns of linear1, from those rows of t
 linear_columns.py: a plain Linear or a plain peft LoRA on one; anything else runs the whole layer and slices): pass 1
 the 3 x hidden qkv columns, pass 2 the 4 x hidden MLP columns, so a chunked single block's forward does the
 matmul work of the plain one (per token 6h^2 + 8h^2 + 10h^2 = 24h^2 with hidden h), plus one more product with a
-LoRA's small A factor (2rh per token at rank r). Checkpointed, every region also runs again in backward, as in any
-checkpointed block.
+LoRA's small A factor (2rh per token at rank r). Checkpointed by the memory runtime, the block's recompute in
+backward runs pass 1 and attention again but not pass 2 (nothing the block saved depends on it), so a step does
+pass 1 three times and pass 2 twice, against twice everything for a plain checkpointed block.
 
 Values equal the plain forward up to the rounding of matrix products on fewer rows or columns (the same sums,
 possibly blocked differently by the BLAS); every op is per token except attention, which is not chunked.
@@ -82,8 +84,9 @@ def double_block_chunked(block: DoubleStreamBlock, ctx: ChunkContext, img: Tenso
     out = []
     for x, start, _, attn, mod1, norm2, mlp, mod2 in streams:
         f = _double_out(attn, norm2, mlp)
-        out.append(torch.cat([ctx.run(f, x[:, s], o[:, :, start + s.start: start + s.stop], mod1.gate, mod2.shift,
-                                      mod2.scale, mod2.gate) for s in token_slices(x.shape[1], ctx.chunks)], dim=1))
+        out.append(torch.cat([ctx.run_output(f, x[:, s], o[:, :, start + s.start: start + s.stop], mod1.gate,
+                                             mod2.shift, mod2.scale, mod2.gate)
+                              for s in token_slices(x.shape[1], ctx.chunks)], dim=1))
     txt_out, img_out = out
     return img_out, txt_out
 
@@ -117,7 +120,8 @@ def single_block_chunked(block: SingleStreamBlock, ctx: ChunkContext, x: Tensor,
     f_in = _single_qkv(block)
     o = _attention([ctx.run(f_in, x[:, s], mod.shift, mod.scale, _pe(pe, 0, s)) for s in slices])
     f_out = _single_out(block)
-    return torch.cat([ctx.run(f_out, x[:, s], o[:, :, s], mod.shift, mod.scale, mod.gate) for s in slices], dim=1)
+    return torch.cat([ctx.run_output(f_out, x[:, s], o[:, :, s], mod.shift, mod.scale, mod.gate) for s in slices],
+                     dim=1)
 
 
 register_chunked_forward(DoubleStreamBlock, double_block_chunked)
