@@ -72,6 +72,7 @@ class MemoryRuntime:
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._patched: list[tuple[nn.Module, Any]] = []
         self._last_backward_block: int | None = None
+        self._forwarding: set[int] = set()  # blocks whose patched forward is running (not their checkpoint's recompute)
         self._param_storages: set[int] = set()
         self._timer = StepTimer(self.device)
         self.applied = False
@@ -180,10 +181,14 @@ class MemoryRuntime:
         hooks = self._saved_tensor_hooks(index, offloaded and not checkpointed, offload_acts)
 
         def forward(*args, **kwargs):
-            with hooks():
-                if checkpointed and torch.is_grad_enabled():
-                    return checkpointed_call(body, args, kwargs)
-                return body(*args, **kwargs)
+            self._forwarding.add(index)
+            try:
+                with hooks():
+                    if checkpointed and torch.is_grad_enabled():
+                        return checkpointed_call(body, args, kwargs)
+                    return body(*args, **kwargs)
+            finally:
+                self._forwarding.discard(index)
 
         module.forward = forward
         self._patched.append((module, previous))
@@ -192,7 +197,10 @@ class MemoryRuntime:
         """How block `index` runs its token chunks: each one a recompute region that enters the block first, in
         forward and when recomputed in backward (by then other blocks may hold the slots: its weights must be
         loaded again). With the block checkpointed on its own, an output region is skipped while that checkpoint
-        recomputes the block (see ChunkContext.output_region): its first argument stands for its result there."""
+        recomputes the block (see ChunkContext.output_region): its first argument stands for its result there. That
+        recompute is told apart by the block's forward not running (autograd calls the checkpointed body directly),
+        not by being in backward: a block called by someone else's recompute (a model that checkpoints a group of
+        blocks itself) runs its forward, whose output is needed there."""
         def run(f: Callable, *args):
             def region(*a):
                 self._enter_block(index)
@@ -200,7 +208,7 @@ class MemoryRuntime:
             return recompute_region(region, *args)
 
         def run_output(f: Callable, *args):
-            return run(_stand_in if in_backward() else f, *args)
+            return run(f if index in self._forwarding else _stand_in, *args)
         return ChunkContext(self.strategy.checkpointing.token_chunks, run=run, plain=plain,
                             output_region=run_output if own_checkpoint else None)
 
