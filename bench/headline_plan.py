@@ -17,6 +17,7 @@ budget. `make gpu-check` measures the same configurations (bench/gpu_check.py he
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from typing import Any
@@ -72,6 +73,7 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
     inputs = {"DoubleStreamBlock": ((), {"img": img, "txt": txt, "vec": vec, "pe": pe}),
               "SingleStreamBlock": ((x,), {"vec": vec, "pe": pe})}
     shapes: dict[str, BlockShape] = {}
+    recompute_flops: dict[str, float] = {}
     for b in blocks:
         kind = type(b.module).__name__
         if kind not in shapes:
@@ -84,6 +86,9 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
                 shapes[f"{kind}, {TOKEN_CHUNKS} token chunks"] = measure_block(
                     functools.partial(fn, b.module, ctx), args, kwargs, list(b.module.parameters()), mode,
                     compute_dtype=bf16)
+                rerun = dataclasses.replace(ctx, output_region=lambda f, *a: a[0])  # as its checkpoint reruns it
+                recompute_flops[kind] = saved_bytes_of(lambda: fn(b.module, rerun, *args, **kwargs),
+                                                       list(b.module.parameters()), mode, compute_dtype=bf16)[1]
     shared = vec.untyped_storage().nbytes() + pe.untyped_storage().nbytes()
     other_saved, other_flops = _outside_blocks(model, [b.module for b in blocks], mode,
                                                _model_inputs(params, batch, resolution, n_txt, mode))
@@ -101,7 +106,9 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
         optimizer_s=16 * sum(p.numel() for p in trainable) / 2e12,  # AdamW: ~16 B/element at ~2 TB/s
         act_full_alloc=[s.alloc for s in per], block_peak_alloc=[s.peak for s in per], token_chunks=TOKEN_CHUNKS,
         chunked=[c and ChunkedBlock(saved=max(c.saved, c.alloc), peak=c.peak, fwd_s=c.fwd_flops / ASSUMED_FLOPS,
-                                    bwd_s=c.bwd_flops / ASSUMED_FLOPS) for c in chunked])
+                                    bwd_s=c.bwd_flops / ASSUMED_FLOPS,
+                                    recompute_s=recompute_flops[type(b.module).__name__] / ASSUMED_FLOPS)
+                 for c, b in zip(chunked, blocks)])
     return profile, shapes
 
 

@@ -15,8 +15,8 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
 A strategy with token_chunks > 1 takes, for each block measured chunked (`Profile.chunked`), the chunked figures in
 place of the block's own: bytes saved without checkpointing, the peak over forward + backward, and the forward and
-backward times (the backward includes the chunks' recompute; a checkpointed block adds its chunked forward again:
-an upper bound, as the block's recompute skips its output regions, see token_chunks.ChunkContext.output_region).
+backward times (the backward includes the chunks' recompute; a checkpointed block adds the forward its checkpoint
+reruns, which skips the block's output regions: `recompute_s`, see token_chunks.ChunkContext.output_region).
 
 Step time is a two-resource pipeline per pass (forward in block order, backward in reverse): the compute stream runs
 blocks one after another; the copy engine streams an offloaded block's weights in (frozen weights travel
@@ -102,6 +102,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
         chunked = profile.chunked_block(i, strategy.checkpointing.token_chunks)
         f_i = (chunked.saved if chunked else profile.kept_full(i)) * s
         fwd_s, bwd_s = (chunked.fwd_s, chunked.bwd_s) if chunked else (profile.fwd_s[i], profile.bwd_s[i])
+        refwd_s = chunked.recompute_s if chunked and chunked.recompute_s is not None else fwd_s
         block_peak.append((chunked.peak if chunked else measured_peak[i]) * s)
         ckpt_i = profile.act_ckpt[i] * s
         ff = bf = af = 1.0
@@ -117,7 +118,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
         full.append(f_i * af if compiled else f_i)
         compact.append(keep is not Keep.ALL)
         c_fwd.append(fwd_s * s * ff)
-        c_bwd.append(bwd_s * s * bf + (fwd_s * s * ff if eager_ckpt else 0.0))
+        c_bwd.append(bwd_s * s * bf + (refwd_s * s * ff if eager_ckpt else 0.0))
 
     on_device = list(kept)
     act_host = [0.0] * n

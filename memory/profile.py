@@ -33,6 +33,8 @@ class ChunkedBlock:
     peak: int                  # peak over forward + backward above its inputs (0: not measured, as on CPU)
     fwd_s: float               # forward seconds
     bwd_s: float               # backward seconds, the chunks' recompute included
+    recompute_s: float | None = None  # seconds of the forward its own checkpoint reruns in backward, output regions
+    #                                   skipped (token_chunks.ChunkContext.output_region); None: fwd_s (older profiles)
 
 
 @dataclass
@@ -115,7 +117,8 @@ class Profile(ConfigBase):
             act_full_alloc=ints(self.act_full_alloc) if self.act_full_alloc else None,
             block_peak_alloc=ints(self.block_peak_alloc) if self.block_peak_alloc else None,
             fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,
-            chunked=[c and ChunkedBlock(int(round(c.saved * r)), int(round(c.peak * r)), c.fwd_s * r, c.bwd_s * r)
+            chunked=[c and ChunkedBlock(int(round(c.saved * r)), int(round(c.peak * r)), c.fwd_s * r, c.bwd_s * r,
+                                        None if c.recompute_s is None else c.recompute_s * r)
                      for c in self.chunked] if self.chunked else None,
             measured={})
 

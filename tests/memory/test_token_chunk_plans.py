@@ -42,6 +42,11 @@ def test_a_chunked_strategy_takes_the_chunked_figures():
     per_block = 1.2 * 0.01 + (0.02 + 1.2 * 0.01) + 1.2 * 0.01  # forward, backward, checkpoint's forward again
     assert chunked.compute_s == pytest.approx(prof.other_s + prof.optimizer_s + 4 * per_block)
     assert chunked.compute_s > plain.compute_s
+    # measured, the forward the block's checkpoint reruns (output regions skipped) replaces the whole chunked forward
+    rerun = dataclasses.replace(prof, chunked=[dataclasses.replace(c, recompute_s=0.004) for c in prof.chunked])
+    per_block = 1.2 * 0.01 + (0.02 + 1.2 * 0.01) + 0.004
+    assert predict(rerun, s.replace(token_chunks=TOKEN_CHUNKS)).compute_s == pytest.approx(
+        prof.other_s + prof.optimizer_s + 4 * per_block)
     # a block measured without a chunked forward (None) keeps its own figures: its peak stays the transient
     partial = dataclasses.replace(prof, chunked=prof.chunked[:3] + [None])
     assert predict(partial, s.replace(token_chunks=TOKEN_CHUNKS)).breakdown["transient"] == 600 * MB - 10 * MB
@@ -76,8 +81,10 @@ def test_profile_json_round_trip_with_chunked_figures_and_old_profiles_still_loa
     del old["chunked"], old["token_chunks"]  # written before token chunks existed
     assert Profile.from_dict(old).chunked is None and Profile.from_dict(old).token_chunks == 1
     doubled = prof.at_batch(2)
-    assert dataclasses.astuple(doubled.chunked[0]) == pytest.approx((100 * MB, 300 * MB, 0.024, 0.064))
-    assert doubled.chunked[3] is None
+    assert dataclasses.astuple(doubled.chunked[0])[:4] == pytest.approx((100 * MB, 300 * MB, 0.024, 0.064))
+    assert doubled.chunked[0].recompute_s is None and doubled.chunked[3] is None  # not measured: stays unknown
+    rerun = dataclasses.replace(prof, chunked=[c and dataclasses.replace(c, recompute_s=0.004) for c in prof.chunked])
+    assert Profile.from_json(rerun.to_json()) == rerun and rerun.at_batch(2).chunked[0].recompute_s == 0.008
     with pytest.raises(ValueError, match="Profile.chunked has 3 entries but there are 4 blocks"):
         dataclasses.replace(prof, chunked=prof.chunked[:3])
 
@@ -99,4 +106,5 @@ def test_the_probe_measures_blocks_with_a_chunked_forward_chunked():
     assert prof.token_chunks == TOKEN_CHUNKS and len(prof.chunked) == prof.n_blocks == 4
     for i, c in enumerate(prof.chunked):  # q, k, v, attention's output and the chunks' inputs: less than all
         assert 0 < c.saved < prof.act_full[i] and c.peak == 0 and c.fwd_s > 0 and c.bwd_s > 0  # CPU: no peak
+        assert c.recompute_s > 0  # timed; how it compares with fwd_s is the headline plan's FLOP count (no noise)
     assert Profile.from_json(prof.to_json()) == prof
