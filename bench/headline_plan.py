@@ -17,7 +17,6 @@ budget. `make gpu-check` measures the same configurations (bench/gpu_check.py he
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import sys
 from typing import Any
@@ -86,8 +85,7 @@ def _profile(model_name: str, resolution: int, batch: int, lora_rank: int) -> tu
                 shapes[f"{kind}, {TOKEN_CHUNKS} token chunks"] = measure_block(
                     functools.partial(fn, b.module, ctx), args, kwargs, list(b.module.parameters()), mode,
                     compute_dtype=bf16)
-                rerun = dataclasses.replace(ctx, output_region=lambda f, *a: a[0])  # as its checkpoint reruns it
-                recompute_flops[kind] = saved_bytes_of(lambda: fn(b.module, rerun, *args, **kwargs),
+                recompute_flops[kind] = saved_bytes_of(lambda: fn(b.module, ctx.rerun(), *args, **kwargs),
                                                        list(b.module.parameters()), mode, compute_dtype=bf16)[1]
     shared = vec.untyped_storage().nbytes() + pe.untyped_storage().nbytes()
     other_saved, other_flops = _outside_blocks(model, [b.module for b in blocks], mode,

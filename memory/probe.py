@@ -328,9 +328,9 @@ def _probe_chunked(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, 
             continue
         ctx = ChunkContext(chunks, plain=forwards[i])  # nothing else loads while one block is probed alone
         r = _probe_block(probe, i, lambda *a, fn=fn, m=module, ctx=ctx, **k: fn(m, ctx, *a, **k))
-        # the forward the block's own checkpoint reruns in backward: its output regions skipped (runtime._stand_in)
-        rerun = dataclasses.replace(ctx, output_region=lambda f, *a: a[0])
-        again = _probe_block(probe, i, lambda *a, fn=fn, m=module, ctx=rerun, **k: fn(m, ctx, *a, **k), count=False)
+        # the forward the block's own checkpoint reruns in backward: its output regions skipped
+        again = _probe_block(probe, i, lambda *a, fn=fn, m=module, ctx=ctx.rerun(), **k: fn(m, ctx, *a, **k),
+                             count=False)
         out.append(ChunkedBlock(saved=int(r["saved"]), peak=int(r["peak"]) if cuda else 0, fwd_s=r["fwd_s"],
                                 bwd_s=r["bwd_s"], recompute_s=again["fwd_s"]))
     return out

@@ -41,7 +41,7 @@ from .offload_selection import select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
-from .token_chunks import ChunkContext, chunked_forward_for, recompute_region
+from .token_chunks import ChunkContext, chunked_forward_for, recompute_region, stand_in
 
 
 class MemoryRuntime:
@@ -208,7 +208,7 @@ class MemoryRuntime:
             return recompute_region(region, *args)
 
         def run_output(f: Callable, *args):
-            return run(f if index in self._forwarding else _stand_in, *args)
+            return run(f if index in self._forwarding else stand_in, *args)
         return ChunkContext(self.strategy.checkpointing.token_chunks, run=run, plain=plain,
                             output_region=run_output if own_checkpoint else None)
 
@@ -310,8 +310,3 @@ def _storage_ptrs(tensors) -> set[int]:
             continue
     return ptrs
 
-
-def _stand_in(first: torch.Tensor, *rest: Any) -> torch.Tensor:
-    """An output region's result while its block's checkpoint recomputes the block: its first argument (same
-    shape; the value is never used, since nothing the block saved depends on it)."""
-    return first

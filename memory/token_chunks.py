@@ -21,6 +21,7 @@ The contract of a chunked forward `fn(block, ctx, *args, **kwargs)`:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,6 +55,17 @@ class ChunkContext:
     def run_output(self, f: Callable[..., Any], *args: Any) -> Any:
         """f(*args) as one recomputed region whose result goes only into the block's output."""
         return (self.output_region or self.run)(f, *args)
+
+    def rerun(self) -> "ChunkContext":
+        """This context as a block's own checkpoint reruns the block in backward: each output region saves its
+        inputs but is not computed (`stand_in`). The probe and the shape profile measure that rerun with it."""
+        return dataclasses.replace(self, output_region=lambda f, *args: self.run(stand_in, *args))
+
+
+def stand_in(first: Any, *rest: Any) -> Any:
+    """An output region's result where nothing needs it (its block's checkpoint rerunning the block): its first
+    argument, which has the result's shape."""
+    return first
 
 
 ChunkedForward = Callable[..., Any]  # fn(block, ctx, *args, **kwargs)

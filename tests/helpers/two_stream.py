@@ -130,11 +130,16 @@ class TwoStream(nn.Module):
         self.out = nn.Linear(d, d_in)
         self.d, self.heads = d, heads
 
-    def forward(self, img, txt, vec):
+    def embed(self, img, txt, vec):
+        """The inputs projected to the model width, and the positional table `pe`."""
         img, txt, vec = self.img_in(img), self.txt_in(txt), self.vec_in(vec)
         n = txt.shape[1] + img.shape[1]
         pe = torch.cos(torch.arange(n, dtype=img.dtype, device=img.device)[:, None]
                        * torch.linspace(0.1, 1.0, self.d // self.heads, device=img.device))
+        return img, txt, vec, pe
+
+    def forward(self, img, txt, vec):
+        img, txt, vec, pe = self.embed(img, txt, vec)
         for block in self.double_blocks:
             img, txt = block(img=img, txt=txt, vec=vec, pe=pe)
         x = torch.cat([txt, img], 1)

@@ -211,8 +211,8 @@ def whole_model(patcher):
         # plain; every block through its chunked forward; and under the memory runtime: each block its own checkpoint
         # (whose recompute skips the output chunks), weights streamed through poisoned slots, 3 chunks
         runtime = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", token_chunks=3)
-        stand_ins, real_stand_in = [], runtime_module._stand_in
-        runtime_module._stand_in = lambda *a: stand_ins.append(1) or real_stand_in(*a)
+        stand_ins, real_stand_in = [], runtime_module.stand_in
+        runtime_module.stand_in = lambda *a: stand_ins.append(1) or real_stand_in(*a)
         for way in ("plain", "chunked", "runtime"):
             for p in lora.values():
                 p.grad = None
@@ -229,7 +229,7 @@ def whole_model(patcher):
                 for b in blocks_:
                     b.__dict__.pop("forward", None)
             results.append((v.detach(), {k: p.grad.clone() for k, p in lora.items()}))
-    runtime_module._stand_in = real_stand_in
+    runtime_module.stand_in = real_stand_in
     (ref, ref_grads), *others = results
     out = {"out_scale": ref.abs().max().item(), "n_lora": len(ref_grads), "whole_layers": len(whole_layers),
            "skipped_output_chunks": len(stand_ins)}

@@ -17,10 +17,7 @@ CHUNKED = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="al
 
 def group_checkpointed_forward(self, img, txt, vec):
     """TwoStream.forward with its double blocks run as one group under the model's own checkpoint."""
-    img, txt, vec = self.img_in(img), self.txt_in(txt), self.vec_in(vec)
-    n = txt.shape[1] + img.shape[1]
-    pe = torch.cos(torch.arange(n, dtype=img.dtype, device=img.device)[:, None]
-                   * torch.linspace(0.1, 1.0, self.d // self.heads, device=img.device))
+    img, txt, vec, pe = self.embed(img, txt, vec)
 
     def doubles(img, txt):
         for block in self.double_blocks:
@@ -35,8 +32,8 @@ def group_checkpointed_forward(self, img, txt, vec):
 
 def test_blocks_inside_the_models_own_checkpoint_compute_their_outputs_when_it_recomputes(monkeypatch):
     stand_ins = []
-    real = runtime_module._stand_in
-    monkeypatch.setattr(runtime_module, "_stand_in", lambda *a: stand_ins.append(1) or real(*a))
+    real = runtime_module.stand_in
+    monkeypatch.setattr(runtime_module, "stand_in", lambda *a: stand_ins.append(1) or real(*a))
     model = make_lora_model()
     model.forward = types.MethodType(group_checkpointed_forward, model)
     with MemoryRuntime(model, CHUNKED, "cpu", poison_slots=True, activation_min_bytes=0) as rt:

@@ -37,7 +37,7 @@ import comfy.utils
 from ...memory.blocks import discover_blocks
 from ..lora.targets import LoraError
 from .adapter import ordinary_alias
-from .comfy_dynamic_vram import cast_to_model_dtypes, dynamic_vram_state
+from .comfy_dynamic_vram import cast_to_model_dtypes, drop_dynamic_vram_state, share_dynamic_vram_state
 from .comfy_flux_chunks import register_comfy_flux_chunks
 from ..train_config import ConfigError
 
@@ -150,15 +150,11 @@ class ComfyModelAdapter:
         memo = {id(patcher.model): patcher.model}
         for t in itertools.chain(source.parameters(), source.buffers()):
             memo.setdefault(id(t), ordinary_alias(t))
-        if dynamic:  # shared with the copy, never copied (device buffers, driver handles), then dropped from it
-            for m in source.modules():
-                for _, value in dynamic_vram_state(m):
-                    memo.setdefault(id(value), value)
+        if dynamic:
+            share_dynamic_vram_state(source, memo)
         module = copy.deepcopy(source, memo)
         if dynamic:
-            for m in module.modules():
-                for name, _ in dynamic_vram_state(m):
-                    del m.__dict__[name]
+            drop_dynamic_vram_state(module)
         module.requires_grad_(False)
         _guard_in_place_residuals(module)
         for key in patcher.patches:  # a LoRA already on the MODEL: train on the weights ComfyUI would sample with

@@ -30,6 +30,22 @@ def dynamic_vram_state(module: nn.Module) -> list[tuple[str, Any]]:
     return [(k, v) for k, v in module.__dict__.items() if k in _STATE or k.endswith("_lowvram_function")]
 
 
+def share_dynamic_vram_state(source: nn.Module, memo: dict) -> None:
+    """Put the state's values into a deep copy's memo: the copy shares them (device buffers, driver handles, aimdo
+    HostBuffers a copy would double-free) instead of copying them, until drop_dynamic_vram_state removes them."""
+    for m in source.modules():
+        for _, value in dynamic_vram_state(m):
+            memo.setdefault(id(value), value)
+
+
+def drop_dynamic_vram_state(module: nn.Module) -> None:
+    """Remove the state from every module of a copy: its modules then run their plain forward (or, with a class
+    that casts, ComfyUI's ordinary cast path)."""
+    for m in module.modules():
+        for name, _ in dynamic_vram_state(m):
+            del m.__dict__[name]
+
+
 def cast_to_model_dtypes(module: nn.Module) -> None:
     """Weights and buffers still in the file's dtype -> the dtype the model runs in (new tensors; the rest stay
     shared with ComfyUI's mapped file)."""
