@@ -31,9 +31,9 @@ On a CPU device the same schedule runs with real copies from the host sources in
 """
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 from torch import nn
@@ -369,18 +369,24 @@ def prefetch_window(ahead: list[int], current: int | None, cell_bytes: int, n_ce
     a block runs: at least `depth`, then more while the current block (its bytes; None when it is resident) and the
     window fit the cells by share, a block of n bytes taking 1 / (cell_bytes // n) of a cell. With blocks all the
     same size that is exactly `depth`; small blocks behind a large one go deeper in the same memory."""
-    used = _share(current, cell_bytes) if current is not None else Fraction(0)
+    num, den = _add_share(0, 1, current or 0, cell_bytes)  # the cells used, num / den exactly
     n = 0
     for nbytes in ahead:
-        used += _share(nbytes, cell_bytes)
-        if n >= depth and used > n_cells:
+        num, den = _add_share(num, den, nbytes, cell_bytes)
+        if n >= depth and num > n_cells * den:
             break
         n += 1
     return n
 
 
-def _share(nbytes: int, cell_bytes: int) -> Fraction:
-    return Fraction(1, cell_bytes // nbytes) if nbytes else Fraction(0)
+def _add_share(num: int, den: int, nbytes: int, cell_bytes: int) -> tuple[int, int]:
+    """num / den + 1 / (cell_bytes // nbytes), exact on integers (the planner calls this millions of times: as
+    `fractions.Fraction` it was most of a plan's time)."""
+    if not nbytes:
+        return num, den
+    k = cell_bytes // nbytes
+    common = math.lcm(den, k)
+    return num * (common // den) + common // k, common
 
 
 def _aligned(n: int) -> int:

@@ -32,6 +32,7 @@ memory: there the transfers add to compute instead of hiding.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .layer_offload import prefetch_window
@@ -89,7 +90,9 @@ def fragmentation_bytes(profile: Profile) -> float:
 
 
 def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
-            margin_bytes: int | None = None, offloaded: list[int] | None = None) -> Prediction:
+            margin_bytes: int | None = None, offloaded: list[int] | None = None, timed: bool = True) -> Prediction:
+    """Peak memory and step time of `strategy` on `profile`. timed=False skips the copy/compute pipelines (most of
+    the cost): step_s and bound_s are then NaN, for callers that only need the memory."""
     n, s = profile.n_blocks, batch_scale
     off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
     compiled = strategy.compiler.per_block
@@ -144,6 +147,11 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     breakdown = {"weights": int(weights), "slots": int(slots), "gradients": int(grads), "optimizer": int(optimizer),
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),
                  "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host))}
+    other = profile.other_s * s + profile.optimizer_s
+    compute = sum(c_fwd) + sum(c_bwd) + other
+    if not timed:
+        return Prediction(peak_bytes=int(subtotal + margin), step_s=math.nan, bound_s=math.nan, compute_s=compute,
+                          compile_s=sum(compile_s.values()), offloaded=tuple(off), breakdown=breakdown)
 
     bw = max(profile.h2d_bytes_per_s, 1.0)
     offset = set(off)
@@ -159,8 +167,6 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     window = (share, cell, cells, strategy.offload.prefetch_depth)
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, window, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, window, overlap)
-    other = profile.other_s * s + profile.optimizer_s
-    compute = sum(c_fwd) + sum(c_bwd) + other
     if overlap:
         t_fwd = max(t_fwd, d2h)
         bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd)) + other

@@ -120,11 +120,13 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
         base = base.replace(sharding=sharding)
     candidates = candidate_strategies(profile, base, allow_compile=allow_compile,
                                       compile_time_budget_s=compile_time_budget_s)
-    scored = [(predict(profile, s, batch_scale=batch_scale, margin_fraction=margin_fraction,
-                       margin_bytes=margin_bytes, offloaded=off), s) for s, off in candidates]
+    kw = {"batch_scale": batch_scale, "margin_fraction": margin_fraction, "margin_bytes": margin_bytes}
+    # memory first, for every candidate; step times (most of the cost) only for the ones that fit
+    scored = [(predict(profile, s, offloaded=off, timed=False, **kw), s) for s, off in candidates]
     fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
     if host is not None:
         fitting = host.keep_fitting(fitting)
+    fitting = [(predict(profile, s, offloaded=list(p.offloaded), **kw), s) for p, s in fitting]
     if not fitting:
         least = min(scored, key=lambda ps: ps[0].peak_bytes)
         raise StrategyError(

@@ -142,6 +142,34 @@ def test_prefetch_window():
     assert prefetch_window([40, 40], 40, 100, 1, 0) == 1  # depth 0: one cell still holds two small blocks
 
 
+def test_prefetch_window_counts_shares_exactly():
+    """The window is computed on integers (the planner calls it millions of times); it must agree with the rule
+    written in fractions for every mix of sizes, the exact ties (shares summing to a whole number of cells) included,
+    where a float sum lands on either side: 4 x 1/2 + 3 x 1/3 adds up to 3.0000000000000004 in floats."""
+    import random
+    from fractions import Fraction
+
+    def by_fractions(ahead, current, cell, n_cells, depth):
+        used = Fraction(1, cell // current) if current else Fraction(0)
+        n = 0
+        for nbytes in ahead:
+            used += Fraction(1, cell // nbytes) if nbytes else 0
+            if n >= depth and used > n_cells:
+                break
+            n += 1
+        return n
+
+    cell = 3 * 5 * 7 * 8
+    tie = ([cell // 2] * 3 + [cell // 3] * 3 + [cell], cell // 2, cell, 3, 0)
+    assert prefetch_window(*tie) == by_fractions(*tie) == 6  # exactly 3 cells used by the first 6 blocks
+    rng = random.Random(0)
+    sizes = [cell, cell // 2, cell // 3, cell // 5, cell // 6, cell // 7, cell // 8, cell // 10, cell // 3 + 1, 0]
+    for _ in range(3000):
+        ahead = [rng.choice(sizes) for _ in range(rng.randint(0, 12))]
+        args = (ahead, rng.choice(sizes[:-1] + [None]), cell, rng.randint(1, 3), rng.randint(0, 2))
+        assert prefetch_window(*args) == by_fractions(*args), args
+
+
 @pytest.mark.parametrize("kw", [{"checkpoint": "off", "prefetch_depth": 0}, {"checkpoint": "off"},
                                 {"checkpoint": "all", "activation_offload": True},
                                 {"checkpoint": "every_n", "prefetch_depth": 2}])
