@@ -129,23 +129,24 @@ def test_the_chunked_single_block_computes_linear1_once(lora):
 
 
 # -- under the runtime -------------------------------------------------------------------------------------------------
-def train(strategy=None, steps=2, runtime_patch=None):
-    """Losses and LoRA gradients of `steps` AdamW steps of the tiny LoRA Flux, plain or under `strategy`."""
+def train(strategy=None, steps=2, runtime_patch=None, device="cpu"):
+    """Losses and LoRA gradients (on the CPU) of `steps` AdamW steps of the tiny LoRA Flux, plain or under `strategy`
+    on `device`."""
     model = lora_flux()
     params = lora_parameters(model)
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     losses, grads = [], []
-    with (MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) if strategy
+    with (MemoryRuntime(model, strategy, device, poison_slots=True, activation_min_bytes=0) if strategy
           else contextlib.nullcontext()) as rt:
         for step in range(steps):
             if rt:
                 rt.start_step()
-            loss = model.forward_latent(*flux_inputs(seed=10 + step)).square().mean()
+            loss = model.forward_latent(*(t.to(device) for t in flux_inputs(seed=10 + step))).square().mean()
             loss.backward()
             if rt:
                 rt.end_step()
             losses.append(loss.item())
-            grads.append({n: p.grad.detach().clone() for n, p in params.items()})
+            grads.append({n: p.grad.detach().cpu().clone() for n, p in params.items()})
             opt.step()
             opt.zero_grad(set_to_none=True)
     assert not any("forward" in m.__dict__ for m in model.modules())  # undone: the blocks' own forwards again
@@ -179,6 +180,28 @@ def test_a_chunked_run_under_the_runtime_equals_plain_pytorch(name, monkeypatch)
     for step, (g, rg) in enumerate(zip(grads, ref_grads)):
         for n in rg:
             torch.testing.assert_close(g[n], rg[n], rtol=1e-5, atol=1e-5 * rg[n].abs().max().item(),
+                                       msg=lambda m: f"{name} step {step} grad {n}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels and streams need a CUDA device")
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_a_chunked_run_on_cuda_equals_the_cpu_reference(name):
+    """The real thing (run by `make gpu-check`): the reference Flux's chunked blocks (RoPE rows per chunk, linear1 by
+    weight rows of poisoned offloaded slots, CUDA attention on the concatenated chunks) streamed through the copy
+    stream, against plain PyTorch on the CPU. fp32 with TF32 off: only the summation order differs (cuBLAS/SDPA vs
+    CPU kernels, ~1e-6 relative per op over ~20 ops per pass); 1e-4 relative leaves ~5x above that (as
+    bench/cuda_checks.py argues for its matrix), while a stale or poisoned slot is off by O(1) or NaN."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref_losses, ref_grads = train()
+        losses, grads = train(CHUNKED[name], device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for step, (g, rg) in enumerate(zip(grads, ref_grads)):
+        for n in rg:
+            torch.testing.assert_close(g[n], rg[n], rtol=1e-4, atol=1e-4 * rg[n].abs().max().item(),
                                        msg=lambda m: f"{name} step {step} grad {n}: {m}")
 
 
