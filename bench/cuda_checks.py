@@ -11,7 +11,9 @@
    while a queued kernel still needs it, and the gradients show it.
 3. The CUDA tests of the test suite, in their own process: the leak tests (tests/reliability/test_leaks.py: device
    memory flat over ten runs, pinned host memory given back after a run) and weights streamed from a read-only file
-   mapping, page-locked read-only (tests/memory/test_host_pinning.py; ComfyUI's dynamic VRAM holds weights so).
+   mapping, page-locked read-only (tests/memory/test_host_pinning.py; ComfyUI's dynamic VRAM holds weights so), and
+   the reference Flux's token-chunked blocks streamed through poisoned slots against the CPU
+   (tests/training/test_reference_flux_chunks.py: RoPE rows per chunk, linear1 by weight rows, CUDA attention).
 The test helpers are imported from the source checkout's tests/helpers (this is a developer's command).
 """
 from __future__ import annotations
@@ -196,13 +198,14 @@ def _compare(losses, grads, reference, rtol: float, atol: float) -> float:
 
 
 def run_leak_test(device_type: str, folder: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """The test suite's CUDA tests (the leak tests, weights streamed from a read-only mapping) in a fresh process (on
-    the CPU dry run: the leak tests' baseline test). It passes only if every test ran and passed (a skip is a failure
-    here); pytest's junit XML says which."""
-    tests = [str(ROOT / "tests" / part) for part in ("reliability/test_leaks.py", "memory/test_host_pinning.py")]
-    select = "ten_runs_keep_cuda_memory_flat or pinned_host_memory_back or read_only_mapping_page_locked" \
-        if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
-    expected = 3 if device_type == "cuda" else 1
+    """The test suite's CUDA tests (the leak tests, weights streamed from a read-only mapping, the chunked Flux) in a
+    fresh process (on the CPU dry run: the leak tests' baseline test). It passes only if every test ran and passed (a
+    skip is a failure here); pytest's junit XML says which."""
+    tests = [str(ROOT / "tests" / part) for part in ("reliability/test_leaks.py", "memory/test_host_pinning.py",
+                                                     "training/test_reference_flux_chunks.py")]
+    select = "ten_runs_keep_cuda_memory_flat or pinned_host_memory_back or read_only_mapping_page_locked or " \
+        "chunked_run_on_cuda" if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
+    expected = 5 if device_type == "cuda" else 1  # on CUDA: 3 tests, and the chunked Flux run in 2 strategies
     report = (folder / "leak-test.xml").resolve()  # the test runs from the checkout's root
     cmd = [sys.executable, "-m", "pytest", *tests, "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ GPUs), emulated on the CPU: how much host RAM a training run adds above the load
 Under dynamic VRAM ComfyUI maps the model file read-only and its modules hold the mapping's tensors, in the file's
 dtype. ModelPatcherDynamic itself needs CUDA, so `load_dynamic` loads the model with ComfyUI's own dynamic-VRAM file
 loading (aimdo's mapping; tensors assigned as they are) under a ModelPatcher that says it is dynamic, and puts on each
-cast module the state ModelPatcherDynamic.load leaves there (with ComfyUI's own pin-state structure); the integration
+cast module the state ModelPatcherDynamic.load and a sampling run leave there (with ComfyUI's own pin-state structure); the integration
 test tests/integration/test_comfy_dynamic_vram.py uses the same emulation.
 
 Two fresh processes in ComfyUI's python, the same Flux-shaped checkpoint (bench/host_memory.py's MODEL): each loads
@@ -65,6 +65,16 @@ def load_dynamic(checkpoint: str, **model_options):
             m._v, m._v_signature = (0, 0, 4096), None
             m.weight_lowvram_function = m.bias_lowvram_function = None
             m.weight_function, m.bias_function = [], []
+            if getattr(m, "weight", None) is None:
+                continue
+            # what a sampling run leaves after ComfyUI unloads the model (comfy.ops.cast_modules_with_vbar and
+            # resolve_cast_module_with_vbar, comfy.pinned_memory.pin_memory; the unload frees their memory, not the
+            # attributes): the staged device weights and their signature, the pin bookkeeping
+            m._v_signature = object()
+            m._v_weight = torch.empty(m.weight.shape, dtype=getattr(m, "weight_comfy_model_dtype", None) or
+                                      m.weight.dtype, device="meta")  # device memory: no host bytes here
+            m._v_bias = None if m.bias is None else torch.empty(m.bias.shape, dtype=m.bias.dtype, device="meta")
+            m._pins = {"weights": {"registered": False, "balancer_priority": 0, "stack_index": 0}}
     loads, (loader, args) = [], p.cached_patcher_init[:2]
     p.cached_patcher_init = (lambda *a, **k: loads.append(a) or loader(*a, **k), args)
     return p, loads

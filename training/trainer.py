@@ -259,14 +259,15 @@ def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> 
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     dev = parts.runtime.device
+    mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
     # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
     x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
         noised(latents, noise, t), t, context, pooled, latents, noise))
-    mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
+    mask = None if mask is None else mask.to(dev, non_blocking=mask.is_pinned())
     with parts.runtime.autocast():
         pred = parts.adapter.predict(parts.model, x_t, t, context, pooled, cfg.guidance)
         loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
-            if mask is None else masked_flow_loss(pred, latents, noise, mask.to(dev), kind=cfg.loss,
+            if mask is None else masked_flow_loss(pred, latents, noise, mask, kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)
     scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
     return loss.item() * weight / cfg.grad_accumulation

@@ -10,6 +10,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from tightrope.memory.token_chunks import register_chunked_forward, token_slices
+from tightrope.training.lora.linear_columns import linear_columns
 
 
 def _attention(h, qkv, proj, pe, heads):
@@ -60,14 +61,17 @@ class SingleBlock(nn.Module):
 # -- token-chunked forwards (memory/token_chunks.py contract), so the runtime's chunk regions run under every strategy
 # of the equivalence matrix (bench/cuda_checks.py on a GPU): the blocks' values, inputs never changed
 def _qkv_chunks(block, ctx, x, pe, offset, norm, *extra):
-    """Pass 1 of one token stream: per chunk (one region), h = norm(chunk, *extra) and q, k, v of h, the chunk's
-    positions offset + its tokens in pe."""
+    """Pass 1 of one token stream: per chunk (one region), h = norm(chunk, *extra) and q, k, v of h (by columns), the
+    chunk's positions offset + its tokens in pe."""
     slices = token_slices(x.shape[1], ctx.chunks)
 
     def qkv_of(xc, pec, *e):
         h = norm(xc, *e)
         b, n, d = h.shape
-        q, k, v = block.qkv(h).view(b, n, 3, block.heads, d // block.heads).permute(2, 0, 3, 1, 4)
+        # q, k and v each from its rows of the (LoRA) qkv weight (training/lora/linear_columns.py, as the Flux
+        # single blocks compute linear1): under layer offload, row slices of a slot that regions save and recompute
+        q, k, v = (linear_columns(block.qkv, h, slice(j * d, (j + 1) * d)).view(b, n, block.heads, d // block.heads)
+                   .transpose(1, 2) for j in range(3))
         return q * pec, k * pec, v
 
     return slices, [ctx.run(qkv_of, x[:, sl], pe[offset + sl.start:offset + sl.stop], *extra) for sl in slices]

@@ -7,8 +7,8 @@ streaming from the mapping.
 ModelPatcherDynamic needs CUDA; the runner emulates it as the host-memory benchmark does
 (bench/host_memory_dynamic.load_dynamic): ComfyUI's own dynamic-VRAM file loading (aimdo's read-only mmap, tensors
 assigned as they are, in the file's dtype) under a ModelPatcher that says it is dynamic, and on each cast module the
-state ModelPatcherDynamic.load leaves there, with ComfyUI's own pin-state structure (real aimdo HostBuffers, which a
-deep copy would double-free)."""
+state ModelPatcherDynamic.load and a sampling run leave there, with ComfyUI's own pin-state structure (real aimdo
+HostBuffers, which a deep copy would double-free)."""
 import pytest
 import torch
 from comfy_env import needs_comfyui, run_on_tiny_flux
@@ -85,11 +85,13 @@ RUNNER = """
         out["aligned_lora_equal"] = lora["aligned"].keys() == lora["plain"].keys() and all(
             torch.equal(lora["aligned"][k], lora["plain"][k]) for k in lora["plain"])
 
-        copies = []
+        copies, attrs = [], []
         for dynamic in (True, False):  # a bf16 model from an fp32 file: cast as an ordinary load casts it
             p, _ = load(dynamic, dtype=torch.bfloat16)
             with torch.inference_mode(False), ComfyModelAdapter(p).training_module() as module:
                 copies.append({k: v.clone() for k, v in module.state_dict().items()})
+                attrs.append({(n, k) for n, m in module.named_modules() for k in m.__dict__})
+        out["copy_extra_attrs"] = sorted({k for _, k in attrs[0] - attrs[1]})
         ours, theirs = copies
         out["bf16_dtypes"] = sorted({str(v.dtype) for v in ours.values()})
         out["bf16_equal"] = ours.keys() == theirs.keys() and all(
@@ -106,6 +108,10 @@ def test_a_dynamic_vram_model_trains_from_comfyuis_own_mapped_weights(tmp_path):
     assert r["reloads"] == 0 and r["reloads_after_training"] == 0
     assert r["copied_bytes"] == 0 and r["shared_bytes"] > 1_000_000
     assert r["copy_state"] == 0 and r["hostbufs_copied"] == 0 and r["source_state_kept"]
+    # nothing dynamic VRAM (or a sampling run under it) leaves on ComfyUI's modules reaches the copy's modules, the
+    # staged device weights (_v_weight) included: the copy's modules hold what an ordinary load's copy holds, plus
+    # the flag ComfyUI's lazy init sets under dynamic VRAM (read only while loading a state dict)
+    assert r["copy_extra_attrs"] == ["comfy_need_lazy_init_bias"]
     # the same fp32 values and operations, so the same training: to the bit once the weights sit in aligned memory;
     # from the file mapping (tensors at the file's byte offsets) CPU matmul kernels block unaligned operands
     # differently, which moves the loss by an ulp or so (measured: 1 ulp, 9e-8 relative), within the equivalence

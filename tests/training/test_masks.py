@@ -176,3 +176,33 @@ def test_bad_masks_are_dataset_errors_naming_the_file(tmp_path):
         _dataset(folder, "alpha")
     with pytest.raises(DatasetError, match="mask='depth' is not supported: choose one of none, mask_files, alpha"):
         _dataset(folder, "depth")
+
+
+def test_the_trainer_copies_the_mask_to_the_device_before_the_forward(tmp_path, monkeypatch):
+    """On CUDA a host-to-device copy queued after the forward waits for the whole forward, and a pageable one blocks
+    the host meanwhile, so nothing (backward included) is queued until the forward has run: every input, the mask
+    too, goes to the device before the model is called (the mask was copied inside the loss, after predict)."""
+    from tightrope.training import trainer
+
+    events = []
+
+    class Mask(torch.Tensor):  # records its copies to the device
+        def to(self, *args, **kwargs):
+            events.append("mask to device")
+            return torch.Tensor(self).to(*args, **kwargs)
+
+    real_step = trainer._micro_step
+
+    def micro_step(parts, batch, *args):
+        real_predict = parts.adapter.predict
+        parts.adapter.predict = lambda *a: events.append("predict") or real_predict(*a)
+        try:
+            return real_step(parts, {**batch, "mask": batch["mask"].as_subclass(Mask)}, *args)
+        finally:
+            del parts.adapter.predict
+
+    monkeypatch.setattr(trainer, "_micro_step", micro_step)
+    image = {f"i{k}": _png(_half((32, 32), RED, (0, 40 * k, 200))) for k in range(2)}
+    half = _folder(tmp_path / "half", image, {k: _png(_half((32, 32), 0, WHITE, mode="L")) for k in image})
+    train(demo_session(tmp_path).advanced(dataset=_dataset(half, "mask_files")), 2, device=CPU)
+    assert events == ["mask to device", "predict"] * 2

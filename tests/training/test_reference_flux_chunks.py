@@ -2,6 +2,7 @@
 and gradients as the plain blocks, a smaller working set, and correct under the runtime with every block streamed
 through poisoned slots."""
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -128,23 +129,24 @@ def test_the_chunked_single_block_computes_linear1_once(lora):
 
 
 # -- under the runtime -------------------------------------------------------------------------------------------------
-def train(strategy=None, steps=2, runtime_patch=None):
-    """Losses and LoRA gradients of `steps` AdamW steps of the tiny LoRA Flux, plain or under `strategy`."""
+def train(strategy=None, steps=2, runtime_patch=None, device="cpu"):
+    """Losses and LoRA gradients (on the CPU) of `steps` AdamW steps of the tiny LoRA Flux, plain or under `strategy`
+    on `device`."""
     model = lora_flux()
     params = lora_parameters(model)
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     losses, grads = [], []
-    with (MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) if strategy
+    with (MemoryRuntime(model, strategy, device, poison_slots=True, activation_min_bytes=0) if strategy
           else contextlib.nullcontext()) as rt:
         for step in range(steps):
             if rt:
                 rt.start_step()
-            loss = model.forward_latent(*flux_inputs(seed=10 + step)).square().mean()
+            loss = model.forward_latent(*(t.to(device) for t in flux_inputs(seed=10 + step))).square().mean()
             loss.backward()
             if rt:
                 rt.end_step()
             losses.append(loss.item())
-            grads.append({n: p.grad.detach().clone() for n, p in params.items()})
+            grads.append({n: p.grad.detach().cpu().clone() for n, p in params.items()})
             opt.step()
             opt.zero_grad(set_to_none=True)
     assert not any("forward" in m.__dict__ for m in model.modules())  # undone: the blocks' own forwards again
@@ -178,6 +180,28 @@ def test_a_chunked_run_under_the_runtime_equals_plain_pytorch(name, monkeypatch)
     for step, (g, rg) in enumerate(zip(grads, ref_grads)):
         for n in rg:
             torch.testing.assert_close(g[n], rg[n], rtol=1e-5, atol=1e-5 * rg[n].abs().max().item(),
+                                       msg=lambda m: f"{name} step {step} grad {n}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels and streams need a CUDA device")
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_a_chunked_run_on_cuda_equals_the_cpu_reference(name):
+    """The real thing (run by `make gpu-check`): the reference Flux's chunked blocks (RoPE rows per chunk, linear1 by
+    weight rows of poisoned offloaded slots, CUDA attention on the concatenated chunks) streamed through the copy
+    stream, against plain PyTorch on the CPU. fp32 with TF32 off: only the summation order differs (cuBLAS/SDPA vs
+    CPU kernels, ~1e-6 relative per op over ~20 ops per pass); 1e-4 relative leaves ~5x above that (as
+    bench/cuda_checks.py argues for its matrix), while a stale or poisoned slot is off by O(1) or NaN."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref_losses, ref_grads = train()
+        losses, grads = train(CHUNKED[name], device="cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for step, (g, rg) in enumerate(zip(grads, ref_grads)):
+        for n in rg:
+            torch.testing.assert_close(g[n], rg[n], rtol=1e-4, atol=1e-4 * rg[n].abs().max().item(),
                                        msg=lambda m: f"{name} step {step} grad {n}: {m}")
 
 
@@ -217,3 +241,28 @@ def test_a_checkpointed_block_runs_its_output_chunks_twice_not_three_times(check
     train(strategy, steps=1)
     regions = 2 * (3 + 4) + 2 * 4  # per pass: 2 double blocks (3 text + 4 image chunks), 2 single blocks (4 chunks)
     assert runs == {"qkv": (3 if checkpointed else 2) * regions, "out": 2 * regions}
+
+
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_the_pass_one_chunks_are_freed_before_the_output_regions_run(kind):
+    """Attention's whole q, k, v hold the values of pass 1's per-chunk q, k, v: the chunks must die before pass 2,
+    or they stay alive (3 x tokens x hidden) through the output regions, in forward and in the block's checkpoint
+    recompute in backward (the double block kept them: its backward peak at 8 chunks was 12.96 H, 11.02 H without;
+    H = tokens x hidden x 4 bytes, fp32, 2176 tokens of width 256)."""
+    block = lora_flux().double_blocks[0] if kind == "double" else lora_flux().single_blocks[0]
+    chunks, alive = [], []
+
+    def run(f, *args):  # the reference blocks' regions are pass 1 only: one chunk's (q, k, v)
+        out = f(*args)
+        chunks.extend(weakref.ref(t) for t in out)
+        return out
+
+    def run_output(f, *args):
+        alive.append(sum(ref() is not None for ref in chunks))
+        return f(*args)
+
+    kw = {k: v.requires_grad_(k != "pe") for k, v in block_inputs(kind, torch.Generator().manual_seed(0)).items()}
+    chunked_forward_for(block)(block, ChunkContext(3, run=run, plain=block.forward, output_region=run_output), **kw)
+    n_streams = 2 if kind == "double" else 1
+    assert len(chunks) == 3 * 3 * n_streams and len(alive) == 3 * n_streams
+    assert alive == [0] * len(alive)

@@ -81,6 +81,7 @@ def double_block_chunked(block: DoubleStreamBlock, ctx: ChunkContext, img: Tenso
     qkv = [ctx.run(_double_qkv(block, norm1, attn), x[:, s], mod1.shift, mod1.scale, _pe(pe, start, s))
            for x, start, norm1, attn, mod1, *_ in streams for s in token_slices(x.shape[1], ctx.chunks)]
     o = _attention(qkv)
+    del qkv  # the chunks: attention's whole q, k, v hold the same values (else alive through pass 2)
     out = []
     for x, start, _, attn, mod1, norm2, mlp, mod2 in streams:
         f = _double_out(attn, norm2, mlp)
