@@ -18,10 +18,16 @@ weights, so fixed per-process costs do not dominate):
   (bench/host_memory_dynamic.py; its own files, host_memory_dynamic.json/.md).
 
     tightrope bench --host-memory [--out DIR] [--skip-server] [--skip-ranks] [--skip-dynamic] [--dynamic-only]
+    tightrope bench --host-memory --server-only [--hidden-size N] [--offloads F ...] [--server-control]
+
+`--server-only` measures the server part alone, at another width if asked (hidden 2048: W ~ 5.5 GB), into
+`host_memory_server_h<N>.json/.md`: what a server keeps after a prompt is a fixed amount (code pages, Python objects,
+heap pages), so its share of W is measured at more than one W.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 from ..memory.host_memory import release_freed_host_memory
 from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
-from ..training.models.reference_flux import FluxParams
+from ..training.models.reference_flux import Flux, FluxParams
 from . import host_memory_dynamic, host_memory_ranks, host_memory_server
 from .models import build_bench_model
 from .proc_memory import process_memory, status_bytes
@@ -100,6 +106,27 @@ def measure() -> list[dict]:
     return rows
 
 
+def server_only(hidden_size: int, offloads: tuple[float, ...], control: bool, out: str | None) -> int:
+    """The server part alone, for a model `hidden_size` wide (head dim 128, MODEL's depths)."""
+    if not os.environ.get("COMFYUI_DIR"):
+        print(f"error: --server-only needs a ComfyUI: {host_memory_server.SKIP_REASON}", file=sys.stderr)
+        return 2
+    params = dataclasses.replace(MODEL["params"], hidden_size=hidden_size, num_heads=hidden_size // 128)
+    with torch.device("meta"):
+        weights = sum(p.numel() * p.element_size() for p in Flux(params).parameters())
+    result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": "cpu",
+              "hidden_size": hidden_size, "weights_bytes": weights, "server_env": host_memory_server.environment()}
+    result["server"] = host_memory_server.measure(params, offloads, weights, control=control)
+    text = "\n".join([f"# Host memory inside a real ComfyUI server, hidden {hidden_size} (CPU, {result['date']})", "",
+                      f"Command: `tightrope bench --host-memory --server-only --hidden-size {hidden_size} --offloads "
+                      f"{' '.join(f'{f:g}' for f in offloads)}{' --server-control' if control else ''}`. Model: "
+                      f"hidden {hidden_size}, {params.depth} double + {params.depth_single_blocks} single blocks, "
+                      f"W = {weights / 2**20:.0f} MiB of fp32 weights.", "",
+                      *host_memory_server.markdown(result["server"], result["server_env"])])
+    save_cpu_result(f"host_memory_server_h{hidden_size}", result, text + "\n", out)
+    return 0
+
+
 def markdown(result: dict) -> str:
     rows = result["rows"]
     lines = [f"# Host memory above the loaded model (CPU, {result['date']})", "",
@@ -157,9 +184,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also a server whose prompts sample instead of training (ComfyUI's own after-prompt RSS)")
     ap.add_argument("--skip-dynamic", action="store_true", help="leave out the ComfyUI dynamic-VRAM part")
     ap.add_argument("--dynamic-only", action="store_true", help="only the ComfyUI dynamic-VRAM part")
+    ap.add_argument("--server-only", action="store_true", help="only the ComfyUI server part (needs COMFYUI_DIR)")
+    ap.add_argument("--hidden-size", type=int, default=MODEL["params"].hidden_size,
+                    help="with --server-only: the model's width, a multiple of 128 (2048: W ~ 5.5 GB)")
+    ap.add_argument("--offloads", type=float, nargs="+", default=list(OFFLOADS),
+                    help="with --server-only: the offload fractions, one server each")
     ap.add_argument("--child", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.hidden_size <= 0 or args.hidden_size % 128:
+        ap.error(f"--hidden-size {args.hidden_size}: give a positive multiple of 128 (ComfyUI detects Flux widths "
+                 "by head dim 128)")
     if args.child is not None:
         print(json.dumps(child(args.child)))
         return 0
@@ -171,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dynamic_only:
         return host_memory_dynamic.main(args.out, MODEL)
+    if args.server_only:
+        return server_only(args.hidden_size, tuple(args.offloads), args.server_control, args.out)
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "device": "cpu", "rows": measure()}
     weights = result["rows"][0]["weights_bytes"]

@@ -51,7 +51,8 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     def make_inputs():
         inputs = dict(x_t=noised(latents, noise, t).to(device), t=t.to(device), context=context.to(device),
                       pooled=pooled.to(device))
-        return inputs, lambda out: flow_matching_loss(out, latents.to(device), noise.to(device))
+        target = latents.to(device), noise.to(device)  # before the forward: copied in the loss they stall the host
+        return inputs, lambda out: flow_matching_loss(out, *target)
 
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
         host = host_needs(module, session.strategy, choice.host_ram_budget_gb)

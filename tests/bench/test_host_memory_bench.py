@@ -3,6 +3,8 @@ printed and written, and the report holds the headless and the 2-rank tables (th
 fixed rows); the dynamic-VRAM part's own report."""
 import json
 
+import pytest
+
 from tightrope.bench import host_memory, host_memory_dynamic, host_memory_ranks, host_memory_server
 
 W = 1 << 30
@@ -74,3 +76,34 @@ def test_the_dynamic_vram_part_reports_both_paths_in_files_of_its_own(tmp_path, 
     assert "first (Tightrope before session 6) | 1 | +2.00 W | 300 / 1700 |" in text
     assert "the reload adds +1.64 W" in text
     assert json.loads((tmp_path / "host_memory_dynamic.json").read_text())["rows"] == rows
+
+
+def test_server_only_measures_the_server_at_the_width_asked_into_its_own_files(tmp_path, monkeypatch):
+    """--server-only --hidden-size 2048: one server per offload asked for, the model 2048 wide (16 heads of 128), W
+    counted from that model (the reference Flux's fp32 parameters: 4x MODEL's blocks, so about 4x its W)."""
+    calls = []
+
+    def fake_measure(params, offloads, weights, control=False):
+        calls.append((params.hidden_size, params.num_heads, offloads, weights, control))
+        return []
+
+    monkeypatch.setenv("COMFYUI_DIR", str(tmp_path))
+    monkeypatch.setattr(host_memory_server, "measure", fake_measure)
+    monkeypatch.setattr(host_memory_server, "environment", lambda: {"comfyui": "0.33.0", "torch": "x"})
+    assert host_memory.main(["--server-only", "--hidden-size", "2048", "--offloads", "1.0", "--server-control",
+                             "--out", str(tmp_path)]) == 0
+    (hidden, heads, offloads, weights, control), = calls
+    assert (hidden, heads, offloads, control) == (2048, 16, (1.0,), True)
+    written = json.loads((tmp_path / "host_memory_server_h2048.json").read_text())["weights_bytes"]
+    assert written == weights and 3.8 < weights / 1384034560 < 4.1  # 1384034560: MODEL's W (hidden 1024)
+    text = (tmp_path / "host_memory_server_h2048.md").read_text()
+    assert "--server-only --hidden-size 2048 --offloads 1 --server-control" in text
+
+
+def test_server_only_refuses_a_width_comfyui_cannot_detect_and_a_missing_comfyui(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        host_memory.main(["--server-only", "--hidden-size", "2000"])
+    assert e.value.code == 2 and "--hidden-size 2000: give a positive multiple of 128" in capsys.readouterr().err
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)
+    assert host_memory.main(["--server-only"]) == 2
+    assert f"--server-only needs a ComfyUI: {host_memory_server.SKIP_REASON}" in capsys.readouterr().err
