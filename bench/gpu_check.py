@@ -8,7 +8,9 @@ In order (a section that crashes is recorded and the next one runs; see bench/gp
      batch 1: offload 0.9 + activation offload + checkpoint all; offload 1.0 (likewise); offload 1.0 at prefetch
      depth 0; offload 1.0 with the blocks in token chunks, at depth 1 and at depth 0 (the planner's least-peak
      configuration: bench/headline_plan.py); and their offload-0 twins, whose compute gives the bound
-     max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others.
+     max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others. The least-peak row runs one more step, from
+     an emptied cache with the allocator's history recorded: allocator_trace.md says what was allocated, waiting
+     and free when reserved memory peaked, and which request made the cache grow (bench/allocator_trace.py).
 About 6-8 minutes on one H100. `--tiny` runs three strategies of the matrix and the headline's on the tiny model
 at 64 px; with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu" and
 "cpu:0".
@@ -23,7 +25,7 @@ import torch
 
 from ..memory.probe import TOKEN_CHUNKS, measure_h2d_bandwidth
 from ..memory.strategy import Strategy
-from . import cuda_checks
+from . import allocator_trace, cuda_checks
 from .grid import BenchConfig, with_references
 from .gpu_run import Run, gib, run_main
 from .measure import add_bounds, run_config
@@ -71,7 +73,7 @@ def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
         run.add(f"leak test ({leak['config']})", "passed" if leak["passed"] else leak["output"][-200:], "flat",
                 leak["passed"])
     spec = TINY if tiny else HEADLINE
-    headline = run.section("headline", lambda: _headline(device, spec, log))
+    headline = run.section("headline", lambda: _headline(device, spec, log, run))
     if isinstance(headline, dict) and "configs" in headline:
         _summarise_headline(run, headline)
     return run.finish()
@@ -86,7 +88,9 @@ def _summarise_matrix(run: Run, what: str, rows: Any) -> None:
         run.add(f"  {r['injection']}: {r['config']}", r.get("error", "")[:160], "match", False)
 
 
-def _headline(device: torch.device, spec: dict, log) -> dict[str, Any]:
+def _headline(device: torch.device, spec: dict, log, run: Run) -> dict[str, Any]:
+    """The headline rows, each written to the folder as soon as it is measured (a timeout keeps the rows done); the
+    least-peak row also runs one traced step (bench/allocator_trace.py: why reserved exceeds allocated)."""
     log(f"building {spec['model']} (random weights) ...")
     bench = build_bench_model(spec["model"])
     if device.type == "cuda":
@@ -96,11 +100,16 @@ def _headline(device: torch.device, spec: dict, log) -> dict[str, Any]:
     try:
         configs = headline_configs(device.type, spec["resolution"], spec["batch"])
         for cfg in configs:  # the offload-0 twin (the most memory) comes last
-            records.append(run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"]))
+            records.append(run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"],
+                                      trace=_least_peak(cfg.strategy.to_flat())))
             r = records[-1]
             log(f"  {cfg.name}: " + ("OOM" if r.get("oom") else f"{r['step_s']:.3g} s/step, peak reserved "
                                     f"{gib(r['peak_reserved_bytes'])}"))
+            _write_trace(run, r)
+            run.result["sections"]["headline_rows_so_far"] = records
+            run.write()
         add_bounds(records, bandwidth)
+        run.result["sections"].pop("headline_rows_so_far")
     finally:
         del bench
         gc.collect()
@@ -110,11 +119,22 @@ def _headline(device: torch.device, spec: dict, log) -> dict[str, Any]:
             "h2d_bytes_per_s": bandwidth, "configs": records}
 
 
+def _least_peak(flat: dict[str, Any]) -> bool:
+    return all(flat[k] == v for k, v in LEAST_PEAK.items())
+
+
+def _write_trace(run: Run, record: dict[str, Any]) -> None:
+    trace = record.get("allocator_trace")
+    if trace and "error" not in trace:
+        title = f"{record['label']}, {record['resolution']} px, batch {record['batch']}"
+        (run.folder / "allocator_trace.md").write_text(allocator_trace.markdown(trace, title))
+
+
 def _summarise_headline(run: Run, headline: dict) -> None:
     px = f"{headline['model']} {headline['resolution']} px"
     for r in headline["configs"]:
         off = r["strategy"]["offload_fraction"]
-        target = PEAK_TARGET if off == 0.9 or all(r["strategy"][k] == v for k, v in LEAST_PEAK.items()) else ""
+        target = PEAK_TARGET if off == 0.9 or _least_peak(r["strategy"]) else ""
         if r.get("oom"):
             run.add(f"{px} {r['label']}", f"out of memory: {r.get('error', '')[:100]}", target)
             continue
@@ -122,6 +142,8 @@ def _summarise_headline(run: Run, headline: dict) -> None:
                   f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}"
                   if r["peak_reserved_bytes"] else "not measured (CPU)")
         run.add(f"{px} {r['label']}: peak", memory, target)
+        if "allocator_trace" in r:
+            run.add(f"{px} {r['label']}: allocator trace", _trace_line(r["allocator_trace"]))
         if off:
             ratio = r.get("bound_ratio")
             run.add(f"{px} {r['label']}: step / bound", f"{r['step_s']:.3g} s / {r['bound_s']:.3g} s = {ratio:.2f}"
@@ -129,6 +151,15 @@ def _summarise_headline(run: Run, headline: dict) -> None:
         else:
             run.add(f"{px} {r['label']}: compute (offload-0 twin)", f"{r['step_s']:.3g} s/step (fwd {r['fwd_s']:.3g}"
                     f", bwd {r['bwd_s']:.3g}, optimizer {r['opt_s']:.3g})")
+
+
+def _trace_line(t: dict[str, Any]) -> str:
+    if "error" in t:
+        return f"the traced step failed: {t['error'][:100]}"
+    p, grew = t["at_peak"], t["grew_for"] or {"bytes": 0, "site": "?"}
+    return (f"one step from an emptied cache: reserved {gib(t['peak_reserved'])}, allocated {gib(p['allocated'])}, "
+            f"free in the cache {gib(p['free_in_cache'])}, waiting for streams {gib(p['waiting_for_streams'])}; "
+            f"last growth for {grew['bytes'] / 2**20:.0f} MiB at `{grew['site']}` (allocator_trace.md)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory.runtime import MemoryRuntime
+from . import allocator_trace
 from .grid import BenchConfig
 from .models import BenchModel
 
@@ -20,9 +21,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | str, *, steps: int = 5,
-               warmup: int = 2) -> dict[str, Any]:
+               warmup: int = 2, trace: bool = False) -> dict[str, Any]:
     """Median figures over `steps` measured steps after `warmup` steps. The first step's excess over a steady step
-    is reported as compile (and other one-off) time. A CUDA out-of-memory is a result, not a crash."""
+    is reported as compile (and other one-off) time. A CUDA out-of-memory is a result, not a crash. `trace` (CUDA):
+    one more step, not measured, with the allocator's history recorded (bench/allocator_trace.py), in
+    record["allocator_trace"]."""
     device = torch.device(device)
     model = bench.model
     record: dict[str, Any] = {"name": config.name, "label": config.label, "batch": config.batch,
@@ -37,6 +40,8 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
             opt = torch.optim.AdamW(params, lr=1e-5)
             for _ in range(warmup + steps):
                 steps_data.append(_one_step(model, rt, opt, inputs, target, device))
+            if trace and device.type == "cuda":
+                record["allocator_trace"] = _traced_step(model, rt, opt, inputs, target, device)
             del opt
     except torch.cuda.OutOfMemoryError as exc:
         record.update(oom=True, error=str(exc).splitlines()[0])
@@ -74,6 +79,22 @@ def fits(record: dict[str, Any], budget: int) -> bool:
     if record.get("oom"):
         return False
     return max(record.get("peak_reserved_bytes", 0), record.get("device_used_bytes", 0)) <= budget
+
+
+def _traced_step(model, rt: MemoryRuntime, opt, inputs, target, device: torch.device) -> dict[str, Any]:
+    """One step from an emptied cache (what persists between steps stays allocated) with the history recorded. A
+    diagnosis: its failure (an out-of-memory included) is reported in the result, the measured steps are kept."""
+    torch.cuda.empty_cache()
+    try:
+        with allocator_trace.recording(device) as box:
+            data = _one_step(model, rt, opt, inputs, target, device)
+        result = allocator_trace.analyse(box["trace"], box["baseline"])
+        result["truncated"] = box["truncated"]
+    except Exception as exc:  # noqa: BLE001 - reported, and the run's figures stand
+        opt.zero_grad(set_to_none=True)
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    result.update(step_peak_reserved=data["peak_reserved"], step_peak_allocated=data["peak_allocated"])
+    return result
 
 
 def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:

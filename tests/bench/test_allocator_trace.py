@@ -1,0 +1,80 @@
+"""bench/allocator_trace.py: the replay of a CUDA allocator trace (the format of torch.cuda.memory._snapshot's
+device_traces; recording itself needs CUDA and runs in `make gpu-check`)."""
+from __future__ import annotations
+
+import os
+
+from tightrope.bench import allocator_trace
+from tightrope.bench.allocator_trace import ROOT, analyse, markdown, where
+
+MiB = 1 << 20
+OWN_OFFLOAD = {"filename": os.path.join(ROOT, "memory", "layer_offload.py"), "line": 10, "name": "load"}
+OWN_ATTN = {"filename": os.path.join(ROOT, "training", "models", "reference_flux.py"), "line": 42, "name": "attn"}
+TORCH_F = {"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 7, "name": "linear"}
+SELF = {"filename": allocator_trace.__file__, "line": 1, "name": "recording"}
+
+
+def _e(action, addr, size, stream=1, frames=()):
+    return {"action": action, "addr": addr, "size": size * MiB, "stream": stream, "frames": list(frames)}
+
+
+def _trace():
+    return [
+        _e("segment_map", 1000, 20),                            # reserved 120
+        _e("alloc", 1000, 20, frames=[OWN_OFFLOAD]),            # allocated 80
+        _e("free_requested", 1000, 20),                         # allocated 60, waiting 20
+        _e("free_requested", 5, 10),                            # a baseline tensor: allocated 50, waiting 30
+        _e("free_completed", 1000, 20),                         # waiting 10
+        _e("segment_map", 9000, 50, stream=2),                  # reserved 170: the peak
+        _e("alloc", 9000, 30, stream=2, frames=[TORCH_F, OWN_ATTN]),  # the request: allocated 80
+        _e("alloc", 9400, 15, stream=2, frames=[SELF, TORCH_F]),
+        _e("segment_unmap", 1000, 20),                          # reserved 150
+        _e("segment_map", 1000, 10),                            # reserved 160: a growth, not the peak
+        _e("alloc", 1000, 5, frames=[OWN_OFFLOAD]),
+    ]
+
+
+def test_the_replay_finds_the_peak_of_reserved_memory_and_what_held_it():
+    a = analyse(_trace(), {"reserved": 100 * MiB, "allocated": 60 * MiB})
+    assert a["events"] == 11
+    assert a["peak_reserved"] == 170 * MiB
+    # just after the request that grew the cache to its peak: baseline 60 - 10 freed + 30 requested
+    assert a["at_peak"] == {"allocated": 80 * MiB, "waiting_for_streams": 10 * MiB, "free_in_cache": 80 * MiB,
+                            "recorded_live": 30 * MiB, "baseline_freed": 10 * MiB}
+    assert a["grew_for"] == {"bytes": 30 * MiB, "stream": 2,
+                             "site": "training/models/reference_flux.py:42 (attn)"}
+    assert a["live_by_site"] == [{"site": "training/models/reference_flux.py:42 (attn)", "bytes": 30 * MiB,
+                                  "count": 1}]
+    assert a["growth_by_stream"] == {2: 50 * MiB, 1: 30 * MiB}
+    assert [(g["index"], g["bytes"], g["request"]["site"]) for g in a["largest_growths"]] == [
+        (5, 50 * MiB, "training/models/reference_flux.py:42 (attn)"),
+        (0, 20 * MiB, "memory/layer_offload.py:10 (load)"),
+        (9, 10 * MiB, "memory/layer_offload.py:10 (load)")]
+
+
+def test_without_growth_the_peak_is_the_baseline():
+    trace = [_e("alloc", 1, 5, frames=[OWN_OFFLOAD]), _e("free_requested", 1, 5), _e("free_completed", 1, 5)]
+    a = analyse(trace, {"reserved": 100 * MiB, "allocated": 60 * MiB})
+    assert a["peak_reserved"] == 100 * MiB and a["grew_for"] is None and a["largest_growths"] == []
+    assert a["at_peak"]["allocated"] == 60 * MiB and a["at_peak"]["free_in_cache"] == 40 * MiB
+
+
+def test_a_frame_is_ours_through_a_symlinked_checkout(tmp_path):
+    # the device machine imports the package through a symlink (/tmp/pp/tightrope -> the checkout)
+    link = tmp_path / "tightrope"
+    link.symlink_to(ROOT.rstrip(os.sep))
+    frames = [TORCH_F, {"filename": str(link / "memory" / "token_chunks.py"), "line": 3, "name": "run"}]
+    assert where(frames) == "memory/token_chunks.py:3 (run)"
+    assert where([SELF, TORCH_F, OWN_OFFLOAD]) == "memory/layer_offload.py:10 (load)"  # this module is not the answer
+    assert where([TORCH_F]) == "functional.py:7 (linear)"
+    assert where([]) == "<no Python frame>"
+
+
+def test_the_report_names_the_request_and_the_sites():
+    a = analyse(_trace(), {"reserved": 100 * MiB, "allocated": 60 * MiB})
+    text = markdown(a, "offload 1.0, 2048 px")
+    assert "| reserved | 170.0 |" in text and "| free in the cache (reserved - allocated - waiting) | 80.0 |" in text
+    assert "a 30.0 MiB request on stream 2 at `training/models/reference_flux.py:42 (attn)`" in text
+    assert "| `training/models/reference_flux.py:42 (attn)` | 30.0 | 1 |" in text
+    assert "overflowed" not in text
+    assert "**The trace overflowed its ring" in markdown(dict(a, truncated=True), "x")
