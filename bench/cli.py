@@ -6,6 +6,7 @@
     tightrope bench gpu-check [--out DIR]                     # CUDA correctness + 2048 px headline (make gpu-check)
     tightrope bench gpu-bench [--out DIR]                     # planner budgets, compile, H2D (make gpu-bench)
     tightrope bench --host-memory                             # host RAM above the loaded model, per offload (CPU)
+    tightrope bench --host-memory --device cuda               # the same training on a GPU, pinned in place
     tightrope bench headline-plan                             # predicted 2048 px headline peak from shapes (CPU)
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--runtime-overhead", action="store_true",
                     help="run the runtime-overhead benchmark instead (CPU; see bench/runtime_overhead.py)")
     ap.add_argument("--host-memory", action="store_true",
-                    help="run the host-memory benchmark instead (CPU; see bench/host_memory.py)")
+                    help="run the host-memory benchmark instead (CPU, or --device cuda; see bench/host_memory.py)")
     return ap
 
 

@@ -42,7 +42,7 @@ from ..memory.host_memory import release_freed_host_memory
 from ..memory.runtime import MemoryRuntime
 from ..memory.strategy import Strategy
 from ..training.models.reference_flux import Flux, FluxParams
-from . import host_memory_dynamic, host_memory_ranks, host_memory_server
+from . import host_memory_cuda, host_memory_dynamic, host_memory_ranks, host_memory_server
 from .models import build_bench_model
 from .proc_memory import process_memory, status_bytes
 from .runtime_overhead import CHILD_ENV
@@ -58,39 +58,81 @@ OFFLOADS = (0.0, 0.5, 1.0)
 RUNS = 3  # runs per process: a one-time cost of the first run (code pages, first-use objects) is not a leak
 
 
-def child(offload: float) -> dict:
+def child(offload: float, device: str = "cpu", hidden_size: int | None = None) -> dict:
     """In a fresh process: build, reset the peak mark, then RUNS times: train two steps with `offload`, undo, free
-    the optimizer and trim as the Train node does; RSS figures after each run."""
-    bench = build_bench_model("host-memory", params=MODEL["params"], txt_len=MODEL["txt_len"], init_device="cpu")
-    model = bench.model
-    inputs, target = bench.make_inputs(MODEL["batch"], MODEL["resolution"])
+    the optimizer and trim as the Train node does; RSS figures after each run. On CUDA the context, cuBLAS and the
+    attention kernels are warmed up before the loaded level is read (per-process costs, not the run's)."""
+    params = _params(hidden_size)
+    bench = build_bench_model("host-memory", params=params, txt_len=MODEL["txt_len"], init_device="cpu")
+    model, dev = bench.model, torch.device(device)
+    inputs, target = bench.make_inputs(MODEL["batch"], MODEL["resolution"], device=dev)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if dev.type == "cuda":
+        _warm_up(dev)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    loaded, after = process_memory(), []
+    loaded, after, pinned, reserved = process_memory(), [], 0, 0
     for _ in range(RUNS):
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        with MemoryRuntime(model, Strategy.of(offload_fraction=offload, compute_dtype="fp32"), "cpu") as rt:
+        with MemoryRuntime(model, Strategy.of(offload_fraction=offload, compute_dtype="fp32"), dev) as rt:
             slots = rt.offload.slot_bytes() if rt.offload else 0
+            pinned = rt.offload.pinned_bytes() if rt.offload else 0
+            copies = rt.offload.host_copy_bytes() if rt.offload else 0
             for _ in range(2):
                 F.mse_loss(model(**inputs), target).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                reserved = max(reserved, torch.cuda.max_memory_reserved(dev))
         del opt, rt
         gc.collect()
         release_freed_host_memory()  # what the Train node does once train() has returned (training_run.py)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         after.append(process_memory())
     return {"offload": offload, "weights_bytes": weights, "loaded_rss_bytes": loaded["rss"], "loaded": loaded,
             "peak_rss_bytes": status_bytes("VmHWM"), "after_rss_bytes": after[0]["rss"], "after": after,
-            "slot_bytes": slots}
+            "slot_bytes": slots if dev.type == "cpu" else 0,  # host memory only when the "device" is the CPU
+            "device_slot_bytes": slots, "pinned_in_place_bytes": pinned, "host_copy_bytes": copies,
+            "device_peak_reserved_bytes": reserved, "host_allocator": _host_allocator(dev)}
 
 
-def measure() -> list[dict]:
+def _params(hidden_size: int | None) -> FluxParams:
+    if hidden_size is None or hidden_size == MODEL["params"].hidden_size:
+        return MODEL["params"]
+    return dataclasses.replace(MODEL["params"], hidden_size=hidden_size, num_heads=hidden_size // 128)
+
+
+def _warm_up(dev: torch.device) -> None:
+    x = torch.randn(256, 256, device=dev, requires_grad=True)
+    q = x.view(1, 1, 256, 256)
+    (x @ x).sum().add(F.scaled_dot_product_attention(q, q, q).sum()).backward()
+    torch.cuda.synchronize(dev)
+    del x, q
+    torch.cuda.empty_cache()
+
+
+def _host_allocator(dev: torch.device) -> dict | None:
+    """What torch's caching host allocator holds (pinned buffers, rounded to powers of two and kept for the life of
+    the process) at the end, where this torch reports it."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if dev.type != "cuda" or stats is None:
+        return None
+    try:
+        s = stats()
+    except RuntimeError:  # a torch whose host allocator keeps no statistics
+        return None
+    return {k: s.get(k) for k in ("allocated_bytes.current", "allocated_bytes.peak", "num_host_alloc")}
+
+
+def measure(device: str = "cpu", hidden_size: int | None = None, offloads=OFFLOADS) -> list[dict]:
     rows = []
-    for offload in OFFLOADS:
-        proc = subprocess.run([sys.executable, "-m", "tightrope.bench.host_memory", "--child", str(offload)],
-                              capture_output=True, text=True, check=False, env={**os.environ, **CHILD_ENV})
+    for offload in offloads:
+        cmd = [sys.executable, "-m", "tightrope.bench.host_memory", "--child", str(offload), "--device", device,
+               "--hidden-size", str(_params(hidden_size).hidden_size)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **CHILD_ENV})
         if proc.returncode != 0:
             raise RuntimeError(f"host-memory child (offload {offload}) failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-2000:]}")
@@ -111,7 +153,7 @@ def server_only(hidden_size: int, offloads: tuple[float, ...], control: bool, ou
     if not os.environ.get("COMFYUI_DIR"):
         print(f"error: --server-only needs a ComfyUI: {host_memory_server.SKIP_REASON}", file=sys.stderr)
         return 2
-    params = dataclasses.replace(MODEL["params"], hidden_size=hidden_size, num_heads=hidden_size // 128)
+    params = _params(hidden_size)
     with torch.device("meta"):
         weights = sum(p.numel() * p.element_size() for p in Flux(params).parameters())
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "device": "cpu",
@@ -185,18 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-dynamic", action="store_true", help="leave out the ComfyUI dynamic-VRAM part")
     ap.add_argument("--dynamic-only", action="store_true", help="only the ComfyUI dynamic-VRAM part")
     ap.add_argument("--server-only", action="store_true", help="only the ComfyUI server part (needs COMFYUI_DIR)")
-    ap.add_argument("--hidden-size", type=int, default=MODEL["params"].hidden_size,
-                    help="with --server-only: the model's width, a multiple of 128 (2048: W ~ 5.5 GB)")
+    ap.add_argument("--hidden-size", type=int, default=None,
+                    help="with --server-only (default 1024) or --device cuda (default 2048): the model's width, a "
+                         "multiple of 128 (2048: W ~ 5.5 GB)")
     ap.add_argument("--offloads", type=float, nargs="+", default=list(OFFLOADS),
-                    help="with --server-only: the offload fractions, one server each")
+                    help="with --server-only or --device cuda: the offload fractions, one process each")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the headless part on the GPU, pinned in place (bench/host_memory_cuda.py)")
     ap.add_argument("--child", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--rank-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.hidden_size <= 0 or args.hidden_size % 128:
+    if args.hidden_size is not None and (args.hidden_size <= 0 or args.hidden_size % 128):
         ap.error(f"--hidden-size {args.hidden_size}: give a positive multiple of 128 (ComfyUI detects Flux widths "
                  "by head dim 128)")
     if args.child is not None:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.device, args.hidden_size)))
         return 0
     if args.rank_child:
         host_memory_ranks.rank_child(MODEL, float(args.rank_child[0]), args.rank_child[1] == "share")
@@ -204,10 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists("/proc/self/clear_refs"):
         print("error: the host-memory benchmark reads peak RSS from /proc (Linux only)", file=sys.stderr)
         return 2
+    if args.device == "cuda" and args.child is None:
+        return host_memory_cuda.main(args.out, args.hidden_size, tuple(args.offloads), measure, RUNS)
     if args.dynamic_only:
         return host_memory_dynamic.main(args.out, MODEL)
     if args.server_only:
-        return server_only(args.hidden_size, tuple(args.offloads), args.server_control, args.out)
+        return server_only(args.hidden_size or MODEL["params"].hidden_size, tuple(args.offloads), args.server_control,
+                           args.out)
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "device": "cpu", "rows": measure()}
     weights = result["rows"][0]["weights_bytes"]

@@ -3,7 +3,8 @@
 - One host copy of the weights: a frozen weight already in host memory in the weight dtype (the headless model's,
   or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
   run adds no host memory. Only weights that cannot stream from where they are (on the device, in another dtype
-  than weight_dtype, or non-contiguous) get a host copy: one flat buffer per block, freed at detach.
+  than weight_dtype, or non-contiguous) get a host copy: one flat buffer per block, freed at detach. Memory the
+  system refuses to page-lock stays pageable, and copies from it are blocking (`pinned` says so).
 - Undo copies no weights: each param gets its original tensor back (a weight that lived on the device and so was
   dropped while offloaded is copied back there from its host copy).
 - Frozen weights travel host-to-device only: they never change, so eviction is free (nothing is copied back).
@@ -23,10 +24,6 @@
   loading the block again, wherever its slot is then, so saving a weight never pins a slot. Whether a tensor is a
   slot view is decided by its storage (the area's data pointer), never by comparing device objects ("cuda" vs
   "cuda:0").
-- Host memory: offloaded weights stream from the model's own host tensors (page-locked in place where the system
-  allows), so there is no second host copy; only weights that need a dtype conversion (or live on the device) get
-  a host copy per block, freed at detach. Memory the system refuses to page-lock stays pageable, and copies from it
-  are blocking (`pinned` says so).
 On a CPU device the same schedule runs with real copies from the host sources into the "device" slots (simulation).
 """
 from __future__ import annotations
@@ -187,6 +184,10 @@ class LayerOffload:
     def host_copy_bytes(self) -> int:
         """Host bytes this object allocated: copies of weights that could not stream from their own storage."""
         return sum(lay.copy.numel() for lay in self.layouts.values() if lay.copy is not None)
+
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked in place for this run (0 off CUDA, or where pinning was refused)."""
+        return self._pinned.pinned_bytes
 
     def slot_bytes(self) -> int:
         """Device bytes of the slot area (all cells)."""
