@@ -8,6 +8,7 @@
     tightrope bench --host-memory                             # host RAM above the loaded model, per offload (CPU)
     tightrope bench --host-memory --device cuda               # the same training on a GPU, pinned in place
     tightrope bench headline-plan                             # predicted 2048 px headline peak from shapes (CPU)
+    tightrope bench reserved-replay                           # its reserved memory: the CUDA allocator modelled (CPU)
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["headline-plan"]:
         from .headline_plan import main as headline_plan
         return headline_plan(argv[1:])
+    if argv[:1] == ["reserved-replay"]:
+        from .reserved_report import main as reserved_replay
+        return reserved_replay(argv[1:])
     if argv[:1] == ["gpu-bench"]:
         from .gpu_bench import main as gpu_bench
         return gpu_bench(argv[1:])
