@@ -19,12 +19,16 @@ Allocations made before the recording (the baseline) are known only by their tot
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from ..memory.allocator_model import CachingAllocatorModel
 
 ROOT = os.path.realpath(Path(__file__).resolve().parents[1]) + os.sep
 MAX_ENTRIES = 2_000_000  # one chunked headline step makes ~10^5 events; the ring keeps the newest, so leave room
@@ -64,6 +68,8 @@ def _own_path(filename: str) -> str | None:
 
 def where(frames: list[dict[str, Any]]) -> str:
     """The innermost frame in Tightrope's code as `path:line (function)`, else the innermost frame at all."""
+    if isinstance(frames, str):  # a compact trace's event (read_compact): the site itself
+        return frames
     for f in frames or ():
         path = _own_path(f.get("filename", ""))
         if path is not None:
@@ -109,6 +115,48 @@ def analyse(trace: list[dict[str, Any]], baseline: dict[str, int], top: int = 12
             "live_by_site": [{"site": site, "bytes": b, "count": n} for site, (b, n) in sites],
             "growth_by_stream": dict(sorted(by_stream.items(), key=lambda kv: -kv[1])),
             "largest_growths": sorted(growth, key=lambda g: -g["bytes"])[:top]}
+
+
+def model_growth(trace: list[dict[str, Any]], baseline_reserved: int) -> dict[str, Any]:
+    """The allocator model (memory/allocator_model.py) given this step's own requests, sizes and streams, each
+    returned to its cache when the GPU's allocator completed its free: how far the model's cache grows, next to how
+    far the GPU's grew from the baseline. Equal growth says the model places these requests as CUDA does (so a gap
+    between `tightrope bench reserved-replay` and the GPU lies in the requests the replay makes); a difference says
+    the model misses a rule. Expandable segments are assumed when the trace maps pages."""
+    expandable = any(e["action"] in ("segment_map", "segment_unmap") for e in trace)
+    model = CachingAllocatorModel(expandable_segments=expandable)
+    handles: dict[int, Any] = {}
+    for e in trace:
+        if e["action"] == "alloc":
+            handles[e["addr"]] = model.malloc(e["size"], e.get("stream", 0))
+        elif e["action"] == "free_completed" and e["addr"] in handles:
+            model.free(handles.pop(e["addr"]))
+    reserved = peak = baseline_reserved
+    for e in trace:
+        reserved += GROW.get(e["action"], 0) * e["size"]
+        peak = max(peak, reserved)
+    return {"expandable_segments": expandable, "gpu_growth": peak - baseline_reserved,
+            "model_growth": model.peak_reserved, "model_peak_allocated": model.peak_allocated}
+
+
+def compact(trace: list[dict[str, Any]]) -> list[list]:
+    """The trace without its stacks: [action, address, bytes, stream, innermost frame of ours] per event, for a
+    replay off the GPU machine (gpu-check writes it as allocator_trace_events.json.gz)."""
+    return [[e["action"], e.get("addr", 0), e.get("size", 0), e.get("stream", 0), where(e.get("frames", []))]
+            for e in trace]
+
+
+def write_compact(path: Path, events: list[list], baseline: dict[str, int]) -> None:
+    with gzip.open(path, "wt") as f:
+        json.dump({"baseline": baseline, "fields": ["action", "addr", "size", "stream", "site"], "events": events}, f)
+
+
+def read_compact(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """A written trace back in the format `analyse` and `model_growth` read (each stack replaced by its site)."""
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return [{"action": a, "addr": addr, "size": size, "stream": stream, "frames": site}
+            for a, addr, size, stream, site in data["events"]], data["baseline"]
 
 
 def _next_alloc(trace: list[dict[str, Any]], i: int) -> int | None:
@@ -162,6 +210,11 @@ def markdown(a: dict[str, Any], title: str) -> str:
     if g:
         lines += [f"The cache grew to that peak for a {_mib(g['bytes'])} MiB request on stream {g['stream']} at "
                   f"`{g['site']}`: no free block of the cache held it.", ""]
+    m = a.get("model")
+    if m:
+        kind = "expandable segments" if m["expandable_segments"] else "default segments"
+        lines += [f"The allocator model (memory/allocator_model.py, {kind}) given this step's own requests grows its "
+                  f"cache by {_mib(m['model_growth'])} MiB; the GPU's grew by {_mib(m['gpu_growth'])} MiB.", ""]
     lines += ["| live at the peak, allocated at | MiB | tensors |", "| --- | --- | --- |"]
     lines += [f"| `{s['site']}` | {_mib(s['bytes'])} | {s['count']} |" for s in a["live_by_site"]]
     lines += ["", "| cache growth by stream | MiB |", "| --- | --- |"]
@@ -176,3 +229,21 @@ def markdown(a: dict[str, Any], title: str) -> str:
 
 def _mib(n: float) -> str:
     return f"{n / MiB:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tightrope.bench.allocator_trace allocator_trace_events.json.gz`: the report of a written trace
+    again, off the GPU machine."""
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m tightrope.bench.allocator_trace", description=main.__doc__)
+    ap.add_argument("events", type=Path, help="allocator_trace_events.json.gz from a gpu-check folder")
+    args = ap.parse_args(argv)
+    trace, baseline = read_compact(args.events)
+    analysis = dict(analyse(trace, baseline), model=model_growth(trace, baseline["reserved"]))
+    sys.stdout.write(markdown(analysis, str(args.events)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -128,6 +128,9 @@ def _write_trace(run: Run, record: dict[str, Any]) -> None:
     if trace and "error" not in trace:
         title = f"{record['label']}, {record['resolution']} px, batch {record['batch']}"
         (run.folder / "allocator_trace.md").write_text(allocator_trace.markdown(trace, title))
+        events = trace.pop("compact", None)  # the events go to a file of their own, not into the JSON
+        if events is not None:
+            allocator_trace.write_compact(run.folder / "allocator_trace_events.json.gz", events, trace["baseline"])
 
 
 def _summarise_headline(run: Run, headline: dict) -> None:

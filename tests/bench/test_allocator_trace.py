@@ -78,3 +78,65 @@ def test_the_report_names_the_request_and_the_sites():
     assert "| `training/models/reference_flux.py:42 (attn)` | 30.0 | 1 |" in text
     assert "overflowed" not in text
     assert "**The trace overflowed its ring" in markdown(dict(a, truncated=True), "x")
+
+
+def test_the_allocator_model_replays_the_steps_own_requests():
+    """Two 100 MiB tensors, the first freed, then 150 MiB: the expandable-segment allocator maps 100 + 100 + 160 MiB
+    (the 150 MiB cannot use the 100 MiB hole and grows the segment by 8 pages of 20 MiB). The GPU's segment events
+    say 360 MiB too; a free only requested (another stream still using it) does not return its block yet."""
+    trace = [_e("segment_map", 0, 100), _e("alloc", 0, 100), _e("segment_map", 100 * MiB, 100),
+             _e("alloc", 100 * MiB, 100), _e("free_requested", 0, 100), _e("free_completed", 0, 100),
+             _e("segment_map", 200 * MiB, 160), _e("alloc", 200 * MiB, 150),
+             _e("free_requested", 5, 10)]  # a baseline tensor (allocated before the recording): not the model's
+    m = allocator_trace.model_growth(trace, 50 * MiB)
+    assert m == {"expandable_segments": True, "gpu_growth": 360 * MiB, "model_growth": 360 * MiB,
+                 "model_peak_allocated": 250 * MiB}
+    # the same requests when the first free never completes within the step: nothing to reuse, still 360
+    held = [e for e in trace if not (e["action"] == "free_completed")]
+    assert allocator_trace.model_growth(held, 0)["model_growth"] == 360 * MiB
+    # without page mappings: cudaMalloc segments of the request's size (rounded to 2 MiB)
+    plain = [e for e in trace if e["action"] not in ("segment_map",)]
+    m = allocator_trace.model_growth(plain, 0)
+    assert (m["expandable_segments"], m["model_growth"]) == (False, 350 * MiB)
+    text = markdown(dict(analyse(trace, {"reserved": 50 * MiB, "allocated": 0}),
+                         model=allocator_trace.model_growth(trace, 50 * MiB)), "x")
+    assert "given this step's own requests grows its cache by 360.0 MiB; the GPU's grew by 360.0 MiB" in text
+
+
+def test_the_compact_events_file_gives_the_same_analysis(tmp_path):
+    trace, baseline = _trace(), {"reserved": 100 * MiB, "allocated": 60 * MiB}
+    path = tmp_path / "allocator_trace_events.json.gz"
+    allocator_trace.write_compact(path, allocator_trace.compact(trace), baseline)
+    back, read_baseline = allocator_trace.read_compact(path)
+    assert read_baseline == baseline and len(back) == len(trace)
+    assert analyse(back, baseline) == analyse(trace, baseline)
+    assert allocator_trace.model_growth(back, baseline["reserved"]) == \
+        allocator_trace.model_growth(trace, baseline["reserved"])
+
+
+def test_a_written_trace_is_reported_again_from_the_command_line(tmp_path, capsys):
+    path = tmp_path / "allocator_trace_events.json.gz"
+    baseline = {"reserved": 100 * MiB, "allocated": 60 * MiB}
+    allocator_trace.write_compact(path, allocator_trace.compact(_trace()), baseline)
+    assert allocator_trace.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "| reserved | 170.0 |" in text and "the GPU's grew by 70.0 MiB" in text
+
+
+def test_gpu_check_writes_the_report_and_the_events_and_keeps_the_events_out_of_its_json(tmp_path):
+    """What bench/measure.py's traced step returns, as gpu-check files it: allocator_trace.md with the model's line,
+    the events in allocator_trace_events.json.gz, and a record small enough for gpu-check.json."""
+    import torch
+
+    from tightrope.bench.gpu_check import _write_trace
+    from tightrope.bench.gpu_run import Run
+
+    trace, baseline = _trace(), {"reserved": 100 * MiB, "allocated": 60 * MiB}
+    result = dict(analyse(trace, baseline), truncated=False, model=allocator_trace.model_growth(trace, 100 * MiB),
+                  compact=allocator_trace.compact(trace))
+    record = {"label": "off1.00/d0", "resolution": 2048, "batch": 1, "allocator_trace": result}
+    _write_trace(Run("gpu-check", torch.device("cpu"), True, tmp_path, print), record)
+    assert "compact" not in record["allocator_trace"]
+    assert "the GPU's grew by 70.0 MiB" in (tmp_path / "allocator_trace.md").read_text()
+    back, read_baseline = allocator_trace.read_compact(tmp_path / "allocator_trace_events.json.gz")
+    assert analyse(back, read_baseline) == analyse(trace, baseline)
