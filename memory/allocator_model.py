@@ -84,6 +84,16 @@ class _Pool:
         del lst[i]
 
 
+def _split(pool: _Pool, block: _Block, n: int) -> None:
+    """Keep the first `n` bytes in `block`; the rest becomes a block of its own (mapped as `block` is) in the pool."""
+    rest = _Block(block.addr + n, block.size - n, block.small, block.stream, block.page, mapped=block.mapped)
+    rest.prev, rest.next = block, block.next
+    if block.next is not None:
+        block.next.prev = rest
+    block.next, block.size = rest, n
+    pool.add(rest)
+
+
 class CachingAllocatorModel:
     """malloc(size, stream) -> handle, free(handle), empty_cache(); allocated/reserved now and at their peaks."""
 
@@ -106,12 +116,7 @@ class CachingAllocatorModel:
             block = self._grow(pool, small, rs, stream)
         remaining = block.size - rs
         if remaining >= MIN_BLOCK if (small or self.expandable) else remaining > SMALL_SIZE:
-            rest = _Block(block.addr + rs, remaining, small, stream, block.page)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, rs
-            pool.add(rest)
+            _split(pool, block, rs)
         block.allocated = True
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -190,12 +195,7 @@ class CachingAllocatorModel:
         n = min(block.size, -(-size // block.page) * block.page)
         pool.remove(block)
         if n < block.size:
-            rest = _Block(block.addr + n, block.size - n, block.small, block.stream, block.page, mapped=False)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, n
-            pool.add(rest)
+            _split(pool, block, n)
         block.mapped = True
         self._reserve(n)
         for other in (block.prev, block.next):
