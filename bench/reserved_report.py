@@ -82,14 +82,18 @@ def report(found: list[dict], model: str = "flux-dev", resolution: int = 2048, f
                  if m else "not measured | | ")
         lines.append(f"| {'expandable' if r['expandable'] else 'default'} | `{r['label']}` | "
                      f"{r['replay_allocated'] / GiB:.2f} GiB | {r['replay_reserved'] / GiB:.2f} GiB | {cells} |")
-    lines += ["", "Not yet measured, replayed plus the largest residual measured with the same allocator (if the "
-              "residual does not grow; the next GPU run checks it):", ""]
+    forecast = []
     for r in found:
         res = residual[r["expandable"]]
         if r["measured"] is None and res:
             total = r["replay_reserved"] + max(res)
-            lines.append(f"- `{r['label']}` ({'expandable' if r['expandable'] else 'default'} allocator): "
-                         f"{total / GiB:.2f} GiB ({total / 1e9:.2f} GB) reserved")
+            forecast.append(f"- `{r['label']}` ({'expandable' if r['expandable'] else 'default'} allocator): "
+                            f"{total / GiB:.2f} GiB ({total / 1e9:.2f} GB) reserved")
+    if forecast:
+        lines += ["", "Not yet measured, replayed plus the largest residual measured with the same allocator (if the "
+                  "residual does not grow; the next GPU run checks it):", ""] + forecast
+    else:
+        lines += ["", "Nothing measured to compare with: the replay alone."]
     return "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,8 @@ def test_the_report_compares_with_the_measured_run_and_adds_the_residual_to_the_
     assert f"`{strategy_label(other)}` (expandable allocator): " \
         f"{(found[1]['replay_reserved'] + residual) / 2**30:.2f} GiB" in text
     assert "(default allocator)" not in text  # nothing measured with it: no residual to add
+    nothing = reserved_report.report([dict(r, measured=None) for r in found], "tiny", 256, tmp_path)
+    assert "Not yet measured" not in nothing and "Nothing measured to compare with" in nothing
     # the command line: rows once, the report printed and written
     monkeypatch.setattr(reserved_report, "rows", lambda *a, **k: found)
     out = tmp_path / "reserved.md"
