@@ -211,7 +211,9 @@ def markdown(a: dict[str, Any], title: str) -> str:
         lines += [f"The cache grew to that peak for a {_mib(g['bytes'])} MiB request on stream {g['stream']} at "
                   f"`{g['site']}`: no free block of the cache held it.", ""]
     m = a.get("model")
-    if m:
+    if m and "error" in m:
+        lines += [f"The allocator model failed on this trace: {m['error']}", ""]
+    elif m:
         kind = "expandable segments" if m["expandable_segments"] else "default segments"
         lines += [f"The allocator model (memory/allocator_model.py, {kind}) given this step's own requests grows its "
                   f"cache by {_mib(m['model_growth'])} MiB; the GPU's grew by {_mib(m['gpu_growth'])} MiB.", ""]

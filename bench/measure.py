@@ -90,8 +90,11 @@ def _traced_step(model, rt: MemoryRuntime, opt, inputs, target, device: torch.de
             data = _one_step(model, rt, opt, inputs, target, device)
         result = allocator_trace.analyse(box["trace"], box["baseline"])
         result["truncated"] = box["truncated"]
-        result["model"] = allocator_trace.model_growth(box["trace"], box["baseline"]["reserved"])
         result["compact"] = allocator_trace.compact(box["trace"])  # gpu-check writes it to a file of its own
+        try:  # a check of the allocator model: its failure must not cost the analysis above
+            result["model"] = allocator_trace.model_growth(box["trace"], box["baseline"]["reserved"])
+        except Exception as exc:  # noqa: BLE001
+            result["model"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     except Exception as exc:  # noqa: BLE001 - reported, and the run's figures stand
         opt.zero_grad(set_to_none=True)
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}

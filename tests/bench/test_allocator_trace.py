@@ -101,6 +101,8 @@ def test_the_allocator_model_replays_the_steps_own_requests():
     text = markdown(dict(analyse(trace, {"reserved": 50 * MiB, "allocated": 0}),
                          model=allocator_trace.model_growth(trace, 50 * MiB)), "x")
     assert "given this step's own requests grows its cache by 360.0 MiB; the GPU's grew by 360.0 MiB" in text
+    failed = markdown(dict(analyse(trace, {"reserved": 50 * MiB, "allocated": 0}), model={"error": "boom"}), "x")
+    assert "The allocator model failed on this trace: boom" in failed and "| reserved |" in failed
 
 
 def test_the_compact_events_file_gives_the_same_analysis(tmp_path):
