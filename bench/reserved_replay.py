@@ -3,24 +3,24 @@ model of the CUDA caching allocator (memory/allocator_model.py).
 
 `tightrope bench headline-plan` predicts allocated bytes from shapes; the 4 GB target is on reserved bytes, and the
 first H100 run measured reserved 1.8 GiB above allocated at 2048 px (benchmarks/results/h100-2026-11-23/notes.md).
-This runs one training step of the Flux-dev-shaped model, checkpoint all + activation offload + offload 1.0, on fake
-tensors (no data, no compute: shapes and lifetimes), with every tensor storage's birth and death sent to the
-allocator model in the order they happen:
+This runs training steps of the Flux-dev-shaped model under a checkpoint-all + activation-offload strategy (its
+offload fraction, prefetch depth and token chunks) on fake tensors (no data, no compute: shapes and lifetimes), with
+every tensor storage's birth and death sent to the allocator model in the order they happen:
 
-- before the step: the device weights (outside the blocks, the LoRA) tensor by tensor, and the slot area in one piece
-  (as layer_offload allocates it), the inputs every block shares (vec, RoPE);
+- before the step: the device weights (outside the blocks, the resident blocks, the LoRA) tensor by tensor, the slot
+  area in one piece (as layer_offload allocates it), the inputs every block shares (vec, RoPE);
 - forward: each block runs without keeping anything but its output; its input goes to the host (activation offload)
   and dies on the device; then the final layer, and its backward from the loss's gradient;
 - backward, last block first: the block's inputs come back (and the previous block's, the prefetch), the block is
-  recomputed and its backward runs; the gradient of its inputs is the next block's output gradient; LoRA gradients
-  live until the step ends;
+  recomputed and its backward runs, with flash attention's backward scratch (the fp32 dq accumulator
+  FlashAttention-2 allocates besides its outputs, ~0.2 GiB at 2048 px); the gradient of its inputs is the next
+  block's output gradient; LoRA gradients live until the step ends;
 - the optimizer step: at the first, AdamW's two moments per LoRA tensor (they stay); at each, the one temporary
   list torch's foreach AdamW makes (the denominators, one tensor per LoRA tensor); then the gradients are freed.
-Two steps are run (the second finds the cache as the first left it); peaks are over both.
+Two steps are run (the second finds the cache as the first left it; more steps change nothing); peaks are over both.
 
-Left out, so the prediction is low by them: kernel workspaces that are not tensors (cuBLAS ~32 MiB; flash
-attention's backward scratch, ~0.2 GiB of fp32 dq accumulator at 2048 px), the embedders' few small activations,
-frees that wait for the copy stream (record_stream), and the copy stream's own pool.
+Left out, so the prediction is low by them: other kernels' workspaces (cuBLAS ~32 MiB), the embedders' few small
+activations, frees that wait for the copy stream (record_stream), and the copy stream's own pool.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class _Blocks:
     def forward(self, i: int, xs: tuple) -> tuple:
         key = (self.kinds[i], "forward")
         if key in self.scripts:
-            made = self._replay(self.scripts[key], i, xs)
+            made = self._replay(self.scripts[key])
             return tuple(made[j] for j in range(len(made)))
         with self._recording(key) as rec:
             with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
@@ -134,7 +134,7 @@ class _Blocks:
     def backward(self, i: int, xs: tuple, grads: tuple) -> None:
         key = (self.kinds[i], "backward")
         if key in self.scripts:
-            made = self._replay(self.scripts[key], i, xs)
+            made = self._replay(self.scripts[key])
             for role, t in made.items():
                 if role[0] == "x":
                     xs[role[1]].grad = t
@@ -165,7 +165,7 @@ class _Blocks:
             events, self.live.events = self.live.events, None
         self.scripts[key] = _script(events, rec["roles"])
 
-    def _replay(self, script: list, i: int, xs: tuple) -> dict:
+    def _replay(self, script: list) -> dict:
         made: dict = {}
         local: dict[int, object] = {}
         for op in script:
