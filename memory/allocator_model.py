@@ -211,22 +211,15 @@ class CachingAllocatorModel:
         if hi <= lo:
             return
         pool.remove(block)
-        if lo > block.addr:
-            before = _Block(block.addr, lo - block.addr, block.small, block.stream, block.page)
-            before.prev, before.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = before
-            block.prev = before
-            pool.add(before)
         if hi < end:
-            after = _Block(hi, end - hi, block.small, block.stream, block.page)
-            after.prev, after.next = block, block.next
-            if block.next is not None:
-                block.next.prev = after
-            block.next = after
-            pool.add(after)
-        block.addr, block.size, block.mapped = lo, hi - lo, False
-        self.reserved -= hi - lo
+            _split(pool, block, hi - block.addr)   # the tail stays mapped, free
+        if lo > block.addr:
+            _split(pool, block, lo - block.addr)   # the head stays mapped, free; the pages between are its next
+            pool.add(block)
+            block = block.next
+            pool.remove(block)
+        block.mapped = False
+        self.reserved -= block.size
         for other in (block.prev, block.next):
             self._merge(pool, block, other)
         pool.add(block)

@@ -132,3 +132,17 @@ def test_freeing_merges_neighbours_back_into_one_block(expandable):
         a.free(b)
     pool = a.pools[False]
     assert len(pool.free) == 1 and pool.free[0][1] == 20 * MiB
+
+
+def test_empty_cache_keeps_a_free_tail_that_shares_a_page_and_maps_the_hole_again_first():
+    a = CachingAllocatorModel(expandable_segments=True)
+    first = a.malloc(30 * MiB)             # pages 0-1: 0-30 MiB, 10 MiB free
+    a.malloc(30 * MiB)                     # 30-60 MiB: the free 10 MiB + page 2
+    a.malloc(5 * MiB)                      # page 3: 60-65 MiB, 65-80 free
+    a.free(first)
+    a.empty_cache()                        # page 0 unmapped; 20-30 MiB stays (page 1 holds the second tensor too)
+    assert a.reserved == 60 * MiB
+    a.malloc(15 * MiB)                     # the free 65-80 MiB: no mapping
+    assert a.reserved == 60 * MiB
+    low = a.malloc(25 * MiB)               # the lowest place: page 0 mapped again, with the free 20-30 MiB after it
+    assert a.reserved == 80 * MiB and low.addr == first.addr
