@@ -69,7 +69,7 @@ def report(found: list[dict], model: str = "flux-dev", resolution: int = 2048, f
              + (f" --resolution {resolution}" if resolution != 2048 else "") + "`", "",
              "Each configuration's step (two steps) on fake tensors, every tensor's birth and death replayed through "
              "the model of the CUDA caching allocator (memory/allocator_model.py; bench/reserved_replay.py says "
-             "what is modelled and what is left out). Measured: the H100 run of "
+             "what is modelled and what is left out). Measured: the GPU run in "
              f"`{folder.name}` where it ran the same strategy with the same allocator.", "",
              "| allocator | configuration | replay: allocated | replay: reserved | measured: allocated | "
              "measured: reserved | measured - replay, reserved |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tightrope bench reserved-replay", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="flux-dev", help="a benchmark model (bench/models.py)")
     ap.add_argument("--resolution", type=int, default=2048)
+    ap.add_argument("--measured", metavar="DIR", type=Path, default=MEASURED,
+                    help="a gpu-check results folder to compare with (default: the committed H100 run)")
     ap.add_argument("--out", metavar="FILE", help="also write the markdown here")
     args = ap.parse_args(argv)
-    found = rows(args.model, args.resolution, log=lambda m: print(m, file=sys.stderr))
-    text = report(found, args.model, args.resolution)
+    found = rows(args.model, args.resolution, args.measured, log=lambda m: print(m, file=sys.stderr))
+    text = report(found, args.model, args.resolution, args.measured)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

@@ -103,8 +103,12 @@ def test_the_report_compares_with_the_measured_run_and_adds_the_residual_to_the_
     nothing = reserved_report.report([dict(r, measured=None) for r in found], "tiny", 256, tmp_path)
     assert "Not yet measured" not in nothing and "Nothing measured to compare with" in nothing
     # the command line: rows once, the report printed and written
-    monkeypatch.setattr(reserved_report, "rows", lambda *a, **k: found)
+    asked = []
+    monkeypatch.setattr(reserved_report, "rows", lambda *a, **k: asked.append(a) or found)
     out = tmp_path / "reserved.md"
-    assert bench_main(["reserved-replay", "--model", "tiny", "--resolution", "256", "--out", str(out)]) == 0
+    assert bench_main(["reserved-replay", "--model", "tiny", "--resolution", "256", "--measured", str(tmp_path),
+                       "--out", str(out)]) == 0
+    assert asked == [("tiny", 256, tmp_path)]
     assert capsys.readouterr().out == out.read_text()
     assert "Command: `tightrope bench reserved-replay --model tiny --resolution 256`" in out.read_text()
+    assert f"Measured: the GPU run in `{tmp_path.name}`" in out.read_text()
