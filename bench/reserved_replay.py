@@ -205,6 +205,11 @@ def _script(events: list, roles: dict) -> list:
     return script
 
 
+def replayable(strategy: Strategy) -> bool:
+    """What the replay models: checkpoint all + activation offload, eager."""
+    return strategy.checkpointing.mode == "all" and strategy.activations.enabled and not strategy.compiler.per_block
+
+
 def replay_step(strategy: Strategy, model_name: str = "flux-dev", resolution: int = 2048, *,
                 expandable_segments: bool = True, steps: int = 2, lora_rank: int = 16, full: bool = False,
                 history: list | None = None) -> ReplayResult:
@@ -212,7 +217,7 @@ def replay_step(strategy: Strategy, model_name: str = "flux-dev", resolution: in
     its offload fraction, prefetch depth and token chunks) replayed through the allocator model (see the module's
     docstring). `full` runs every block instead of replaying scripts; `history` gets ("malloc"/"free", size,
     allocated, reserved) after every allocation and free."""
-    if strategy.checkpointing.mode != "all" or not strategy.activations.enabled or strategy.compiler.per_block:
+    if not replayable(strategy):
         raise ValueError("reserved replay: only checkpoint all + activation offload, eager, is modelled; got "
                          f"{strategy.to_json()}")
     params = MODEL_PARAMS[model_name]()

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..memory.strategy import Strategy
 from .gpu_check import headline_configs
 from .grid import strategy_label
-from .reserved_replay import replay_step
+from .reserved_replay import replay_step, replayable
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-2026-11-23"
 RUNS = {True: "gpu-check.json", False: "gpu-check-default-allocator.json"}  # expandable segments -> file
@@ -35,10 +35,6 @@ def measured(folder: Path, expandable: bool, model: str, resolution: int) -> dic
         return {}
     return {Strategy.from_dict(c["strategy"]): (c["peak_allocated_bytes"], c["peak_reserved_bytes"])
             for c in headline["configs"] if not c.get("oom") and "peak_reserved_bytes" in c}
-
-
-def replayable(strategy: Strategy) -> bool:
-    return strategy.checkpointing.mode == "all" and strategy.activations.enabled and not strategy.compiler.per_block
 
 
 def rows(model: str = "flux-dev", resolution: int = 2048, folder: Path = MEASURED, log=None,
