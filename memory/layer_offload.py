@@ -4,7 +4,7 @@
   or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
   run adds no host memory. Only weights that cannot stream from where they are (on the device, in another dtype
   than weight_dtype, or non-contiguous) get a host copy: one flat buffer per block, freed at detach. Memory the
-  system refuses to page-lock stays pageable, and copies from it are blocking (`pinned` says so).
+  system refuses to page-lock stays pageable, and the driver stages copies from it (`pinned` says so).
 - Undo copies no weights: each param gets its original tensor back (a weight that lived on the device and so was
   dropped while offloaded is copied back there from its host copy).
 - Frozen weights travel host-to-device only: they never change, so eviction is free (nothing is copied back).
@@ -240,12 +240,12 @@ class LayerOffload:
             # the slot's previous owner may still be read by kernels queued on the compute stream
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                views = self._copy_in(layout, dst, non_blocking=self.pinned)  # all pageable: blocking, honestly
+                views = self._copy_in(layout, dst, non_blocking=True)
                 event = torch.cuda.Event(enable_timing=False)
                 event.record(self.copy_stream)
             self.ready[index] = event
         else:
-            views = self._copy_in(layout, dst, non_blocking=False)
+            views = self._copy_in(layout, dst, non_blocking=self.pin)  # pinning emulated by a test: as on CUDA
             self.ready[index] = None
         for (p, *_), view in zip(layout.params, views):
             p.data = view
@@ -257,8 +257,9 @@ class LayerOffload:
 
     @staticmethod
     def _copy_in(layout: _Layout, dst: torch.Tensor, non_blocking: bool) -> list[torch.Tensor]:
-        """One copy per param, from its host source into its place in the slot (a source partly page-locked: one
-        per part, all queued, since the driver stages pageable parts at once); returns the slot views."""
+        """One copy per param into its place in the slot (a source partly page-locked: one per part); returns the
+        views. On CUDA all are queued asynchronously, pageable sources too: the driver stages those and may wait for
+        the stream, a blocking copy always waits for it and for the copy, so a refused range slows only its own."""
         views = []
         splits = layout.splits or [None] * len(layout.sources)
         for (_, off, shape, dtype), src, parts in zip(layout.params, layout.sources, splits):
@@ -268,7 +269,7 @@ class LayerOffload:
             else:
                 src_bytes, dst_bytes = src.reshape(-1).view(torch.uint8), dst[off: off + src.numel() * src.element_size()]
                 for a, b in parts:
-                    dst_bytes[a:b].copy_(src_bytes[a:b], non_blocking=True)
+                    dst_bytes[a:b].copy_(src_bytes[a:b], non_blocking=non_blocking)
             views.append(view)
         return views
 

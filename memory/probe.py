@@ -114,6 +114,8 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
             else base.offload.pin_memory and device.type == "cuda"
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_s = _time_optimizer(trainable, clock)
+        # inside the runtime: its undo then gives back the pinned buffer this takes from torch's host cache
+        h2d_bytes_per_s = measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned)
     for p in model.parameters():
         p.grad = None  # the probe's gradients are not the user's
     return Profile(
@@ -124,7 +126,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=act_ckpt,
         act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
         other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
-        h2d_bytes_per_s=measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned), h2d_pinned=pinned,
+        h2d_bytes_per_s=h2d_bytes_per_s, h2d_pinned=pinned,
         optimizer_s=optimizer_s, act_full_alloc=act_alloc if device.type == "cuda" else None,
         block_peak_alloc=peak if device.type == "cuda" else None, compile=compile_factors,
         token_chunks=chunks if chunked else 1, chunked=chunked,
@@ -260,10 +262,10 @@ def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = N
         counter = SavedBytes(skip)
         measuring = r == 0 and count
         if clock.cuda:
-            torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated() if clock.cuda else 0
+            torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device) if clock.cuda else 0
         if clock.cuda and measuring:
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(device)
         a = clock.mark()
         with (counter.hooks() if measuring else contextlib.nullcontext()), rt.autocast():
             out = forward(*args, **kwargs)
@@ -272,7 +274,7 @@ def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = N
         if measuring:
             saved = counter.total()
             if clock.cuda:
-                grown = torch.cuda.memory_allocated() - before
+                grown = torch.cuda.memory_allocated(device) - before
                 alloc = max(0, grown - sum(o.untyped_storage().nbytes() for o in output_tensors(out)))
         grads = [torch.randn_like(o) for o in outs]
         c = clock.mark()
@@ -280,8 +282,8 @@ def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = N
             torch.autograd.backward(outs, grads)
         d = clock.mark()
         if clock.cuda and measuring:
-            torch.cuda.synchronize()
-            peak = max(0, torch.cuda.max_memory_allocated() - before)
+            torch.cuda.synchronize(device)
+            peak = max(0, torch.cuda.max_memory_allocated(device) - before)
         if r >= warmup:
             fwd_t.append(clock.seconds(a, b))
             bwd_t.append(clock.seconds(c, d) if outs else 0.0)
@@ -306,7 +308,7 @@ def _probe_compile(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, 
             t0 = time.perf_counter()
             _probe_block(probe, i, compiled, repeats=0, count=False)
             if probe.clock.cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(probe.rt.device)
             compile_s = time.perf_counter() - t0
             r, e = _probe_block(probe, i, compiled), eager[i]
             factors[kind][str(budget)] = CompileFactors(

@@ -46,13 +46,14 @@ class Clock:
     """Timestamps in stream order on CUDA (events), wall clock elsewhere."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
-        e.record()
+        e.record(torch.cuda.current_stream(self.device))  # the probed device's stream, whichever device is current
         return e
 
     def seconds(self, a, b) -> float:

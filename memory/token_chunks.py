@@ -10,7 +10,9 @@ device when a chunk is recomputed in backward).
 
 The contract of a chunked forward `fn(block, ctx, *args, **kwargs)`:
   - returns what `block`'s own forward returns for the same arguments (same structure, same values up to the
-    rounding of a different summation order: none here, chunks split tokens, never a reduction);
+    rounding of a different summation order: none here, chunks split tokens, never a reduction); random ops
+    (LoRA dropout) draw per region, so with dropout their values match the plain forward's in distribution, not
+    draw for draw (a block's recompute redraws exactly: each region restores the RNG state it started with);
   - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis, and
     through `ctx.run_output(f, *tensors)` a part whose result goes only into the block's output (nothing the block
     computes after it is saved for backward) and has the shape, dtype and device of its first argument: the last

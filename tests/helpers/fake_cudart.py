@@ -18,16 +18,19 @@ ALREADY_REGISTERED, NOT_REGISTERED, INVALID_VALUE, READ_ONLY = 712, 713, 1, 8
 
 
 class FakeCudart:
-    """torch.cuda.cudart()'s registration calls with the driver's rules; `refuse` makes every registration fail."""
+    """torch.cuda.cudart()'s registration calls with the driver's rules; `refuse` (an error code) makes every
+    registration fail, or only the first `refuse_first` of them."""
 
-    def __init__(self, refuse=0, page=mmap.PAGESIZE):
-        self.refuse, self.page = refuse, page
+    def __init__(self, refuse=0, page=mmap.PAGESIZE, refuse_first=None):
+        self.refuse, self.page, self.refuse_first = refuse, page, refuse_first
         self.live: dict[int, int] = {}          # start -> nbytes, registered now
         self.registered, self.unregistered = [], []  # every successful call, in order
         self.flags: dict[int, int] = {}         # start -> the flags it was registered with
 
     def cudaHostRegister(self, ptr, nbytes, flags):
-        if self.refuse:
+        if self.refuse and (self.refuse_first is None or self.refuse_first > 0):
+            if self.refuse_first is not None:
+                self.refuse_first -= 1
             return self.refuse
         a, b = ptr // self.page * self.page, -(-(ptr + nbytes) // self.page) * self.page
         if any(s < b and a < s + n for s, n in self.live.items()):
@@ -78,11 +81,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 class StraddleCheck(TorchDispatchMode):
     """Raises "invalid argument" on a copy whose source or destination straddles a registered range, as the driver
-    does; counts the copies that read wholly registered (`pinned_copies`) memory."""
+    does; counts the copies that read wholly registered (`pinned_copies`) memory, and those of them made blocking
+    (`blocking_pinned_copies`: each stalls the host until the copy stream has drained)."""
 
     def __init__(self, fake: FakeCudart):
         super().__init__()
-        self.fake, self.pinned_copies, self.copies = fake, 0, 0
+        self.fake, self.pinned_copies, self.copies, self.blocking_pinned_copies = fake, 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
@@ -95,4 +99,7 @@ class StraddleCheck(TorchDispatchMode):
             address, nbytes = _span(src)
             if nbytes and any(s <= address and address + nbytes <= s + n for s, n in self.fake.live.items()):
                 self.pinned_copies += 1
+                if func is torch.ops.aten.copy_.default:
+                    non_blocking = args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking", False)
+                    self.blocking_pinned_copies += not non_blocking
         return func(*args, **(kwargs or {}))

@@ -23,10 +23,10 @@ from tightrope.training.models.reference_flux import DoubleStreamBlock, EmbedND,
 N_TXT, N_IMG, HIDDEN = 5, 13, 128  # the tiny Flux: head dim 128, axes (16, 56, 56)
 
 
-def lora_flux():
+def lora_flux(dropout=0.0):
     model = tiny_flux()
     torch.manual_seed(2)  # peft draws the A factors from the global generator
-    inject_lora(model, LoraSpec(rank=4), "flux")
+    inject_lora(model, LoraSpec(rank=4, dropout=dropout), "flux")
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # B starts at zero: make every LoRA factor matter, so each one gets a gradient
         for p in lora_parameters(model).values():
@@ -129,10 +129,10 @@ def test_the_chunked_single_block_computes_linear1_once(lora):
 
 
 # -- under the runtime -------------------------------------------------------------------------------------------------
-def train(strategy=None, steps=2, runtime_patch=None, device="cpu"):
+def train(strategy=None, steps=2, runtime_patch=None, device="cpu", dropout=0.0):
     """Losses and LoRA gradients (on the CPU) of `steps` AdamW steps of the tiny LoRA Flux, plain or under `strategy`
     on `device`."""
-    model = lora_flux()
+    model = lora_flux(dropout)
     params = lora_parameters(model)
     opt = torch.optim.AdamW(params.values(), lr=1e-2)
     losses, grads = [], []
@@ -266,3 +266,24 @@ def test_the_pass_one_chunks_are_freed_before_the_output_regions_run(kind):
     n_streams = 2 if kind == "double" else 1
     assert len(chunks) == 3 * 3 * n_streams and len(alive) == 3 * n_streams
     assert alive == [0] * len(alive)
+
+
+def test_with_lora_dropout_every_recompute_redraws_the_forwards_masks(monkeypatch):
+    """LoRA dropout 0.5 (linear1 included): chunked blocks draw their masks per region (not the plain forward's draws),
+    so the reference here is the same chunked forward with nothing recomputed (regions and blocks run once, backward
+    reads what the forward saved). Checkpoint all recomputes each block in backward (its output regions skipped) and
+    each region again for its own backward: each must restore the RNG state it began with, or its masks, and so its
+    gradients, differ from the forward's by O(1). fp32: 1e-5 as above."""
+    chunks_only = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, token_chunks=4)
+    real = runtime_module.recompute_region
+    monkeypatch.setattr(runtime_module, "recompute_region", lambda f, *a: f(*a))
+    ref_losses, ref_grads = train(chunks_only, dropout=0.5)
+    monkeypatch.setattr(runtime_module, "recompute_region", real)
+    losses, grads = train(CHUNKED["offload 1.0 + checkpoint all + activation offload + 4 chunks"], dropout=0.5)
+    plain_losses, _ = train(dropout=0.5)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(plain_losses, ref_losses))  # the masks do differ from the plain's
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for step, (g, rg) in enumerate(zip(grads, ref_grads)):
+        for n in rg:
+            torch.testing.assert_close(g[n], rg[n], rtol=1e-5, atol=1e-5 * rg[n].abs().max().item(),
+                                       msg=lambda m: f"step {step} grad {n}: {m}")

@@ -12,7 +12,8 @@ rounding of a matmul with fewer output columns):
     (`lora.layer.Linear.forward`, as read in peft 0.21) per column: the base layer's columns, then per active
     adapter the input cast by peft's `_cast_input_dtype`, `lora_A(dropout(x))` in full (rank r: small), lora_B's
     rows, times the scaling, and the sum cast back to the base result's dtype. Dropout sees the whole input, so it
-    draws the same mask from the same RNG state as the full forward.
+    draws the same mask from the same RNG state as the full forward of this call (two calls for two column groups
+    draw two masks, where the layer's one forward would share one: see reference_flux_chunks.py).
 Anything else runs the whole layer and takes the columns (`full_columns`), so a result never changes silently: a
 DoRA or any other peft lora_variant, disabled or merged adapters, fan_in_fan_out, another peft layer type, a weight
 that is a tensor subclass (quantized, DTensor; FakeTensor, the planner's shape-only stand-in, is a plain tensor

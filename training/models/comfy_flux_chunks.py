@@ -5,7 +5,8 @@ Flux MODEL. ComfyUI is imported lazily, inside the functions.
 The maths is ComfyUI's own: the block's norms, Modulation, Linear layers, QKNorm and MLP modules and ComfyUI's
 `apply_mod`, `apply_rope` and `attention`, called in the order of the block's forward; only the token axis is cut, so
 the result differs from the block's own forward by at most the rounding of a matmul over fewer rows (or, in the
-single block's linear1, fewer columns). Each forward:
+single block's linear1, fewer columns); with LoRA dropout, by the masks, drawn per chunk and per column group (the same
+in distribution: reference_flux_chunks.py). Each forward:
 
   1. modulation (vec -> shift, scale, gate): one region; not token-wise, but it reads the block's weights, so it is
      recomputed in backward like every other part that does;

@@ -22,7 +22,10 @@ backward runs pass 1 and attention again but not pass 2 (nothing the block saved
 pass 1 three times and pass 2 twice, against twice everything for a plain checkpointed block.
 
 Values equal the plain forward up to the rounding of matrix products on fewer rows or columns (the same sums,
-possibly blocked differently by the BLAS); every op is per token except attention, which is not chunked.
+possibly blocked differently by the BLAS); every op is per token except attention, which is not chunked. With LoRA
+dropout, masks are drawn per chunk, and the single block's linear1 draws one for its qkv columns and another for
+its MLP columns where the plain forward shares one: each column still sees its input dropped at rate p, so the
+training is the same in distribution, not draw for draw.
 """
 from __future__ import annotations
 
