@@ -53,11 +53,12 @@ def eval_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     params = _params(optimizer)
     with torch.no_grad():
         kept = [p.detach().clone() for p in params]
-    optimizer.eval()
     try:
+        optimizer.eval()  # inside: a stop half-way through its per-parameter loop still gets the kept weights back
         yield
     finally:
-        optimizer.train()
+        for group in optimizer.param_groups:  # not optimizer.train(): it would move weights eval() may not have
+            group["train_mode"] = True
         with torch.no_grad():
             for p, y in zip(params, kept):
                 p.copy_(y)

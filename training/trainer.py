@@ -84,6 +84,7 @@ class _Run:
     data: object = None   # the images trained on: the dataset less a held-out validation part
     monitor: RunMonitor | None = None  # validation loss, TensorBoard, log lines
     host_weight: Callable | None = None  # a frozen parameter -> its value (the runtime's host master while offloaded)
+    updating: bool = False  # an update began, its step is not counted: the weights are of no step, never saved
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 optimizer = make_optimizer(list(params.values()), cfg, device)
                 if session.optimizer_state is not None:
                     optimizer.load_state_dict(clone_state(session.optimizer_state))
+                    for group in optimizer.param_groups:  # loading restores the saved groups' weight decay too
+                        group["weight_decay"] = cfg.weight_decay
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
                 run.ema = CpuEma(params, cfg.ema_decay, session.ema_state) if cfg.ema_decay else None
                 try:
@@ -200,6 +203,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
                 run.ema.update()
             stats = runtime.end_step()  # a step is the whole step: the planner's prediction includes the optimizer
             run.step += 1
+            run.updating = False
             run.losses.append(loss)
             run.stats.append(stats.to_dict())
         if parts.progress is not None:
@@ -227,6 +231,7 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
     if cfg.max_grad_norm > 0:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.max_grad_norm)
+    run.updating = True  # from here until the step is counted, an error leaves weights of no step to save
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
     scaler.update()
     if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
@@ -324,7 +329,7 @@ def _save_last_step(session: TrainingSession, run: _Run, module, save: SaveTarge
     """Save the last completed step, if not saved yet. Never raises, so the original error (or the stop) goes on: a
     failing save warns, naming the file that could not be written and what was kept; a LoRA file that cannot be
     written is kept in a fallback file (lora_rescue)."""
-    if save is None or run.step <= session.step or run.saved_step == run.step \
+    if save is None or run.step <= session.step or run.saved_step == run.step or run.updating \
             or nonfinite_keys(lora_state(module)):  # a failed update's weights: its error names what was kept
         return
     try:
@@ -378,6 +383,7 @@ def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save:
     kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
             f"{save.state_file})"
             if save is not None and run.step > session.step and run.saved_step == run.step
+            else f"step {run.step + 1}'s update was cut short, so nothing new was saved" if run.updating
             else "no step was completed in this run, so nothing new was saved")
     return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "
             f"memory: {fix}; then run again (headless: `tightrope run --resume` continues from the saved step)")

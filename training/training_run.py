@@ -45,6 +45,10 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
             if given is not None and given is not getattr(session, name):
                 raise ConfigError(f"the Train node got both a session and a different {name}: a continued session "
                                   f"keeps its {name}; disconnect the {name} input or start a new session")
+        if session.optimizer_state is not None and config.optimizer != session.config.optimizer:
+            raise ConfigError(f"the Train node sets optimizer={config.optimizer!r}, but its session was trained with "
+                              f"{session.config.optimizer!r}, whose state cannot go on in another optimizer: set "
+                              f"optimizer to {session.config.optimizer!r} to continue, or start a new session")
         session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False,
                                    validation_dataset=validation_dataset or session.validation_dataset)
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)

@@ -36,7 +36,8 @@ FORMAT = "tightrope-training-state-v1"
 _META = "tightrope.resume_state"
 _SAMPLE = 64            # base-weight values sampled per tensor for the model fingerprint
 _SAME_WEIGHTS = 0.98    # cosine similarity of the samples above which weights count as the same (fp8 vs bf16 is)
-LORA_SHAPING = ("rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
+LORA_SHAPING = ("algorithm", "rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
+_LORA_BEFORE = {"algorithm": "lora"}  # what a state file written before a shaping field existed was trained with
 
 
 class ResumeError(ValueError):
@@ -201,10 +202,16 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
                           "from the start")
     distributed.check_resume(info.get("layout", {}), session.config.batch_size)  # world size may change
     spec = _as_saved(session.lora.to_dict())
-    changed = [f"{k}={info['lora'][k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if info["lora"][k] != spec[k]]
+    saved = {**_LORA_BEFORE, **info["lora"]}
+    changed = [f"{k}={saved[k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if saved[k] != spec[k]]
     if changed:
         raise LoraError(f"training state file '{path}' was trained with LoRA {', '.join(changed)}: set the LoRA Setup "
                         "back to those values to resume, or use another filename_prefix to start a new LoRA")
+    optimizer = info["config"].get("optimizer", session.config.optimizer)
+    if optimizer != session.config.optimizer:
+        raise ResumeError(f"training state file '{path}' was trained with optimizer={optimizer!r} (now "
+                          f"{session.config.optimizer!r}), whose state cannot go on in another optimizer: set "
+                          f"optimizer back to {optimizer!r} to resume, or use another filename_prefix to start anew")
     if info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset)):
         warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
