@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
+from . import distributed
 from .lora.layers import resolve_existing_lora
 from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
+from .optimizer import optimizer_class
 from .state.atomic_write import OutputPathError, safe_output_path
+from .train_config import ConfigError
+from .validation import split_for_validation
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:
@@ -60,3 +65,17 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str 
     if algorithm is not None:
         check_file_algorithm(keys, algorithm, f"existing_lora={name!r}{where}")
     return path
+
+
+def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
+    """The checks of a training run's inputs that need no model (the run calls them first, and the Train node before
+    an `auto` strategy's probe, which loads and runs the model): steps, the validation split, batch_size against the
+    dataset and the world, the optimizer's package. Returns (the images to train on, the validation set or None)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
+    cfg = session.config
+    data, validation_set = split_for_validation(session)  # names the input on a bad validation set
+    data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
+    distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
+    optimizer_class(cfg.optimizer, device)  # a missing optimizer package
+    return data, validation_set

@@ -8,12 +8,13 @@ the two with a lerp that is not bit-exact both ways. So:
 - the y weights travel in the optimizer state (`TRAIN_WEIGHTS`, per parameter; the training state file stores it
   like any optimizer tensor), and `enter_train_mode` restores them after the state is loaded, so a resumed or
   continued run goes on from exactly the weights an uninterrupted one has.
-Every other optimizer passes through these functions untouched.
+Every other optimizer passes through these functions untouched. (trained_states also keeps an fp16 loss scaler's
+state with the optimizer's, so a resumed run goes on at the scale an uninterrupted one has.)
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from .lora.layers import lora_state
 from .session import clone_state
 
 TRAIN_WEIGHTS = "tightrope_train_weights"
+GRAD_SCALER = "grad_scaler"  # an optimizer state's fp16 loss scaler state (trained_states), beside "state"
 
 
 def is_schedule_free(optimizer: torch.optim.Optimizer) -> bool:
@@ -64,9 +66,12 @@ def eval_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 p.copy_(y)
 
 
-def trained_states(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(the LoRA to save and preview, the optimizer state to go on from), as CPU copies."""
+def trained_states(module: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None) -> tuple[dict, dict]:
+    """(the LoRA to save and preview, the optimizer state to go on from), as CPU copies. An enabled fp16 loss scaler
+    (torch.amp.GradScaler) goes on with the optimizer: its scale and growth count are kept under GRAD_SCALER."""
     optimizer_state = clone_state(optimizer.state_dict())
+    if scaler is not None and scaler.is_enabled():
+        optimizer_state[GRAD_SCALER] = scaler.state_dict()
     if not is_schedule_free(optimizer):
         return lora_state(module), optimizer_state
     for index, p in enumerate(_params(optimizer)):  # state_dict numbers the parameters in this order

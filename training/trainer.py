@@ -25,20 +25,19 @@ from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_o
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
 from .held_stops import held_stops
+from .input_checks import check_run_inputs
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora.dora_scale import base_weight_of
 from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
-from .optimizer import learning_rate_at, make_optimizer, optimizer_class
+from .optimizer import learning_rate_at, make_optimizer
 from .run_monitor import RunMonitor
-from .schedule_free import enter_train_mode, trained_states
+from .schedule_free import GRAD_SCALER, enter_train_mode, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
-from .train_config import ConfigError
-from .validation import split_for_validation
 
 Progress = Callable[[int, int, float], None]  # (steps done in this run, steps of this run, last loss)
 
@@ -85,6 +84,7 @@ class _Run:
     monitor: RunMonitor | None = None  # validation loss, TensorBoard, log lines
     host_weight: Callable | None = None  # a frozen parameter -> its value (the runtime's host master while offloaded)
     updating: bool = False  # an update began, its step is not counted: the weights are of no step, never saved
+    scaler: object = None  # the fp16 loss scaler (its state is saved with the optimizer's)
 
 
 @dataclass(frozen=True)
@@ -107,13 +107,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
     schedule and progress count from there); default session.step. log_dir: TensorBoard scalars go there; notify:
     gets the run's log lines (validation losses)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
+    data, validation_set = check_run_inputs(session, steps, device)  # each names its input, before any setup
     cfg = session.config
-    data, validation_set = split_for_validation(session)  # fails early, naming the input, on a bad validation set
-    data.steps_per_epoch(cfg.batch_size)  # fails early, naming batch_size, if it exceeds the dataset
-    distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
-    optimizer_class(cfg.optimizer, device)  # a missing optimizer package fails before anything is set up
     adapter = adapter_for(session.model)
     run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps,
                data=data)
@@ -161,7 +156,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                         torch.cuda.empty_cache()
                     _save_after_failure(session, run, module, save, optimizer)
                     raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
-                state, optimizer_state = trained_states(module, optimizer)
+                state, optimizer_state = trained_states(module, optimizer, run.scaler)
             stopped_early = run.step < session.step + steps
             if stopped_early or (save is not None and save.every):
                 _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
@@ -183,6 +178,9 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     adapter, model, runtime, optimizer, save = parts.adapter, parts.model, parts.runtime, parts.optimizer, parts.save
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
     scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
+    if scaler.is_enabled() and GRAD_SCALER in (session.optimizer_state or {}):  # resumed or continued: its scale
+        scaler.load_state_dict(session.optimizer_state[GRAD_SCALER])
+    run.scaler = scaler
     batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=session.step * cfg.grad_accumulation,
                                shard=distributed.current().shard)
     run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # the run's first step (or one a stop left unscored)
@@ -283,7 +281,7 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
     anything holding NaN/inf (NonFiniteDataError: the files of the last good step stay)."""
     if not distributed.current().is_main:
         return  # under torchrun only rank 0 writes
-    lora, optimizer_state = trained_states(module, optimizer)
+    lora, optimizer_state = trained_states(module, optimizer, run.scaler)
     check_finite(lora | _optimizer_tensors(optimizer_state), f"the training state of step {run.step}",
                  "it was not saved and the files of the last good step stay; lower learning_rate")
     if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
@@ -313,7 +311,7 @@ def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTar
     if not distributed.current().is_main:
         return
     try:
-        _save_state(session, run, save, *trained_states(module, optimizer))
+        _save_state(session, run, save, *trained_states(module, optimizer, run.scaler))
     except Exception as e:
         warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
                       f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "

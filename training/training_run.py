@@ -14,6 +14,7 @@ from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
 from .distributed import resolve_device
+from .input_checks import check_run_inputs
 from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
 
@@ -63,6 +64,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
             if left < 1:
                 return _finished(session, state, state_file, steps, progress, notify)
         explanation = ""
+        check_run_inputs(session, left, dev)  # before an auto strategy's probe loads and runs the model
         if strategy is not None:
             chosen, explanation = resolve_strategy(strategy, session, dev)
             session = session.advanced(strategy=chosen)

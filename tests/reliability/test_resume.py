@@ -168,3 +168,31 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
     assert load_state(path).info["layout"] == {"world_size": 1, "global_batch_size": 2}
     with pytest.raises(ConfigError, match="global batch_size of 2 .* set batch_size=2"):
         resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)))
+
+
+def test_fp16_resume_goes_on_at_the_loss_scale_of_the_uninterrupted_run(tmp_path, monkeypatch):
+    """The fp16 loss scaler's scale moves with training (up every growth_interval steps, halved on an overflow, that
+    step skipped): a resumed run starting again at the initial scale skips other steps than the uninterrupted one.
+    A scaler that doubles every step from 2^16 reaches fp16's overflow within the run, so both moves happen."""
+    from tightrope.memory.strategy import Strategy
+    scales = []
+
+    class Fast(torch.amp.GradScaler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, init_scale=2.0 ** 16, growth_interval=1, **k)
+
+        def update(self, *a, **k):
+            super().update(*a, **k)
+            scales.append(self.get_scale())
+    monkeypatch.setattr(torch.amp, "GradScaler", Fast)
+    session = demo_session(tmp_path, strategy=Strategy.of(compute_dtype="fp16"))
+    whole = train(session, 8, device=CPU)
+    whole_scales, scales[:] = list(scales), []
+    assert any(b < a for a, b in zip(whole_scales, whole_scales[1:]))  # an overflow halved the scale
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 8, device=CPU, save=save, progress=_ctrl_c_at(4))
+    resumed, state = resume_session(state_path(save.folder, "run"), session)
+    done = train(resumed, 4, device=CPU, run_start=state.run_start)
+    assert scales == whole_scales and done.losses == whole.losses
+    assert all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())

@@ -126,3 +126,18 @@ def test_a_stop_inside_schedule_free_eval_keeps_the_exact_train_weights(tmp_path
     for i, v in two.optimizer_state["state"].items():
         assert torch.equal(state.optimizer_state["state"][i][TRAIN_WEIGHTS], v[TRAIN_WEIGHTS])
     assert all(torch.equal(state.lora_state[k], v) for k, v in two.lora_state.items())
+
+
+def test_an_auto_strategy_probes_the_model_only_after_the_cheap_input_checks(tmp_path, monkeypatch):
+    """`auto` loads and runs the model to plan: a validation split that holds out nothing must fail before that."""
+    from tightrope.training import auto_plan, training_run
+    from tightrope.training.strategy_choice import AutoStrategy
+    from tightrope.training.train_config import TrainConfig
+    session = demo_session(tmp_path)
+    monkeypatch.setattr(auto_plan, "plan_for_session", lambda *a, **k: pytest.fail("the probe ran first"))
+    from tightrope.training.data.image_folder import DatasetError
+    with pytest.raises(DatasetError, match=r"validation_fraction=0.01 of \d+ images holds out 0 images"):
+        training_run.run_training_node(
+            TrainConfig(validation_fraction=0.01, batch_size=2), 2, session=None, model=session.model,
+            dataset=session.dataset, lora=session.lora, strategy=AutoStrategy(), device="cpu", save_dir=tmp_path / "o",
+            filename_prefix="x", save_every=0, progress=None, should_stop=None)

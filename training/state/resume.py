@@ -142,7 +142,8 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
                 scalars.setdefault(str(index), {})[key] = value
     info = {"step": step, "run_start": run_start, "run_end": run_end, "lora": session.lora.to_dict(),
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
-            "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars},
+            "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars,
+                          "grad_scaler": optimizer_state.get("grad_scaler")},
             "losses": list(losses), "stats": list(stats), "saved": list(saved), **fingerprints,
             "validation": [list(p) for p in validation],
             "owner": None if owner is None else asdict(owner),
@@ -175,9 +176,11 @@ def load_state(path: str | os.PathLike) -> TrainingState:
               for g in info["optimizer"]["param_groups"]]
     lora = {k[len("lora."):]: t for k, t in tensors.items() if k.startswith("lora.")}
     ema = {k[len("ema."):]: t for k, t in tensors.items() if k.startswith("ema.")}
+    optimizer_state = {"state": dict(sorted(state.items())), "param_groups": groups}
+    if info["optimizer"].get("grad_scaler") is not None:  # fp16 (see schedule_free.trained_states)
+        optimizer_state["grad_scaler"] = info["optimizer"]["grad_scaler"]
     result = TrainingState(step=info["step"], run_start=info["run_start"], run_end=info["run_end"], lora_state=lora,
-                           optimizer_state={"state": dict(sorted(state.items())), "param_groups": groups}, info=info,
-                           ema_state=ema or None)
+                           optimizer_state=optimizer_state, info=info, ema_state=ema or None)
     return result
 
 
