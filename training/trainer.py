@@ -7,6 +7,7 @@ dropout) is a pure function of (seed, step), so a continued or resumed run draws
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import math
@@ -127,7 +128,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
             if session.lora_state is not None:
                 load_lora_state(module, session.lora_state)
             strategy, mesh = distributed.prepare_ranks(module, session.strategy, device)  # --fsdp: shard
-            with MemoryRuntime(module, strategy, device, mesh=mesh) as runtime:
+            with contextlib.ExitStack() as ending, MemoryRuntime(module, strategy, device, mesh=mesh) as runtime:
                 model = runtime.model  # module, or its sharded copy (the runtime's first step)
                 run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
@@ -156,12 +157,12 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                         torch.cuda.empty_cache()
                     _save_after_failure(session, run, module, save, optimizer)
                     raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
+                ending.enter_context(held_stops())  # a stop from here on waits until the run is saved and undone
                 state, optimizer_state = trained_states(module, optimizer, run.scaler)
-            stopped_early = run.step < session.step + steps
-            if stopped_early or (save is not None and save.every):
-                _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
-            elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
-                _save_final_state(session, run, module, save, optimizer)
+                if run.step < session.step + steps or (save is not None and save.every):  # stopped early, or saving
+                    _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
+                elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
+                    _save_final_state(session, run, module, save, optimizer)
         finally:
             remove_lora(module)
             run.monitor.close()

@@ -115,3 +115,23 @@ def test_no_handlers_outside_the_main_thread():
 
 def test_ctrl_c_still_exits_130():
     assert report_stop(KeyboardInterrupt()) == 130
+
+
+def test_a_stop_while_the_run_ends_waits_until_its_last_step_is_saved(tmp_path, monkeypatch):
+    """SIGTERM arriving after the last step, while the runtime is undone (before the end-of-run state file, with
+    save_every=0 the only record of the run): held until the state is written and the model undone, then raised."""
+    from demo_setup import demo_session
+
+    from tightrope.memory.runtime import MemoryRuntime
+    from tightrope.training.state.resume import state_path
+    from tightrope.training.trainer import SaveTarget, train
+    real_undo = MemoryRuntime.undo
+
+    def undo(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, in the main thread
+        real_undo(self)
+    monkeypatch.setattr(MemoryRuntime, "undo", undo)
+    save = SaveTarget(tmp_path / "out", "run")  # save_every=0: the Train node's default
+    with polite_stops(), pytest.raises(StopSignal):
+        train(demo_session(tmp_path), 3, device=torch.device("cpu"), save=save)
+    assert load_state(state_path(save.folder, "run")).step == 3
