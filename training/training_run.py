@@ -1,8 +1,12 @@
 """One training node's run, from its inputs to its outputs: the single call the Train node makes."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
@@ -65,11 +69,16 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                 return _finished(session, state, state_file, steps, progress, notify)
         explanation = ""
         check_run_inputs(session, left, dev)  # before an auto strategy's probe loads and runs the model
-        if strategy is not None:
+        plan = plan_key(strategy, dev) if isinstance(strategy, AutoStrategy) else ""
+        if resumed is not None and plan and resumed[1].info.get("owner", {}).get("plan") == plan:
+            # the same request on the same device: the interrupted run's plan (a new probe could pick another, with
+            # other rounding: token chunks, compile), so the resumed run equals an uninterrupted one
+            explanation = resumed[1].info["owner"].get("note", "")
+        elif strategy is not None:
             chosen, explanation = resolve_strategy(strategy, session, dev)
             session = session.advanced(strategy=chosen)
         save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
-                          owner=StateOwner(node_id, owner.input_step, owner.input, explanation))
+                          owner=StateOwner(node_id, owner.input_step, owner.input, explanation, plan))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
                        run_start=run_start, log_dir=log_dir, notify=notify)
     release_freed_host_memory()  # train() has returned: its optimizer, LoRA layers and save buffers are freed now
@@ -88,6 +97,13 @@ def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int
     if progress is not None and session.losses:
         progress(steps, steps, session.losses[-1])  # its progress bar shows it done
     return session, model_with_lora(session), report(session, session.step - state.run_start, owner.get("note", ""))
+
+
+def plan_key(choice: AutoStrategy, device) -> str:
+    """What an auto strategy's plan depends on besides the model and data: the request and the device."""
+    name = f"{torch.cuda.get_device_name(device)}, {torch.cuda.get_device_properties(device).total_memory} B" \
+        if device.type == "cuda" else device.type
+    return f"{json.dumps(dataclasses.asdict(choice), sort_keys=True)} on {name}"
 
 
 def resolve_strategy(choice: Any, session: TrainingSession, device) -> tuple[Strategy, str]:

@@ -196,3 +196,26 @@ def test_fp16_resume_goes_on_at_the_loss_scale_of_the_uninterrupted_run(tmp_path
     done = train(resumed, 4, device=CPU, run_start=state.run_start)
     assert scales == whole_scales and done.losses == whole.losses
     assert all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())
+
+
+def test_resume_keeps_the_plan_of_an_auto_strategy(out, monkeypatch):
+    """`auto` plans from measurements (free memory, timings) that differ from run to run: the resumed node trains
+    with the interrupted run's plan (same request, same device), probing nothing, and equals an uninterrupted run."""
+    from reliability_kit import strategy
+    from tightrope.training import auto_plan
+    model, dataset, spec, _ = world(out)
+    auto = strategy(mode="auto", vram_budget_gb=4.0)
+    kw = dict(steps=4, save_every=1)
+    with torch.inference_mode():
+        whole, _, _ = train_node(model, dataset, spec, auto, filename_prefix="rt/whole", **kw)
+        path = state_path(host.state_dir(), "rt/lora")
+        monkeypatch.setattr(host, "interrupt_requested", lambda: path.is_file() and load_state(path).step >= 2)
+        with pytest.raises(KeyboardInterrupt):
+            train_node(model, dataset, spec, auto, **kw)
+        assert load_state(path).step == 2
+        monkeypatch.setattr(host, "interrupt_requested", lambda: False)
+        monkeypatch.setattr(auto_plan, "plan_for_session", lambda *a, **k: pytest.fail("planned again"))
+        with resuming():
+            resumed, _, report = train_node(model, dataset, spec, auto, **kw)
+    assert resumed.step == 4 and resumed.losses == whole.losses and resumed.strategy == whole.strategy
+    assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())

@@ -127,8 +127,8 @@ def test_each_state_file_names_its_node_and_the_session_it_started_from(built):
     owner_7 = load_state(state_path(states, "rt/chain", "7")).info["owner"]
     owner_8 = load_state(state_path(states, "rt/chain", "8")).info["owner"]
     new_lora = session_digest(SimpleNamespace(step=0, lora_state=None))
-    assert owner_7 == {"node": "7", "input_step": 0, "input": new_lora, "note": ""}
-    assert owner_8 == {"node": "8", "input_step": A, "input": session_digest(first), "note": ""}
+    assert owner_7 == {"node": "7", "input_step": 0, "input": new_lora, "note": "", "plan": ""}
+    assert owner_8 == {"node": "8", "input_step": A, "input": session_digest(first), "note": "", "plan": ""}
 
 
 def test_a_state_file_of_another_node_is_refused(built, out):

@@ -62,6 +62,7 @@ class StateOwner:
     input_step: int   # the step of the session the node started from
     input: str        # session_digest() of that session: another upstream run gives another digest
     note: str = ""    # the node's strategy explanation, repeated in the report when a finished node resumes
+    plan: str = ""    # an auto strategy's request and device (training_run.plan_key): resuming it keeps the plan
 
 
 def state_path(folder: str | os.PathLike, filename_prefix: str, node: str | None = None) -> Path:
