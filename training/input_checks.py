@@ -13,6 +13,7 @@ from typing import Any
 from safetensors import safe_open
 
 from . import distributed
+from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
 from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
@@ -75,6 +76,11 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     cfg = session.config
     data, validation_set = split_for_validation(session)  # names the input on a bad validation set
+    if cfg.validation_fraction > 0 and cfg.batch_size > len(data):
+        raise DatasetError(f"batch_size={cfg.batch_size} is larger than the {len(data)} items (after repeats) left to "
+                           f"train on once validation_fraction={cfg.validation_fraction} held out "
+                           f"{validation_set.num_images} of {session.dataset.num_images} images: lower "
+                           "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package

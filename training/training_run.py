@@ -55,7 +55,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                               f"{session.config.optimizer!r}, whose state cannot go on in another optimizer: set "
                               f"optimizer to {session.config.optimizer!r} to continue, or start a new session")
         session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False,
-                                   validation_dataset=validation_dataset or session.validation_dataset)
+                                   validation_dataset=validation_dataset or _inherited_validation(session, config))
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
@@ -97,6 +97,11 @@ def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int
     if progress is not None and session.losses:
         progress(steps, steps, session.losses[-1])  # its progress bar shows it done
     return session, model_with_lora(session), report(session, session.step - state.run_start, owner.get("note", ""))
+
+
+def _inherited_validation(session: TrainingSession, config: TrainConfig) -> Any:
+    """A continued session validates on its validation_dataset, unless this node holds out a validation_fraction."""
+    return session.validation_dataset if config.validation_fraction == 0 else None
 
 
 def plan_key(choice: AutoStrategy, device) -> str:

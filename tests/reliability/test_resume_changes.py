@@ -141,3 +141,30 @@ def test_an_auto_strategy_probes_the_model_only_after_the_cheap_input_checks(tmp
             TrainConfig(validation_fraction=0.01, batch_size=2), 2, session=None, model=session.model,
             dataset=session.dataset, lora=session.lora, strategy=AutoStrategy(), device="cpu", save_dir=tmp_path / "o",
             filename_prefix="x", save_every=0, progress=None, should_stop=None)
+
+
+def test_a_batch_larger_than_what_validation_leaves_names_validation_fraction(tmp_path):
+    session = demo_session(tmp_path, validation_fraction=0.75, batch_size=2)  # 8 images: 2 left to train on
+    from tightrope.training.data.image_folder import DatasetError
+    with pytest.raises(DatasetError, match=r"batch_size=4 is larger than the 2 items \(after repeats\) left to train "
+                                           r"on once validation_fraction=0.75 held out 6 of 8 images: lower "
+                                           "validation_fraction or batch_size"):
+        train(session.advanced(config=dataclasses.replace(session.config, batch_size=4)), 1, device=CPU)
+
+
+def test_a_continued_node_holding_out_a_fraction_does_not_inherit_the_validation_dataset(tmp_path):
+    """Node 1 validates on a second dataset; node 2, continuing, holds out validation_fraction of its own images and
+    has no validation_dataset input: it validates on its held-out images (it used to fail with "disconnect
+    validation_dataset", an input it does not have)."""
+    from tightrope.training import training_run
+    from tightrope.training.train_config import TrainConfig
+    session = demo_session(tmp_path)
+    common = dict(dataset=None, lora=None, strategy=None, device="cpu", save_dir=tmp_path / "o", filename_prefix="x",
+                  save_every=0, progress=None, should_stop=None)
+    first, _, _ = training_run.run_training_node(
+        TrainConfig(batch_size=2), 1, session=None, model=session.model,
+        **common | dict(dataset=session.dataset, lora=session.lora), validation_dataset=session.dataset)
+    assert first.validation_dataset is session.dataset
+    second, _, _ = training_run.run_training_node(TrainConfig(batch_size=2, validation_fraction=0.25), 1,
+                                                  session=first, model=None, **common)
+    assert second.step == 2 and second.validation_dataset is None and len(second.validation_losses) >= 1
