@@ -120,7 +120,9 @@ class Profile(ConfigBase):
             chunked=[c and ChunkedBlock(int(round(c.saved * r)), int(round(c.peak * r)), c.fwd_s * r, c.bwd_s * r,
                                         None if c.recompute_s is None else c.recompute_s * r)
                      for c in self.chunked] if self.chunked else None,
-            measured={})
+            # the whole-step figures are read only for the allocator's gap (plan_cost.fragmentation_bytes), which
+            # scales with the batch as predict's batch_scale scales it
+            measured={k: v * r for k, v in self.measured.items() if k.endswith("_checkpoint_all")})
 
     # -- JSON (config_base.py) -----------------------------------------------------------------------------------
     @classmethod

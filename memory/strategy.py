@@ -76,11 +76,12 @@ class LayerOffloadConfig(_Part):
                      "0.0 keeps every block on the GPU, 1.0 offloads every block")
         self.check_choice("offload_policy", self.policy, OFFLOAD_POLICIES)
         if self.blocks is not None:
-            if isinstance(self.blocks, (str, bytes)) or not all(
+            if not isinstance(self.blocks, (list, tuple)) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.blocks):
                 raise StrategyError(f"Strategy.offload_blocks={self.blocks!r} is invalid: give a list of "
                                     "block indices >= 0 (model order), or leave it empty to use offload_fraction")
-            object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))))
+            # empty, as the message says, means offload_fraction decides
+            object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))) or None)
         self.check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
         self.check_bool("pin_memory", self.pin_memory)
 
@@ -236,7 +237,7 @@ class Strategy:
                 raise StrategyError(f"Strategy.{part} must be a {cls.__name__}, got {getattr(self, part)!r}: build "
                                     "flat settings with Strategy.of(...)")
         if self.block_lists is not None:
-            if isinstance(self.block_lists, str) or not self.block_lists or not all(
+            if not isinstance(self.block_lists, (list, tuple)) or not self.block_lists or not all(
                     isinstance(n, str) and n for n in self.block_lists):
                 raise StrategyError(f"Strategy.block_lists={self.block_lists!r} is invalid: give the dotted names "
                                     "of the model's block lists, e.g. ['double_blocks', 'single_blocks']")

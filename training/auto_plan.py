@@ -1,4 +1,4 @@
-"""The Memory Strategy node's `auto` mode: probe the session's model on one of its real batches, then plan.
+"""The Memory Strategy node's `auto` mode: probe the session's model on its largest real batch, then plan.
 
 The planner (memory/planner.py) picks the fastest strategy predicted to fit the VRAM budget; this module only
 supplies what it measures: the model with its LoRA, and a batch shaped like training's.
@@ -36,7 +36,7 @@ class _Predictor(nn.Module):
 def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[Strategy, str]:
     cfg = session.config
     adapter = adapter_for(session.model)
-    batch = next(session.dataset.batches(cfg.batch_size, cfg.seed))
+    batch = session.dataset.largest_batch(cfg.batch_size)  # not a random one: a plan must fit every batch
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
     gen = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(latents.shape, generator=gen)
@@ -59,7 +59,7 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         inject_lora(module, session.lora, adapter.family)
         try:
             profile = probe_model(_Predictor(adapter, module, cfg.guidance), make_inputs, device, base,
-                                  batch=cfg.batch_size, repeats=1)
+                                  batch=latents.shape[0], repeats=1)
         finally:
             remove_lora(module)
     if cuda:

@@ -226,6 +226,10 @@ def test_the_probes_measured_fragmentation_is_budgeted():
     assert predict(tiny, s).peak_bytes == base.peak_bytes
     assert plan(frag, 8e9).prediction.peak_bytes <= 8e9  # the plan leaves room for it
     assert fragmentation_bytes(_two_stream_profile()) == 0  # CPU: no allocator, no gap
+    # a profile rescaled to another batch keeps the gap, scaled as batch_scale scales it (autotune_batch's batches
+    # used to lose it, and so overstated the largest batch that fits)
+    for b in (1, 2, 3):
+        assert predict(frag.at_batch(b), s).peak_bytes == predict(frag, s, batch_scale=b / frag.batch).peak_bytes
 
 
 def test_unpinned_copies_do_not_overlap_compute():

@@ -73,6 +73,9 @@ def test_the_flat_form_of_version_0_1_still_loads():
     ({"prefetch_depth": -1}, "prefetch_depth", "whole number from 0"),
     ({"compile_mode": "reduce-overhead"}, "compile_mode", "default"),
     ({"offload_blocks": (-1,)}, "offload_blocks", "indices >= 0"),
+    ({"offload_blocks": 3}, "offload_blocks", "give a list of block indices"),  # not a TypeError traceback
+    ({"block_lists": 5}, "block_lists", "dotted names"),
+    ({"block_lists": {"blocks": 1}}, "block_lists", "dotted names"),
     ({"pin_memory": "yes"}, "pin_memory", "true or false"),
     ({"activation_offload": 1}, "activation_offload", "true or false"),
     ({"block_lists": ()}, "block_lists", "dotted names"),
@@ -88,6 +91,12 @@ def test_bad_values_name_field_and_fix(kw, field, fix):
     with pytest.raises(StrategyError) as again:  # the same message from a saved flat dict
         Strategy.from_dict(kw)
     assert str(again.value) == str(e.value)
+
+
+def test_empty_offload_blocks_leave_it_to_offload_fraction():
+    """As the offload_blocks message says: an empty list means offload_fraction decides (it used to offload nothing)."""
+    assert Strategy.of(offload_fraction=0.5, offload_blocks=[]) == Strategy.of(offload_fraction=0.5)
+    assert Strategy.from_dict({"offload": {"fraction": 0.5, "blocks": []}}).offload.blocks is None
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -30,8 +30,8 @@ from ..state.atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
-from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, load_image,
-                           no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, image_to_tensor,
+                           load_image, no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 
 # Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
@@ -85,13 +85,6 @@ def _load_cached(path: Path) -> dict[str, Tensor]:
 
 def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
-
-
-def image_to_tensor(image) -> Tensor:
-    """8-bit RGB PIL image -> (3, H, W) float32 in [-1, 1]."""
-    w, h = image.size
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
-    return pixels.permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
 class TrainingDataset:
@@ -341,6 +334,12 @@ class TrainingDataset:
         if batch_size > len(self):
             raise DatasetError(f"batch_size={batch_size} is larger than the dataset ({len(self)} items after repeats): "
                                f"lower batch_size to at most {len(self)}, or add images or repeats")
+
+    def largest_batch(self, batch_size: int) -> dict:
+        """The batch with the most latent elements any epoch gives (deterministic): what a memory probe must fit."""
+        self._check_batch_size(batch_size)
+        items = max(self._buckets.items(), key=lambda kv: min(batch_size, len(kv[1])) * math.prod(kv[0]))[1]
+        return self._collate([(item, False) for item in items[:batch_size]])
 
     def epoch_plan(self, batch_size: int, seed: int, epoch: int) -> list[list[tuple[int, bool]]]:
         """The epoch's batches as lists of (item, caption dropped); a pure function of its arguments."""

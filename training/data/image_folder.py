@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from PIL import Image, ImageOps
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -237,3 +238,10 @@ def load_image(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAU
         return to_rgb(image)
     except (OSError, SyntaxError, ValueError) as e:
         raise _unreadable(path, e) from None
+
+
+def image_to_tensor(image) -> torch.Tensor:
+    """8-bit RGB PIL image -> (3, H, W) float32 in [-1, 1]."""
+    w, h = image.size
+    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(h, w, 3)
+    return pixels.permute(2, 0, 1).float().div(127.5).sub(1.0)
