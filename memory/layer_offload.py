@@ -113,7 +113,7 @@ class LayerOffload:
     # -- setup and teardown ------------------------------------------------------------------------------------
     def attach(self) -> None:
         for i in self.offloaded:
-            self.layouts[i] = self._layout(self.blocks[i])
+            self._layout(i)
         if self.pin:
             self._pinned.register(src for lay in self.layouts.values() for src in lay.sources)
             self.pinned = self._pinned.refused_bytes == 0
@@ -125,8 +125,9 @@ class LayerOffload:
         self.area = torch.empty(self.n_cells * self.cell_bytes, dtype=torch.uint8, device=self.device)
         self._area_ptr = self.area.untyped_storage().data_ptr()
 
-    def _layout(self, block: nn.Module) -> _Layout:
-        entries, offset = [], 0
+    def _layout(self, index: int) -> None:
+        """Block `index`'s layout, registered before any param is swapped (detach undoes a half-made one)."""
+        block, entries, offset = self.blocks[index], [], 0
         for p in block.parameters():
             if not p.requires_grad:
                 dtype = self.weight_dtype or p.dtype
@@ -137,7 +138,7 @@ class LayerOffload:
         for k in copied:
             copy_offsets[k] = n
             n += _aligned(entries[k][0].numel() * entries[k][3].itemsize)
-        layout = _Layout(entries, offset, [], torch.empty(n, dtype=torch.uint8) if copied else None)
+        layout = self.layouts[index] = _Layout(entries, offset, [], torch.empty(n, dtype=torch.uint8) if n else None)
         for k, (p, _, shape, dtype) in enumerate(entries):
             original = p.data
             if k in copy_offsets:
@@ -150,7 +151,6 @@ class LayerOffload:
             keep = original if original.device.type == "cpu" or dtype != original.dtype else None
             self._restore.append((p, keep, original.device, original.dtype))
             p.data = self._placeholder(shape, dtype)
-        return layout
 
     def detach(self) -> None:
         """Give every offloaded param back its original tensor (no copy of host weights), then release the slots,

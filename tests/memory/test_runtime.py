@@ -117,3 +117,30 @@ def test_cpu_ema():
     torch.testing.assert_close(ema.state_dict()["w"], torch.full((3,), 1.0))
     with pytest.raises(ValueError, match="ema decay=1.5"):
         CpuEma({"w": p}, decay=1.5)
+
+
+def test_a_stop_half_way_through_offloading_device_weights_gives_every_weight_back(monkeypatch):
+    """Weights already on the device (a ComfyUI model in VRAM; `meta` stands in for CUDA here) have no host copy
+    to keep: undo copies them back from their layout's source. A stop while block 1 is half laid out must still
+    give every weight back (it raised KeyError and left a NaN placeholder in place of a weight)."""
+    from torch import nn
+
+    from tightrope.memory import layer_offload
+    monkeypatch.setattr(layer_offload, "streams_in_place", lambda t, dtype: True)  # no copy from meta is tried
+    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to("meta").requires_grad_(False) for _ in range(2)]
+    originals = {id(p): p.data.untyped_storage()._cdata for b in blocks for p in b.parameters()}
+    offload = layer_offload.LayerOffload(blocks, [0, 1], torch.device("meta"), prefetch_depth=1, pin_memory=False,
+                                         weight_dtype=None)
+    made = []
+
+    def placeholder(shape, dtype):
+        if len(made) == 5:  # block 1's second param
+            raise KeyboardInterrupt
+        made.append(torch.empty(shape, dtype=dtype, device="meta"))
+        return made[-1]
+    monkeypatch.setattr(offload, "_placeholder", placeholder)
+    with pytest.raises(KeyboardInterrupt):
+        offload.attach()
+    offload.detach()
+    assert {id(p): p.data.untyped_storage()._cdata for b in blocks for p in b.parameters()} == originals
+    assert offload.layouts == {} and offload._restore == []
