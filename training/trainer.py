@@ -93,6 +93,7 @@ class _RunParts:
     """What the step loop of a run works with and reports to, set up once by `train`."""
     adapter: ModelAdapter      # predict, process_latents
     model: torch.nn.Module     # the module trained (its FSDP copy when sharded), under the runtime
+    module: torch.nn.Module    # the module as given: sharing the LoRA, unsharded, what saves read
     runtime: MemoryRuntime     # its device, autocast and per-step stats
     optimizer: torch.optim.Optimizer
     params: dict               # the LoRA's parameters by name, the ones the optimizer updates
@@ -141,7 +142,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
                 run.ema = CpuEma(params, cfg.ema_decay, session.ema_state) if cfg.ema_decay else None
                 try:
-                    _loop(session, run, _RunParts(adapter, model, runtime, optimizer, params, save, progress,
+                    _loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save, progress,
                                                   should_stop))
                 except torch.OutOfMemoryError as e:
                     oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
@@ -210,7 +211,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
         run.monitor.step_done(run.step, loss, optimizer.param_groups[0]["lr"], run.stats[-1])
         run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # before the save: the state file holds it
         if save is not None and save.every and run.step % save.every == 0:
-            _save(session, run, model, save, optimizer)
+            _save(session, run, parts.module, save, optimizer)  # not the sharded copy: DoRA reads base weights
 
 
 def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> None:

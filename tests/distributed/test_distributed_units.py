@@ -181,3 +181,21 @@ def test_launched_sets_this_ranks_gpu_and_gives_the_previous_one_back(monkeypatc
         assert current == [1]
         raise RuntimeError("node failed")
     assert current == [0]
+
+
+def test_a_sharded_dora_run_saves_every_step(tmp_path, monkeypatch):
+    """--fsdp with DoRA and save_every: each periodic save reads the base weights of the model as given, not of its
+    sharded copy (whose DTensor shards made the DoRA file's norms fail: 'mixed torch.Tensor and DTensor')."""
+    from demo_setup import demo_session
+    from safetensors import safe_open
+
+    from tightrope.training.lora.layers import LoraSpec
+    from tightrope.training.trainer import SaveTarget, train
+    session = demo_session(tmp_path, strategy=Strategy.of(compute_dtype="fp32"))
+    session = session.advanced(lora=LoraSpec(rank=4, targets="attention", algorithm="dora"))
+    with one_rank_group():
+        monkeypatch.setattr(distributed, "_current", Parallel(rank=0, world_size=1, fsdp=True))
+        out = train(session, 2, device=torch.device("cpu"), save=SaveTarget(tmp_path / "loras", "x", 1))
+    assert len(out.saved) == 2
+    with safe_open(out.saved[-1], framework="pt") as f:
+        assert any(k.endswith(".dora_scale") for k in f.keys())
