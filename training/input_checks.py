@@ -33,19 +33,25 @@ def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path
     return target
 
 
-def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
-    """`folder` exists and is writable, or its nearest existing parent is a folder this user may create it in."""
+_SAVE_ELSEWHERE = ("save elsewhere (tightrope run --output-dir DIR; in ComfyUI, a writable loras folder in "
+                   "extra_model_paths.yaml)")
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str, *, other: str = "choose another filename_prefix",
+                          elsewhere: str = _SAVE_ELSEWHERE) -> None:
+    """`folder` exists and is writable, or its nearest existing parent is a folder this user may create it in.
+    `what` names the setting that needs it; `other` and `elsewhere` are the fixes offered (another name; another
+    place)."""
     folder = Path(folder)
     existing = folder
     while not os.path.exists(existing) and existing.parent != existing:  # os.path: False, not raising, if unsearchable
         existing = existing.parent
     if not existing.is_dir():
         raise OutputPathError(f"{what} needs the folder '{folder}', but '{existing}' is a file: move or rename that "
-                              "file, or choose another filename_prefix")
+                              f"file, or {other}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputPathError(f"{what} needs to write into '{existing}', which this user may not write to: make it "
-                              "writable (chmod u+w), or save elsewhere (tightrope run --output-dir DIR; in ComfyUI, "
-                              "a writable loras folder in extra_model_paths.yaml)")
+                              f"writable (chmod u+w), or {elsewhere}")
 
 
 def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str | None = None) -> str:

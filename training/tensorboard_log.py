@@ -16,14 +16,18 @@ from .train_config import ConfigError
 
 
 def summary_writer_class(log_dir: str | Path, setting: str = "log_dir") -> type:
-    """torch's SummaryWriter; a ConfigError with the install command when tensorboard is missing. setting: what
-    asked for the logs, as the user wrote it (the Train node's log_dir, or --log-dir)."""
+    """torch's SummaryWriter, once `log_dir` is known to be a folder it can create and write: a ConfigError with the
+    install command when tensorboard is missing, an OutputPathError naming the setting when the folder cannot be
+    written. setting: what asked for the logs, as the user wrote it (the Train node's log_dir, or --log-dir)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch raises it (with its own message) when the tensorboard package is absent
         off = "leave log_dir empty" if setting == "log_dir" else f"run without {setting}"
         raise ConfigError(f"{setting}='{log_dir}' asks for TensorBoard logs, which need the tensorboard package: "
                           f"`pip install tensorboard` (into the Python that runs Tightrope), or {off}") from None
+    from .input_checks import check_writable_folder  # here: TensorBoard would fail only at the first scalar
+    other = "set another log_dir" if setting == "log_dir" else f"pass another {setting}"
+    check_writable_folder(log_dir, f"{setting}={str(log_dir)!r}", other=other, elsewhere=other)
     return SummaryWriter
 
 

@@ -79,3 +79,22 @@ def test_scalars_read_back_with_tensorboard(tmp_path):
                                                  for i, s in enumerate(session.stats)]
     # peak VRAM is measured on CUDA only: on the CPU it is not written rather than written as 0
     assert lines == [f"validation loss at step {s}: {v:.4f}" for s, v in session.validation_losses]
+
+
+def test_a_log_dir_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """A log_dir under a file (or an unwritable folder) failed at the first scalar, after a step trained, with a
+    traceback: now the node's input check and `tightrope run --log-dir` refuse it, naming the setting."""
+    import types
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=object))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"log_dir='.*afile/tb' needs the folder '.*afile/tb', but '.*afile' is a "
+                                          "file: move or rename that file, or set another log_dir"):
+        summary_writer_class(tmp_path / "afile" / "tb")
+    monkeypatch.setattr(host, "tensorboard_dir", lambda name: str(tmp_path / "afile" / name))
+    inputs = {"log_dir": "tb", "device": "cpu", "optimizer": "adamw", "filename_prefix": "rt/lora"}
+    problem = TightropeTrain.VALIDATE_INPUTS(**inputs)
+    assert isinstance(problem, str) and "is a file" in problem and "set another log_dir" in problem
+    code = cli.main(["run", str(tmp_path / "w.json"), "--output-dir", str(tmp_path / "out"), "--log-dir",
+                     str(tmp_path / "afile" / "tb")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--log-dir=" in err and "pass another --log-dir" in err and "Traceback" not in err
