@@ -229,13 +229,19 @@ def load_comfyui(directory: str | os.PathLike) -> ComfyUILibrary:
         raise ComfyUIUnavailable(f"another module named 'nodes' ({getattr(shadowing, '__file__', '?')}) is already "
                                  f"imported, so ComfyUI's nodes.py cannot be: run from another folder")
     sys.path.insert(0, str(path))
-    import comfy.options  # noqa: F401  (args parsing stays off: ComfyUI parses an empty command line)
-    from comfy.cli_args import args
-    import torch
-    if not torch.cuda.is_available():
-        args.cpu = True  # read by comfy.model_management at its import, below
-    import execution
-    import nodes
+    try:
+        import comfy.options  # noqa: F401  (args parsing stays off: ComfyUI parses an empty command line)
+        from comfy.cli_args import args
+        import torch
+        if not torch.cuda.is_available():
+            args.cpu = True  # read by comfy.model_management at its import, below
+        import execution
+        import nodes
+    except ImportError as e:  # ComfyUI's requirements are not installed in this python
+        sys.path.remove(str(path))
+        raise ComfyUIUnavailable(f"the ComfyUI at {path} cannot be imported in this python ({e}): run tightrope with "
+                                 f"ComfyUI's python, or install ComfyUI's requirements into this one (pip install -r "
+                                 f"{path}/requirements.txt)") from None
     missing = [name for name in ("get_input_data", "_async_map_node_over_list", "resolve_map_node_over_list_results",
                                  "get_output_from_returns") if not hasattr(execution, name)]
     if missing:

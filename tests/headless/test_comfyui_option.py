@@ -41,3 +41,25 @@ def test_models_dir_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
     path.write_text(json.dumps(TIGHTROPE_ONLY))
     assert cli.main(["run", str(path), "--models-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
     assert "--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI" in capsys.readouterr().err
+
+
+def test_a_comfyui_whose_requirements_are_missing_exits_2_with_the_install_command(tmp_path):
+    """ComfyUI imported into a python without its requirements (ModuleNotFoundError deep in its imports) is one line
+    naming the fix, not a traceback. A fresh process: the failed import leaves part of the fake ComfyUI imported."""
+    import os
+    import subprocess
+    import sys
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "comfy").mkdir(parents=True)
+    for name in ("nodes.py", "folder_paths.py", "execution.py", "comfy/__init__.py"):
+        (comfy / name).write_text("")
+    (comfy / "comfy" / "options.py").write_text("import comfy_requirement_not_installed\n")
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(WITH_CORE))
+    proc = subprocess.run([sys.executable, "-m", "tightrope", "run", str(path), "--comfyui", str(comfy),
+                           "--output-dir", str(tmp_path / "o")], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"the ComfyUI at {comfy} cannot be imported in this python (No module named "
+            f"'comfy_requirement_not_installed'): run tightrope with ComfyUI's python, or install ComfyUI's "
+            f"requirements into this one (pip install -r {comfy}/requirements.txt)") in proc.stderr
