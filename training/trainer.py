@@ -21,7 +21,7 @@ import torch
 
 from ..memory.ema import CpuEma
 from ..memory.runtime import MemoryRuntime
-from . import distributed
+from . import distributed, seeding
 from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
@@ -122,8 +122,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
         if save is not None:
             run.fingerprints = fingerprints(module, adapter.family, session.dataset)
             _remove_stale_temporaries(save, started)
-        with torch.random.fork_rng(devices=[]):  # LoRA init is seeded by the run's seed, not the global RNG
-            torch.manual_seed(_training_stream_seed(cfg.seed, "lora-init"))
+        with seeding.forked(device):  # LoRA init is seeded by the run's seed, not the global RNG
+            seeding.seed(_training_stream_seed(cfg.seed, "lora-init"), device)
             inject_lora_continuing(module, session.lora, adapter.family)
         try:
             if session.lora_state is not None:
@@ -192,7 +192,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
-        with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
+        with seeding.forked(runtime.device):
             loss = sum(_micro_step(parts, next(batches), cfg, run.step, k, scaler)
                        for k in range(cfg.grad_accumulation))
         loss = distributed.all_reduce_gradients(parts.params.values(), loss)  # global-batch mean (no-op: 1 process)
@@ -253,8 +253,8 @@ def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | Non
 def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> float:
     seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
-    # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by fork_rng
-    torch.manual_seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed)
+    # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
+    seeding.seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed, parts.runtime.device)
     gen = torch.Generator().manual_seed(seed)
     # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))

@@ -87,3 +87,19 @@ def test_strategy_that_does_not_match_the_model(tmp_path):
         train(demo_session(tmp_path, strategy=Strategy.of(offload_blocks=(40,))), 1, device=CPU)
     with pytest.raises(StrategyError, match="Strategy.block_lists names 'blocks'"):
         train(demo_session(tmp_path, strategy=Strategy.of(block_lists=("blocks",))), 1, device=CPU)
+
+
+def test_a_run_leaves_every_gpus_random_generator_alone(tmp_path, monkeypatch):
+    """torch.manual_seed also seeds every CUDA device, which fork_rng restores only for the devices it is given: a
+    CPU run (and a GPU run, on the other GPUs) left ComfyUI's GPU generators at a fixed seed after each Train node.
+    The run seeds the CPU generator and its own device only."""
+    from demo_setup import demo_session
+
+    from tightrope.training.trainer import train
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
+    session = demo_session(tmp_path)
+    before = torch.random.get_rng_state()
+    train(session, 2, device=torch.device("cpu"))
+    assert calls == [] and torch.equal(torch.random.get_rng_state(), before)
