@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..memory import strategy as s
+from ..training.distributed import launch_sharding
 from ..training.strategy_choice import AutoStrategy
 from .input_validation import validation_result
 
@@ -78,7 +79,7 @@ class TightropeMemoryStrategy:
 
         def fields_fit():
             if inputs.get("mode") == "manual" and None not in fields.values():  # linked values are not known yet
-                s.Strategy.of(**fields)
+                s.Strategy.of(**fields).replace(sharding=launch_sharding())  # under torchrun --fsdp: sharded too
         return validation_result(cls, inputs, fields_fit)
 
     def make(self, mode, vram_budget_gb, host_ram_budget_gb=0.0, **fields):

@@ -7,7 +7,7 @@ from ..training.optimizer import optimizer_class
 from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigError, TrainConfig
 from ..training.tensorboard_log import summary_writer_class
 from ..training.timesteps import SAMPLINGS
-from ..training.distributed import resolve_device
+from ..training.distributed import check_batch_size, resolve_device
 from ..training.training_run import run_training_node
 from . import host
 from .input_validation import validation_result
@@ -115,16 +115,17 @@ class TightropeTrain:
     def VALIDATE_INPUTS(cls, **inputs):
         """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
         the device available, the optimizer installed and able to run on it, tensorboard installed if logs are asked
-        for."""
+        for (and its folder writable), under torchrun the global batch divisible by the world size."""
         prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
-        schedule = inputs.get("schedule")
+        schedule, batch_size = inputs.get("schedule"), inputs.get("batch_size")
         log_dir = host.tensorboard_dir(inputs.get("log_dir") or "")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
                                  lambda: device is None or resolve_device(device),
                                  lambda: _optimizer_runs(optimizer, device),
                                  lambda: None in (optimizer, schedule) or TrainConfig(optimizer=optimizer,
                                                                                       schedule=schedule),
-                                 lambda: log_dir is None or summary_writer_class(log_dir))
+                                 lambda: log_dir is None or summary_writer_class(log_dir),
+                                 lambda: not isinstance(batch_size, int) or check_batch_size(batch_size))  # torchrun
 
 
 def _optimizer_runs(optimizer: str | None, device: str | None) -> None:

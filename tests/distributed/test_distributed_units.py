@@ -199,3 +199,20 @@ def test_a_sharded_dora_run_saves_every_step(tmp_path, monkeypatch):
     assert len(out.saved) == 2
     with safe_open(out.saved[-1], framework="pt") as f:
         assert any(k.endswith(".dora_scale") for k in f.keys())
+
+
+def test_under_torchrun_the_nodes_input_checks_refuse_what_the_ranks_would(monkeypatch):
+    """A batch the world size does not divide, and layer offload under --fsdp, were refused only when the Train node
+    ran (after the models loaded and the dataset was encoded): the nodes' input checks, which run before any node,
+    refuse them now."""
+    from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+    from tightrope.nodes.train_node import TightropeTrain
+    spec = TightropeMemoryStrategy.INPUT_TYPES()["required"]
+    offload = {k: v[1]["default"] for k, v in spec.items()} | {"offload_fraction": 0.5}
+    train = dict(batch_size=1, device="cpu", optimizer="adamw", filename_prefix="x")
+    assert TightropeTrain.VALIDATE_INPUTS(**train) is True and TightropeMemoryStrategy.VALIDATE_INPUTS(**offload)
+    monkeypatch.setattr(distributed, "_current", Parallel(rank=0, world_size=2, fsdp=True))
+    assert "batch_size=1 is not divisible by the world size 2" in TightropeTrain.VALIDATE_INPUTS(**train)
+    assert "Strategy.shard='fsdp' (--fsdp) does not work with layer offload (offload_fraction=0.5" in \
+        TightropeMemoryStrategy.VALIDATE_INPUTS(**offload)
+    assert TightropeTrain.VALIDATE_INPUTS(**train | {"batch_size": 4}) is True
