@@ -222,8 +222,8 @@ def on_main_rank(fn: Callable[[], T]) -> T:
             raise
     torch.distributed.broadcast_object_list(box, src=0)
     status, value = box[0]
-    if status == "error":
-        raise RuntimeError(f"rank 0 failed ({value}), so rank {par.rank} stops too")
+    if status == "error":  # rank 0 reports its own error (a traceback there if it is a bug): one line here
+        raise DistributedError(f"rank 0 failed ({value}), so rank {par.rank} stops too: see rank 0's output")
     return value
 
 

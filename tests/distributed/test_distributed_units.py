@@ -216,3 +216,15 @@ def test_under_torchrun_the_nodes_input_checks_refuse_what_the_ranks_would(monke
     assert "Strategy.shard='fsdp' (--fsdp) does not work with layer offload (offload_fraction=0.5" in \
         TightropeMemoryStrategy.VALIDATE_INPUTS(**offload)
     assert TightropeTrain.VALIDATE_INPUTS(**train | {"batch_size": 4}) is True
+
+
+def test_rank_0s_error_is_one_line_on_the_other_ranks(rank1_of_2, monkeypatch):
+    """A file write on rank 0 that fails (a locked state file, say) is reported there; the other ranks stop with one
+    line pointing to it, not a traceback of the broadcast that told them (which `tightrope run` prints for a bug)."""
+    def broadcast(box, src):
+        box[0] = ("error", "StateLockedError: the state file is in use by another run")
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    with pytest.raises(DistributedError, match=r"rank 0 failed \(StateLockedError: the state file is in use by "
+                                               r"another run\), so rank 1 stops too: see rank 0's output"):
+        distributed.on_main_rank(lambda: pytest.fail("rank 1 must not run it"))
+    assert isinstance(DistributedError("x"), cli.user_error_types())  # printed without a traceback
