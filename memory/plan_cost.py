@@ -90,9 +90,11 @@ def fragmentation_bytes(profile: Profile) -> float:
 
 
 def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
-            margin_bytes: int | None = None, offloaded: list[int] | None = None, timed: bool = True) -> Prediction:
+            margin_bytes: int | None = None, offloaded: list[int] | None = None, timed: bool = True,
+            optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT) -> Prediction:
     """Peak memory and step time of `strategy` on `profile`. timed=False skips the copy/compute pipelines (most of
-    the cost): step_s and bound_s are then NaN, for callers that only need the memory."""
+    the cost): step_s and bound_s are then NaN, for callers that only need the memory. optimizer_bytes: the
+    optimizer's state per trainable element (AdamW's two fp32 moments unless told)."""
     n, s = profile.n_blocks, batch_scale
     off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
     compiled = strategy.compiler.per_block
@@ -139,7 +141,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     slots = predict_slot_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     grads = profile.trainable_bytes
-    optimizer = ADAMW_BYTES_PER_ELEMENT * profile.trainable_numel
+    optimizer = optimizer_bytes * profile.trainable_numel
     subtotal = weights + grads + optimizer + activations + transient
     if margin_bytes is None:
         margin_bytes = max(CUDA_MARGIN_BYTES, fragmentation_bytes(profile) * s) if profile.device == "cuda" else 0

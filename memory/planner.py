@@ -18,7 +18,7 @@ import torch
 
 from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
-from .plan_cost import Prediction, predict
+from .plan_cost import ADAMW_BYTES_PER_ELEMENT, Prediction, predict
 from .profile import Profile
 from .strategy import Keep, ShardingConfig, Strategy, StrategyError
 
@@ -105,11 +105,13 @@ def compile_measured(profile: Profile) -> bool:
 def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0, allow_compile: bool = True,
          compile_time_budget_s: float | None = None, base: Strategy | None = None, margin_fraction: float = 0.05,
          margin_bytes: int | None = None, device: torch.device | str | None = None,
-         host: HostNeeds | None = None, sharding: ShardingConfig | None = None) -> Plan:
+         host: HostNeeds | None = None, sharding: ShardingConfig | None = None,
+         optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT) -> Plan:
     """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin), and, given
     `host`, its host-RAM budget too. `sharding` (the launch's, e.g. --fsdp) is taken as given: a sharded run
     considers no layer offload, and its weights are predicted whole (per-rank bytes are not modelled yet: an
-    overestimate for a model of many blocks, whose rank holds about 1/N of them plus two whole blocks)."""
+    overestimate for a model of many blocks, whose rank holds about 1/N of them plus two whole blocks).
+    optimizer_bytes: the optimizer's device state per trainable element (AdamW's 8 unless told)."""
     if budget_bytes == "auto":
         budget_bytes = auto_budget(device or profile.device)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
@@ -120,7 +122,8 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
         base = base.replace(sharding=sharding)
     candidates = candidate_strategies(profile, base, allow_compile=allow_compile,
                                       compile_time_budget_s=compile_time_budget_s)
-    kw = {"batch_scale": batch_scale, "margin_fraction": margin_fraction, "margin_bytes": margin_bytes}
+    kw = {"batch_scale": batch_scale, "margin_fraction": margin_fraction, "margin_bytes": margin_bytes,
+          "optimizer_bytes": optimizer_bytes}
     # memory first, for every candidate; step times (most of the cost) only for the ones that fit
     scored = [(predict(profile, s, offloaded=off, timed=False, **kw), s) for s, off in candidates]
     fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
@@ -131,7 +134,7 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
         least = min(scored, key=lambda ps: ps[0].peak_bytes)
         raise StrategyError(
             f"no strategy fits {format_bytes(budget_bytes)}: this model at batch {profile.batch * batch_scale:g} "
-            f"needs at least {format_bytes(least[0].peak_bytes)} with everything offloaded and checkpointed "
+            f"needs at least {format_bytes(least[0].peak_bytes)}, with the strategy that needs the least "
             f"({_describe(least[1], least[0], profile)}): raise the budget or reduce the batch/resolution")
     best, strategy = min(fitting, key=lambda ps: (round(ps[0].step_s, 9), ps[0].peak_bytes))
     text = explain(profile, strategy, best, int(budget_bytes), len(scored), allow_compile)

@@ -18,6 +18,7 @@ from . import distributed
 from .flow_loss import flow_matching_loss, noised
 from .lora.layers import inject_lora, remove_lora
 from .models import adapter_for
+from .optimizer import CHOICES
 from .session import TrainingSession
 from .strategy_choice import AutoStrategy
 
@@ -66,5 +67,6 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         gc.collect()
         torch.cuda.empty_cache()  # the probe's cached blocks go back, so the free memory read next is real
     budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
-    chosen = plan(profile, budget, device=device, host=host, sharding=distributed.launch_sharding())  # --fsdp
+    chosen = plan(profile, budget, device=device, host=host, sharding=distributed.launch_sharding(),  # --fsdp
+                  optimizer_bytes=CHOICES[cfg.optimizer].state_bytes)
     return chosen.strategy, chosen.explanation

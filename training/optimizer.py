@@ -21,15 +21,16 @@ class _Choice(NamedTuple):
     name: str
     package: str      # what `pip install` needs, "" for torch itself
     cuda_only: bool = False
+    state_bytes: float = 8.0  # optimizer state per trainable element on the device (the planner budgets it)
 
 
 # the names of TrainConfig.OPTIMIZERS -> their classes
 CHOICES = {
-    "adamw": _Choice("torch.optim", "AdamW", ""),
-    "adamw8bit": _Choice("bitsandbytes.optim", "AdamW8bit", "bitsandbytes", cuda_only=True),
-    "adafactor": _Choice("torch.optim", "Adafactor", ""),
-    "prodigy": _Choice("prodigyopt", "Prodigy", "prodigyopt"),
-    "adamw_schedulefree": _Choice("schedulefree", "AdamWScheduleFree", "schedulefree"),
+    "adamw": _Choice("torch.optim", "AdamW", ""),  # exp_avg, exp_avg_sq: 2 x fp32
+    "adamw8bit": _Choice("bitsandbytes.optim", "AdamW8bit", "bitsandbytes", cuda_only=True, state_bytes=2.0),
+    "adafactor": _Choice("torch.optim", "Adafactor", "", state_bytes=4.0),  # factored: 4 bounds its 1-D case
+    "prodigy": _Choice("prodigyopt", "Prodigy", "prodigyopt", state_bytes=16.0),  # p0, s, exp_avg, exp_avg_sq
+    "adamw_schedulefree": _Choice("schedulefree", "AdamWScheduleFree", "schedulefree"),  # z, exp_avg_sq
 }
 
 

@@ -146,8 +146,8 @@ def test_transfers_bound_the_step_when_everything_streams():
 
 def test_infeasible_budget_names_the_minimum():
     prof = _flux_dev_profile()
-    with pytest.raises(StrategyError, match=r"needs at least \d+\.\d GiB with everything offloaded and "
-                                            r"checkpointed.*raise the budget or reduce the batch/resolution"):
+    with pytest.raises(StrategyError, match=r"needs at least \d+\.\d GiB, with the strategy that needs the least "
+                                            r"\(57 of 57 blocks offloaded.*raise the budget or reduce the batch"):
         plan(prof, 1 * GiB)
     with pytest.raises(StrategyError, match="positive number of bytes"):
         plan(prof, -5)
