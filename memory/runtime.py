@@ -23,6 +23,7 @@ devices tensors report holds. Parameters (resident, LoRA, or slot views) never g
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -107,6 +108,7 @@ class MemoryRuntime:
                 self._param_storages |= self.offload.device_storage_ptrs()
             for i, block in enumerate(self.blocks):
                 self._patch_forward(i, block.module)
+            self._warn_of_settings_that_do_nothing()
             self.applied = True
         except BaseException:
             self.applied = True
@@ -156,6 +158,18 @@ class MemoryRuntime:
         t.data = original.to(self.device, dtype)
         # frozen tensors get their original object back on undo (exact); trainable ones keep what was learned
         self._placed.append((t, original if keep else None, original.device, original.dtype))
+
+    def _warn_of_settings_that_do_nothing(self) -> None:
+        """Settings valid on their own that this model and strategy give nothing to do: said once, not silently."""
+        s, kinds = self.strategy, sorted({type(b.module).__name__ for b in self.blocks})
+        if self.acts is not None and all(s.keeps(i) is Keep.ALL for i in range(len(self.blocks))):
+            warnings.warn("activation_offload=True moves the inputs checkpointed blocks keep, and no block is "
+                          "checkpointed here: it does nothing; set checkpoint='all' (or every_n) to use it",
+                          stacklevel=3)
+        chunks = s.checkpointing.token_chunks
+        if chunks > 1 and self.blocks and not any(chunked_forward_for(b.module) for b in self.blocks):
+            warnings.warn(f"token_chunks={chunks} does nothing for this model: its blocks ({', '.join(kinds)}) have "
+                          "no token-chunked forward (Flux's have); set token_chunks=1", stacklevel=3)
 
     def _patch_forward(self, index: int, module: nn.Module) -> None:
         compiled = self.strategy.compiler.per_block

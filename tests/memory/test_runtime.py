@@ -144,3 +144,35 @@ def test_a_stop_half_way_through_offloading_device_weights_gives_every_weight_ba
     offload.detach()
     assert {id(p): p.data.untyped_storage()._cdata for b in blocks for p in b.parameters()} == originals
     assert offload.layouts == {} and offload._restore == []
+
+
+def test_settings_that_do_nothing_for_this_model_are_said_once():
+    """Valid on their own, but nothing to do: activation offload without a checkpointed block, token chunks on blocks
+    with no chunked forward. Each used to be silently ignored."""
+    import warnings
+
+    from torch import nn
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+    with pytest.warns(UserWarning, match=r"activation_offload=True .* no block is checkpointed here: it does nothing; "
+                                         "set checkpoint='all'"):
+        with MemoryRuntime(make_lora_model(), Strategy.of(compute_dtype="fp32", activation_offload=True), "cpu"):
+            pass
+    with pytest.warns(UserWarning, match=r"token_chunks=4 does nothing for this model: its blocks \(Linear\) have "
+                                         r"no token-chunked forward"):
+        with MemoryRuntime(Plain(), Strategy.of(compute_dtype="fp32", token_chunks=4, checkpoint="all",
+                                                block_lists=["blocks"]), "cpu"):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with MemoryRuntime(make_lora_model(), Strategy.of(compute_dtype="fp32", checkpoint="all",
+                                                          activation_offload=True, token_chunks=4), "cpu"):
+            pass
