@@ -163,7 +163,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 if run.step < session.step + steps or (save is not None and save.every):  # stopped early, or saving
                     _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
                 elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
-                    _save_final_state(session, run, module, save, optimizer)
+                    _save_final_state(session, run, save, state, optimizer_state)
         finally:
             remove_lora(module)
             run.monitor.close()
@@ -307,13 +307,13 @@ def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dic
                validation=session.validation_losses + run.monitor.validation_losses)
 
 
-def _save_final_state(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
-    """The state of a run that ended without a save at its last step, so `--resume` returns it without training;
-    the LoRA is in the session the run returns, so a failing write only warns."""
+def _save_final_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dict, optimizer_state: dict) -> None:
+    """The state (the run's trained_states) of a run that ended without a save at its last step, so `--resume` returns
+    it without training; the LoRA is in the session the run returns, so a failing write only warns."""
     if not distributed.current().is_main:
         return
     try:
-        _save_state(session, run, save, *trained_states(module, optimizer, run.scaler))
+        _save_state(session, run, save, lora, optimizer_state)
     except Exception as e:
         warnings.warn(f"could not write the training state file '{save.state_file}' at the end of the run "
                       f"({type(e).__name__}: {e}): the trained LoRA is not affected, but `--resume` will train this "
