@@ -9,6 +9,7 @@ from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImage
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.strategy_node import TightropeMemoryStrategy
 from tightrope.nodes.train_node import TightropeTrain
+from tightrope.training.data.image_folder import DatasetError
 from tightrope.training.lora.layers import INITS
 from tightrope.training.lora.targets import PRESETS
 from tightrope.training.train_config import ConfigError
@@ -49,6 +50,19 @@ def test_dataset_from_comfy_latents_and_conditioning():
     conditioning = [[torch.randn(1, 5, 64), {"pooled_output": torch.randn(1, 32)}]]
     (dataset,) = TightropeDatasetFromLatents().load(latent, conditioning, 0.0)
     assert len(dataset) == 3 and dataset.latent(2).shape == (16, 8, 8)
+
+
+def test_dataset_from_latents_bad_inputs_are_dataset_errors_naming_the_input():
+    """DatasetError is one of `tightrope run`'s user errors: one line, no traceback (a ValueError was a bug's)."""
+    cond = [[torch.randn(1, 5, 64), {"pooled_output": torch.randn(1, 32)}]]
+    with pytest.raises(DatasetError, match=r"conditioning has 2 entries for 3 latents: give one conditioning"):
+        TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 8, 8)}, cond * 2, 0.0)
+    with pytest.raises(DatasetError, match=r"latent: samples have shape \(3, 16, 4, 8, 8\); expected images"):
+        TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 4, 8, 8)}, cond, 0.0)
+    with pytest.raises(DatasetError, match=r"latent: expected ComfyUI's LATENT"):
+        TightropeDatasetFromLatents().load(torch.randn(3, 16, 8, 8), cond, 0.0)
+    (dataset,) = TightropeDatasetFromLatents().load({"samples": torch.randn(2, 16, 1, 8, 8)}, cond * 2, 0.0)
+    assert len(dataset) == 2 and dataset.latent(1).shape == (16, 8, 8)  # single-frame video latents are images
 
 
 def test_lora_setup_errors_name_the_input():

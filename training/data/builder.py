@@ -4,8 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .dataset import TrainingDataset
 from .encoders import ImageEncoder, TextEncoder
+from .image_folder import DatasetError
 
 
 def encoders_for(vae: Any, clip: Any) -> tuple[ImageEncoder, TextEncoder]:
@@ -31,13 +34,20 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
                               empty_conditioning: list | None = None) -> TrainingDataset:
     """ComfyUI's LATENT ({"samples": (B,C,H,W)}) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
     one conditioning for all latents, or one per latent."""
-    samples = latent["samples"]
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not torch.is_tensor(samples):
+        raise DatasetError("latent: expected ComfyUI's LATENT (a dict with 'samples'); connect a VAE Encode or "
+                           "Empty Latent Image output")
     if samples.ndim == 5 and samples.shape[2] == 1:  # a video VAE's single-frame latents (Wan): image latents
         samples = samples[:, :, 0]
+    if samples.ndim != 4:
+        raise DatasetError(f"latent: samples have shape {tuple(samples.shape)}; expected images (batch, channels, "
+                           "height, width) or single-frame video latents: encode still images")
     conds = [(c, _pooled(c, extra)) for c, extra in conditioning]
     if len(conds) not in (1, samples.shape[0]):
-        raise ValueError(f"conditioning has {len(conds)} entries for {samples.shape[0]} latents: give one "
-                         "conditioning (as CLIPTextEncode makes) or one per latent")
+        raise DatasetError(f"conditioning has {len(conds)} entries for {samples.shape[0]} latents: give one "
+                           "conditioning (as CLIPTextEncode makes) or one per latent (e.g. Conditioning "
+                           "(Combine) of one CLIPTextEncode per image)")
     pick = (lambda i: conds[0]) if len(conds) == 1 else (lambda i: conds[i])
     empty = empty_conditioning[0] if empty_conditioning else None
     return TrainingDataset.from_tensors(
