@@ -86,3 +86,22 @@ def test_not_comfyui_objects():
 def test_demo_conditioning_sized_for_the_model():
     (context, extra), = demo_conditioning(demo_model(0), "a red circle", 8, 0)
     assert context.shape == (1, 8, 64) and extra["pooled_output"].shape == (1, 32)
+
+
+def test_the_cache_id_sees_every_tensor_of_a_text_encoder_made_of_several():
+    """SD3.5's CLIP is CLIP-L + CLIP-G + T5 in one module: a fine-tune of one part, same shapes, must change the id
+    (it sampled the first and last three tensors by name, so a changed CLIP-L kept the id and its stale cached
+    captions were trained on)."""
+    class Parts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.clip_g, self.clip_l, self.t5xxl = (nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+                                                    for _ in range(3))
+
+    clip = FakeClip()
+    clip.cond_stage_model = Parts()
+    before = ComfyClipEncoder(clip).cache_id
+    with torch.no_grad():
+        clip.cond_stage_model.clip_l[1].weight.mul_(1.01)  # neither among the first nor the last three names
+    assert ComfyClipEncoder(clip).cache_id != before

@@ -12,7 +12,7 @@ from tightrope.training.data.dataset import TrainingDataset
 from tightrope.demo.model import demo_encoders
 from tightrope.training.data.image_folder import DatasetError
 from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
-from tightrope.training.data.masks import masked_flow_loss
+from tightrope.training.data.masks import masked_flow_loss, masked_mean
 from tightrope.training.models import adapter_for
 from tightrope.training.trainer import train
 
@@ -206,3 +206,29 @@ def test_the_trainer_copies_the_mask_to_the_device_before_the_forward(tmp_path, 
     half = _folder(tmp_path / "half", image, {k: _png(_half((32, 32), 0, WHITE, mode="L")) for k in image})
     train(demo_session(tmp_path).advanced(dataset=_dataset(half, "mask_files")), 2, device=CPU)
     assert events == ["mask to device", "predict"] * 2
+
+
+def test_masked_mean_of_a_loss_with_a_frame_axis_weights_each_sample_by_its_own_mask():
+    """Wan and Qwen-Image latents are (B, C, 1, h, w): the (B, 1, h, w) mask must meet the batch axis, not the
+    channels (batch 2 used to raise; batch == channels weighted sample 0's mask everywhere). Reference: plain torch
+    per sample."""
+    g = torch.Generator().manual_seed(0)
+    for batch, channels in ((2, 16), (4, 4)):
+        loss = torch.rand(batch, channels, 1, 6, 5, generator=g)
+        mask = (torch.rand(batch, 1, 6, 5, generator=g) > 0.5).float()
+        mask[:, :, 0, 0] = 1  # nothing black everywhere
+        expected = sum((loss[b, :, 0] * mask[b]).sum() for b in range(batch)) / (mask.sum() * channels)
+        torch.testing.assert_close(masked_mean(loss, mask), expected)
+        torch.testing.assert_close(masked_mean(loss[:, :, 0], mask), expected)  # the same loss without the axis
+    with pytest.raises(ValueError, match=r"a loss mask of shape \(3, 1, 1, 6, 5\) does not fit a loss of shape"):
+        masked_mean(torch.rand(2, 4, 1, 6, 5), torch.ones(3, 1, 6, 5))
+
+
+def test_a_16_bit_grey_mask_keeps_its_grey_levels(tmp_path):
+    """Pillow's 16-bit -> 8-bit conversion clips at 255, so a 25 % grey became 100 %: the mask is scaled instead."""
+    grey16 = Image.new("I;16", (32, 32), 0)
+    grey16.paste(Image.new("I;16", (16, 32), 16384), (0, 0))  # left half 16384 / 65535 = 0.25
+    folder = _folder(tmp_path, {"a": _png(Image.new("RGB", (32, 32), RED))}, {"a": _png(grey16)})
+    mask = next(_dataset(folder, "mask_files").batches(1, seed=0))["mask"]
+    torch.testing.assert_close(mask[..., :8], torch.full((1, 1, 16, 8), 16384 / 65535))
+    assert torch.equal(mask[..., 8:], torch.zeros(1, 1, 16, 8))

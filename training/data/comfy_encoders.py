@@ -14,20 +14,28 @@ from torch import Tensor, nn
 
 from .dataset import DatasetError
 
-_SAMPLED = 4096  # values per sampled tensor in a cache id
+_SAMPLED = 64  # values per tensor in a cache id, strided over the whole tensor
 
 
 def weights_fingerprint(module: nn.Module | None, *extra) -> str:
-    """A short hash of a module's tensor names, shapes and dtypes, a sample of its values (the first and last three
-    tensors, by name) and `extra`: two encoders that could encode differently never share it."""
+    """A short hash of a module's tensor names, shapes and dtypes, `_SAMPLED` values strided over every tensor, and
+    `extra`: two encoders that could encode differently never share it. Every tensor is sampled, because text
+    encoders are several models in one (SD3.5's CLIP-L, CLIP-G and T5): swapping one part for a fine-tune of the
+    same shape must give another id, or cached captions of the old one would be trained on."""
     h = hashlib.sha256(json.dumps([str(e) for e in extra]).encode())
     sd = module.state_dict() if module is not None else {}
     keys = sorted(sd)
     h.update(json.dumps([(k, list(sd[k].shape), str(sd[k].dtype)) for k in keys]).encode())
-    for k in dict.fromkeys(keys[:3] + keys[-3:]):
+    for k in keys:
         t = sd[k]
-        if t.device.type != "meta" and t.numel():
-            h.update(t.detach().flatten()[:_SAMPLED].to("cpu", torch.float32).numpy().tobytes())
+        if t.device.type == "meta" or not t.numel():
+            continue
+        flat = t.detach().reshape(-1)
+        try:
+            sample = flat[::max(1, flat.numel() // _SAMPLED)][:_SAMPLED].to("cpu", torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a quantized type that cannot be read so: its shape
+            continue
+        h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
 
 

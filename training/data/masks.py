@@ -29,7 +29,8 @@ from ..flow_loss import flow_matching_loss
 from .image_folder import MASK_SUFFIX, DatasetError, ImageEntry, has_alpha, load_oriented, read_image_size
 
 MASK_SOURCES = ("none", "mask_files", "alpha")
-MASK_VERSION = "box-fit-area-v1"  # bump when the mask preprocessing changes, so cached masks stop matching
+MASK_VERSION = "box-fit-area-v2"  # bump when the mask preprocessing changes, so cached masks stop matching
+_WIDE_GREY = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit greyscale modes
 _SHOWN = 3  # files named in one error
 
 
@@ -82,8 +83,14 @@ def _names(paths: list[Path]) -> str:
 def latent_mask(source: MaskSource, bucket: tuple[int, int], downscale: int, max_pixels: int) -> Tensor:
     """The (1, h, w) fp32 weights in [0, 1] on the latent grid of an image fitted to `bucket` (width, height)."""
     image = load_oriented(source.path, max_pixels=max_pixels)
-    grey = image.convert("RGBA").getchannel("A") if source.alpha else image.convert("L")
-    weights = grey.convert("F").point(lambda v: v / 255.0)
+    if source.alpha:
+        weights = image.convert("RGBA").getchannel("A").convert("F").point(lambda v: v / 255.0)
+    elif image.mode in _WIDE_GREY:  # 16-bit greyscale: Pillow's conversion to "L" clips at 255 instead of scaling
+        weights = image.convert("I").convert("F").point(lambda v: v / 65535.0)
+    elif image.mode == "F":  # float greyscale: already 0..1
+        weights = image
+    else:
+        weights = image.convert("L").convert("F").point(lambda v: v / 255.0)
     if weights.size != tuple(bucket):  # the image's geometry (buckets.fit_to_bucket), with an area filter
         weights = ImageOps.fit(weights, tuple(bucket), method=Image.Resampling.BOX, centering=(0.5, 0.5))
     w, h = weights.size
@@ -96,11 +103,17 @@ def latent_mask(source: MaskSource, bucket: tuple[int, int], downscale: int, max
 
 
 def masked_mean(elementwise: Tensor, mask: Tensor) -> Tensor:
-    """The mask-weighted mean of a (B, C, h, w) loss: sum(mask * loss) / (C * sum(mask)). A fully white mask gives
-    the plain mean; masked-out elements contribute exactly nothing, to the loss or its gradient. Weights are
-    normalised by the kept area so a small mask does not shrink the learning rate."""
+    """The mask-weighted mean of a (B, C, h, w) loss, or (B, C, T, h, w) for families with a frame axis (Wan,
+    Qwen-Image): sum(mask * loss) / (C * T * sum(mask)) with the (B, 1, h, w) mask broadcast over channels and frames.
+    A fully white mask gives the plain mean; masked-out elements contribute exactly nothing, to the loss or its
+    gradient. Weights are normalised by the kept area so a small mask does not shrink the learning rate."""
     mask = mask.to(elementwise.dtype)
-    return (elementwise * mask).sum() / (mask.sum() * elementwise.shape[1])
+    if elementwise.ndim > mask.ndim:  # the frame axis sits between channels and height
+        mask = mask.reshape(*mask.shape[:2], *[1] * (elementwise.ndim - mask.ndim), *mask.shape[2:])
+    if mask.shape[0] != elementwise.shape[0] or mask.shape[-2:] != elementwise.shape[-2:]:
+        raise ValueError(f"a loss mask of shape {tuple(mask.shape)} does not fit a loss of shape "
+                         f"{tuple(elementwise.shape)}")
+    return (elementwise * mask).sum() / (mask.sum() * (elementwise.numel() // mask.numel()))
 
 
 def masked_flow_loss(prediction: Tensor, latents: Tensor, noise: Tensor, mask: Tensor, *, kind: str = "mse",
