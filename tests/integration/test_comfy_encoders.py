@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 from tightrope.training.data.comfy_encoders import ComfyClipEncoder, ComfyVaeEncoder
-from tightrope.training.data.dataset import DatasetError
 from tightrope.demo.model import demo_model
 from tightrope.demo.conditioning import demo_conditioning
 from tightrope.training.data.encoders import ImageEncoder, TextEncoder
@@ -45,6 +44,10 @@ class FakeClip:
                 else None}
 
 
+def _take(iterator, n):
+    return [next(iterator) for _ in range(n)]
+
+
 def test_vae_encoder():
     vae = FakeVae()
     enc = ComfyVaeEncoder(vae)
@@ -72,8 +75,45 @@ def test_clip_without_pooled_output_and_unpadded_lengths():
     enc = ComfyClipEncoder(FakeClip(pooled=0))
     context, pooled = enc.encode(["a red circle"])
     assert context.shape == (1, 3, 32) and pooled.shape == (1, 0)
-    with pytest.raises(DatasetError, match="same length"):
-        enc.encode(["two words"])
+    assert enc.encode(["two words"])[0].shape == (1, 2, 32) and enc.captions_per_call == 1
+    with pytest.raises(ValueError, match="encodes to 2 tokens, the first of this call to 3: pass captions of one"):
+        enc.encode(["a red circle", "two words"])
+
+
+def _captioned_folder(root, captions):
+    from PIL import Image
+    root.mkdir()
+    for i, caption in enumerate(captions):
+        Image.new("RGB", (32, 32), (40 * i, 90, 200)).save(root / f"{i}.png")
+        (root / f"{i}.txt").write_text(caption)
+    return root
+
+
+def test_a_folder_with_captions_of_several_token_counts_trains_each_at_its_own_length(tmp_path):
+    """Lumina 2's and Qwen-Image's encoders do not pad: Load Dataset refused any folder (the empty caption, encoded
+    even without dropout, had another length). Each batch now holds one caption length; with dropout a batch drops
+    all its captions or none, and each item is still dropped at the set rate."""
+    captions = ["a red circle", "two words", "one", "a blue square", "three more words", "four words here now"]
+    folder = _captioned_folder(tmp_path / "imgs", captions)
+    from tightrope.training.data.dataset import TrainingDataset
+    ds = TrainingDataset(folder, ComfyVaeEncoder(FakeVae()), ComfyClipEncoder(FakeClip(pooled=0)), max_pixels=32 * 32)
+    assert ds.steps_per_epoch(2) == 5  # buckets of 1, 2, 3 and 4 tokens: 1, 1, 3 (two batches) and 1 captions
+    seen = []
+    for batch in _take(ds.batches(2, seed=0), 10):
+        assert {len(c.split()) for c in batch["captions"]} == {batch["context"].shape[1]}
+        seen += batch["captions"]
+    assert sorted(set(seen)) == sorted(captions)
+
+    ds = TrainingDataset(folder, ComfyVaeEncoder(FakeVae()), ComfyClipEncoder(FakeClip(pooled=0)), max_pixels=32 * 32,
+                         caption_dropout=0.5)
+    dropped = total = 0
+    for batch in _take(ds.batches(2, seed=1), 400):
+        kept = [c for c in batch["captions"] if c]
+        assert len(kept) in (0, len(batch["captions"]))  # all or none
+        assert batch["context"].shape[1] == (len(kept[0].split()) if kept else 1)  # "" tokenizes to one token
+        dropped, total = dropped + len(batch["captions"]) - len(kept), total + len(batch["captions"])
+    # 600 items, each dropped with p = 0.5 (batches are correlated pairs: sd <= sqrt(600 * 2) * 0.5 / 600 ~ 0.03)
+    assert abs(dropped / total - 0.5) < 0.1
 
 
 def test_not_comfyui_objects():

@@ -12,7 +12,6 @@ import json
 import torch
 from torch import Tensor, nn
 
-from .dataset import DatasetError
 
 _SAMPLED = 64  # values per tensor in a cache id, strided over the whole tensor
 
@@ -85,9 +84,11 @@ class ComfyClipEncoder:
     """TextEncoder over a ComfyUI CLIP: clip.tokenize + encode_from_tokens(return_pooled=True), caption by caption
     (what CLIPTextEncode does). Models without a pooled embedding (Wan, Qwen-Image, Lumina 2) get width 0.
 
-    The dataset batches captions, so every caption must encode to the same length: Flux, SD3 and Wan tokenizers pad
-    to 256, 77 and 512 tokens; Lumina 2's and Qwen-Image's do not pad, so their captions must have the same token
-    count (or use Dataset from Latents + Conditioning with one conditioning per image and batch size 1)."""
+    Flux, SD3 and Wan tokenizers pad to 256, 77 and 512 tokens; Lumina 2's and Qwen-Image's do not pad, so each
+    caption keeps its own token count, as at sampling, and the dataset batches captions of one length together.
+    ComfyUI encodes caption by caption anyway, so the dataset hands over one caption per call."""
+
+    captions_per_call = 1
 
     def __init__(self, clip):
         if not hasattr(clip, "tokenize") or not hasattr(clip, "encode_from_tokens"):
@@ -95,7 +96,6 @@ class ComfyClipEncoder:
                             "checkpoint loader's CLIP output)")
         self.clip = clip
         self._cache_id = None
-        self._length: tuple[int, str] | None = None  # (context length, caption) of the first caption encoded
 
     @property
     def cache_id(self) -> str:
@@ -116,14 +116,10 @@ class ComfyClipEncoder:
         for caption in captions:
             out = self.clip.encode_from_tokens(self.clip.tokenize(caption), return_pooled=True, return_dict=True)
             context, vec = out["cond"], out.get("pooled_output")
-            if self._length is None:
-                self._length = (context.shape[1], caption)
-            elif context.shape[1] != self._length[0]:
-                raise DatasetError(
-                    f"caption {caption[:60]!r} encodes to {context.shape[1]} tokens but {self._length[1][:60]!r} to "
-                    f"{self._length[0]}: captions are batched, so they must encode to the same length. This text "
-                    "encoder does not pad captions to a fixed length; make the captions the same token count, or "
-                    "shorten the long ones below the tokenizer's padding length")
+            if contexts and context.shape[1] != contexts[0].shape[1]:
+                raise ValueError(f"ComfyClipEncoder.encode: caption {caption[:60]!r} encodes to {context.shape[1]} "
+                                 f"tokens, the first of this call to {contexts[0].shape[1]}: pass captions of one "
+                                 "length, or one caption per call (captions_per_call)")
             contexts.append(context.float())
             pooled.append(vec.float() if vec is not None else context.new_zeros(context.shape[0], 0))
         return torch.cat(contexts), torch.cat(pooled)

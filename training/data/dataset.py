@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import math
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +25,13 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from ..state.atomic_write import atomic_save_file
+from .batching import EpochBatches
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, image_to_tensor,
                            load_image, no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
+from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 
 # Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
@@ -47,19 +47,6 @@ class _Sample:
     caption: str
     text: int  # index into the dataset's text store
     mask: Tensor | Path | None = None  # (1, h, w) loss weights on the latent grid, or the cache file (= latent's)
-
-
-def _sha256(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode("utf-8") if isinstance(part, str) else part)
-        h.update(b"\0")  # separator, so ("ab", "c") and ("a", "bc") differ
-    return h.hexdigest()
-
-
-def _epoch_stream_seed(*parts) -> int:
-    """A 63-bit seed from (seed, purpose, epoch): independent streams that a resumed run can rebuild."""
-    return int(_sha256(*(str(p) for p in parts))[:16], 16) >> 1
 
 
 def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
@@ -87,8 +74,8 @@ def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
 
 
-class TrainingDataset:
-    """Encoded images + caption embeddings, batched by bucket.
+class TrainingDataset(EpochBatches):
+    """Encoded images + caption embeddings, batched by bucket (batching.py).
 
     Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits.
     """
@@ -112,9 +99,10 @@ class TrainingDataset:
 
         entries = scan_folder(folder, strict=strict)
         masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
-        captions = sorted({e.caption for e in entries} | {""})
+        # the empty caption only where dropout uses it: an encoder that does not pad gives it its own length
+        captions = sorted({e.caption for e in entries} | ({""} if caption_dropout > 0 else set()))
         text_index = self._encode_captions(captions, text_encoder)
-        self._empty_text = text_index[""]
+        self._empty_text = text_index.get("")
 
         samples, repeats, problems, upscaled = [], [], [], []
         for entry in entries:
@@ -205,8 +193,9 @@ class TrainingDataset:
                 self._text_shapes.append(None)
                 missing.append(caption)
         with torch.no_grad():
-            for start in range(0, len(missing), _TEXT_BATCH):
-                chunk = missing[start:start + _TEXT_BATCH]
+            per_call = getattr(encoder, "captions_per_call", _TEXT_BATCH)  # 1 for encoders that do not pad
+            for start in range(0, len(missing), per_call):
+                chunk = missing[start:start + per_call]
                 context, pooled = encoder.encode(chunk)
                 for caption, c, p in zip(chunk, _cpu(context), _cpu(pooled)):
                     i, c, p = index[caption], c.clone(), p.clone()
@@ -261,16 +250,18 @@ class TrainingDataset:
         return self.cache_dir / kind / key[:2] / f"{key}.safetensors" if self.cache_dir else None
 
     def _finish(self, samples: list[_Sample], repeats: list[int]) -> None:
-        context_shapes = set(self._text_shapes)
-        if len(context_shapes) > 1:
-            raise DatasetError(f"caption embeddings differ in shape ({sorted(context_shapes)}): the text encoder must "
-                               f"pad every caption to the same length so they can be batched")
+        used = {self._text_shapes[i] for i in {s.text for s in samples} | {self._empty_text} - {None}}
+        widths = {(context[1:], pooled) for context, pooled in used}
+        if len(widths) > 1:
+            raise DatasetError(f"caption embeddings differ in width ({sorted(widths)}): every caption must come from "
+                               "the same text encoder")
         self._samples = samples
         # An item is one appearance of a sample in an epoch; repeats make several.
         self._items = [i for i, r in enumerate(repeats) for _ in range(r)]
-        buckets: dict[tuple[int, ...], list[int]] = {}
+        buckets: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for item, sample in enumerate(self._items):
-            buckets.setdefault(self._samples[sample].shape, []).append(item)
+            key = (self._samples[sample].shape, tuple(self._text_shapes[self._samples[sample].text][0]))
+            buckets.setdefault(key, []).append(item)
         self._buckets = dict(sorted(buckets.items()))
 
     def subset(self, images: list[int]) -> TrainingDataset:
@@ -290,8 +281,8 @@ class TrainingDataset:
 
     @property
     def bucket_counts(self) -> dict[tuple[int, ...], int]:
-        """Latent shape -> items (after repeats) in that bucket."""
-        return {shape: len(items) for shape, items in self._buckets.items()}
+        """Latent shape -> items (after repeats) of that shape."""
+        return dict(Counter(self._samples[self._items[i]].shape for items in self._buckets.values() for i in items))
 
     def latent(self, index: int) -> Tensor:
         """The latent of distinct image `index` (0 <= index < num_images)."""
@@ -321,78 +312,8 @@ class TrainingDataset:
             return tensors["context"], tensors["pooled"]
         return entry
 
-    # -- batching ------------------------------------------------------------------------------------
-
-    def steps_per_epoch(self, batch_size: int) -> int:
-        """Batches per epoch: each bucket gives ceil(items / batch_size), its last batch possibly smaller."""
-        self._check_batch_size(batch_size)
-        return sum(math.ceil(len(items) / batch_size) for items in self._buckets.values())
-
-    def _check_batch_size(self, batch_size: int) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if batch_size > len(self):
-            raise DatasetError(f"batch_size={batch_size} is larger than the dataset ({len(self)} items after repeats): "
-                               f"lower batch_size to at most {len(self)}, or add images or repeats")
-
-    def largest_batch(self, batch_size: int) -> dict:
-        """The batch with the most latent elements any epoch gives (deterministic): what a memory probe must fit."""
-        self._check_batch_size(batch_size)
-        items = max(self._buckets.items(), key=lambda kv: min(batch_size, len(kv[1])) * math.prod(kv[0]))[1]
-        return self._collate([(item, False) for item in items[:batch_size]])
-
-    def epoch_plan(self, batch_size: int, seed: int, epoch: int) -> list[list[tuple[int, bool]]]:
-        """The epoch's batches as lists of (item, caption dropped); a pure function of its arguments."""
-        self._check_batch_size(batch_size)
-        g = torch.Generator().manual_seed(_epoch_stream_seed(seed, "order", epoch))
-        batches = []
-        for items in self._buckets.values():  # sorted by shape, so the draw order is fixed
-            shuffled = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
-            batches += [shuffled[i:i + batch_size] for i in range(0, len(shuffled), batch_size)]
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-
-        # Dropout draws use their own stream, so changing the rate never changes the order.
-        g = torch.Generator().manual_seed(_epoch_stream_seed(seed, "caption_dropout", epoch))
-        draws = iter(torch.rand(len(self), generator=g, dtype=torch.float64).tolist())
-        return [[(item, next(draws) < self.caption_dropout) for item in batch] for batch in batches]
-
-    def batches(self, batch_size: int, seed: int, start_step: int = 0,
-                shard: tuple[int, int] | None = None) -> Iterator[dict]:
-        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}, plus "mask"
-        (B,1,h,w) for a dataset with loss masks; one bucket per batch. start_step resumes: step S is the same batch a
-        run from step 0 would see at S.
-        shard=(rank, world): each global batch is cut as training/distributed.py says and only this rank's part
-        is loaded, with "shard": (lo, hi, global batch size) added; the plan is the unsharded one."""
-        if self.caption_dropout > 0 and self._empty_text is None:
-            raise DatasetError("caption dropout needs the empty caption's encoding: build the dataset with "
-                               "empty_context/empty_pooled, or set caption_dropout=0")
-        steps = self.steps_per_epoch(batch_size)
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        epoch, offset = divmod(start_step, steps)
-        while True:
-            for batch in self.epoch_plan(batch_size, seed, epoch)[offset:]:
-                yield self._collate(batch) if shard is None else self._collate_part(batch, *shard)
-            epoch, offset = epoch + 1, 0
-
-    def _collate_part(self, batch: list[tuple[int, bool]], rank: int, world: int) -> dict:
-        from ..distributed import shard_bounds
-        lo, hi = shard_bounds(len(batch), rank, world)
-        part = self._collate(batch[lo:hi] or batch[:1])  # an empty part: a stand-in sample, weighted 0 in training
-        part["shard"] = (lo, hi, len(batch))
-        return part
-
-    def _collate(self, batch: list[tuple[int, bool]]) -> dict:
-        latents, contexts, pooled, captions, masks = [], [], [], [], []
-        for item, dropped in batch:
-            sample = self._samples[self._items[item]]
-            context, vec = self._text(self._empty_text if dropped else sample.text)
-            stored = _load_cached(sample.latent) if isinstance(sample.latent, Path) else None  # one read for both
-            latents.append(stored["latent"] if stored else sample.latent)
-            if sample.mask is not None:
-                masks.append(stored["mask"] if stored else sample.mask)
-            contexts.append(context)
-            pooled.append(vec)
-            captions.append("" if dropped else sample.caption)
-        return {"latents": torch.stack(latents), "context": torch.stack(contexts),
-                "pooled": torch.stack(pooled), "captions": captions} | ({"mask": torch.stack(masks)} if masks else {})
+    def _stored(self, sample: _Sample) -> tuple[Tensor, Tensor | None]:
+        """(latent, loss mask or None) of a sample, with one read of its cache file for both."""
+        stored = _load_cached(sample.latent) if isinstance(sample.latent, Path) else None
+        latent = stored["latent"] if stored else sample.latent
+        return latent, None if sample.mask is None else (stored["mask"] if stored else sample.mask)

@@ -31,7 +31,9 @@ class TextEncoder(Protocol):
     """Captions to the conditioning a diffusion transformer reads."""
 
     cache_id: str
+    # Optional: `captions_per_call` (int), the most captions one encode() is given. An encoder whose captions encode
+    # to different token counts sets it to 1; the dataset then batches captions of one length together.
 
     def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
-        """captions -> (context (B, T, D), pooled (B, P)); T is the same for every caption."""
+        """captions -> (context (B, T, D), pooled (B, P)); T is the same for every caption of one call."""
         ...
