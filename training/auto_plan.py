@@ -1,19 +1,23 @@
 """The Memory Strategy node's `auto` mode: probe the session's model on its largest real batch, then plan.
 
 The planner (memory/planner.py) picks the fastest strategy predicted to fit the VRAM budget; this module only
-supplies what it measures: the model with its LoRA, and a batch shaped like training's.
+supplies what it measures: the model with its LoRA, and a batch shaped like training's. Under torchrun every rank
+probes its own device, rank 0 plans for the smallest budget among the ranks, and every rank trains that plan.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import torch
 from torch import nn
 
-from ..memory.host_memory import host_needs
-from ..memory.planner import plan
+from ..memory import planner
+from ..memory.host_memory import HostNeeds, host_needs
+from ..memory.plan_cost import predict
+from ..memory.planner import format_bytes, plan
 from ..memory.probe import probe_model
-from ..memory.strategy import Strategy
+from ..memory.strategy import Strategy, StrategyError
 from . import distributed
 from .flow_loss import flow_matching_loss, noised
 from .lora.layers import inject_lora, remove_lora
@@ -35,6 +39,32 @@ class _Predictor(nn.Module):
 
 
 def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[Strategy, str]:
+    """The strategy `choice` plans for this session on `device`, and its explanation. Under torchrun the ranks must
+    train one plan: its FSDP wrapping and its compile, chunks and offload change numerics and collectives, and a
+    plan's text is reported as the run's. Planning on every rank with the smallest budget would not do: the planner
+    picks the fastest candidate by the probe's timings, which differ from rank to rank. So rank 0 plans, for the
+    smallest VRAM and host-RAM budgets among the ranks, and sends the plan; each rank checks it on its own probe and
+    budget (a GPU another program fills, or a larger probe there, stops every rank with one line)."""
+    optimizer_bytes = CHOICES[session.config.optimizer].state_bytes
+    profile, host, budget = distributed.on_every_rank(lambda: _measure(session, choice, device))
+    budgets = distributed.from_every_rank((budget, host.budget_bytes))
+    smallest = min(vram for vram, _ in budgets), min(ram for _, ram in budgets)
+
+    def planned() -> tuple[Strategy, str]:
+        chosen = plan(profile, smallest[0], device=device, host=dataclasses.replace(host, budget_bytes=smallest[1]),
+                      sharding=distributed.launch_sharding(), optimizer_bytes=optimizer_bytes)  # --fsdp
+        return chosen.strategy, chosen.explanation
+
+    strategy, explanation = distributed.on_main_rank(planned)
+    par = distributed.current()
+    if not par.distributed:
+        return strategy, explanation
+    distributed.on_every_rank(lambda: _check_fits(strategy, profile, host, budget, device, optimizer_bytes))
+    return strategy, f"{explanation} Planned by rank 0 for all {par.world_size} ranks, for the smallest budget."
+
+
+def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[object, HostNeeds, int]:
+    """This rank's probe of the session on `device`, its host-RAM needs and budget, and its VRAM budget in bytes."""
     cfg = session.config
     adapter = adapter_for(session.model)
     batch = session.dataset.largest_batch(cfg.batch_size)  # not a random one: a plan must fit every batch
@@ -66,7 +96,22 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     if cuda:
         gc.collect()
         torch.cuda.empty_cache()  # the probe's cached blocks go back, so the free memory read next is real
-    budget = "auto" if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
-    chosen = plan(profile, budget, device=device, host=host, sharding=distributed.launch_sharding(),  # --fsdp
-                  optimizer_bytes=CHOICES[cfg.optimizer].state_bytes)
-    return chosen.strategy, chosen.explanation
+    budget = planner.auto_budget(device) if choice.vram_budget_gb == 0 else int(choice.vram_budget_gb * 2**30)
+    return profile, host, budget
+
+
+def _check_fits(strategy: Strategy, profile, host: HostNeeds, budget: int, device: torch.device,
+                optimizer_bytes: float) -> None:
+    """The plan rank 0 chose, predicted on this rank's own probe, fits this rank's VRAM and host-RAM budgets."""
+    need = predict(profile, strategy, timed=False, optimizer_bytes=optimizer_bytes)
+    rank = distributed.current().rank
+    if need.peak_bytes > budget:
+        raise StrategyError(f"rank {rank}: the plan rank 0 chose for every rank needs {format_bytes(need.peak_bytes)} "
+                            f"of {device} by this rank's probe, more than its budget of {format_bytes(budget)}: free "
+                            "that GPU (another program uses it), or set the Memory Strategy's vram_budget_gb to what "
+                            "every GPU has free")
+    if host.need(need) > host.budget_bytes:
+        raise StrategyError(f"rank {rank}: the plan rank 0 chose for every rank needs {format_bytes(host.need(need))} "
+                            f"of host RAM by this rank's probe, more than its host-RAM budget of "
+                            f"{format_bytes(host.budget_bytes)}: free host memory on that machine, or set the Memory "
+                            "Strategy's host_ram_budget_gb to what every machine has free")

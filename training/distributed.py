@@ -3,7 +3,10 @@
 `torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json` starts N copies of the CLI; `launched()` (entered by
 the CLI) reads torchrun's WORLD_SIZE / RANK / LOCAL_RANK, joins the process group (NCCL for CUDA tensors, gloo for
 CPU ones) and tears it down at the end. Every rank runs every node, so the collectives line up; only rank 0 shows
-progress and writes outputs (the other ranks' output folder is a private scratch folder, removed at exit).
+progress and writes outputs (the other ranks' output folder is a private scratch folder, removed at exit). What a
+rank could decide otherwise than the others (whether and from which state a node resumes, an `auto` plan) rank 0
+decides and sends (`on_main_rank`); what each rank must do itself and may fail at, every rank learns of
+(`on_every_rank`), so no rank goes on into collectives another one never joins.
 
 The global batch is the workflow's `batch_size`, whatever the world size: every rank walks the same plan of global
 batches (TrainingDataset.batches(..., shard=(rank, world))), loads only its contiguous part, and draws the noise and
@@ -224,6 +227,38 @@ def on_main_rank(fn: Callable[[], T]) -> T:
     status, value = box[0]
     if status == "error":  # rank 0 reports its own error (a traceback there if it is a bug): one line here
         raise DistributedError(f"rank 0 failed ({value}), so rank {par.rank} stops too: see rank 0's output")
+    return value
+
+
+def from_every_rank(value: T) -> list[T]:
+    """Every rank's `value` (small, picklable), in rank order, on every rank; [value] in a single process."""
+    par = current()
+    if not par.distributed:
+        return [value]
+    values: list = [None] * par.world_size
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+def on_every_rank(fn: Callable[[], T]) -> T:
+    """fn() on every rank (a rank's own check or read); if it fails on any rank, every rank raises: the failing rank
+    its own error, the others one line naming it. So no rank goes on into collectives a failed one never joins."""
+    par = current()
+    if not par.distributed:
+        return fn()
+    failure: BaseException | None = None
+    try:
+        value = fn()
+    except BaseException as exc:
+        failure = exc
+    errors = from_every_rank(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if failed:
+        rank, error = failed[0]
+        raise DistributedError(f"rank {rank} failed ({error}), so rank {par.rank} stops too: see rank {rank}'s "
+                               "output")
     return value
 
 

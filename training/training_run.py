@@ -12,12 +12,12 @@ from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
 from .state.atomic_write import safe_output_path
 from .models.model_with_lora import model_with_lora
-from .state.resume import StateOwner, resume_session, session_digest, state_path
+from .state.resume import StateOwner, resume_agreed, session_digest, state_path
 from .session import TrainingSession
 from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
-from .distributed import resolve_device
+from .distributed import on_main_rank, resolve_device
 from .input_checks import check_run_inputs
 from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
@@ -60,8 +60,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
         run_start, left = None, steps
-        resumed = resume_session(state_file, session, owner=owner, steps=steps) \
-            if resume and state_file.is_file() else None
+        resumed = resume_agreed(state_file, session, owner=owner, steps=steps) if resume else None  # rank 0's
         if resumed is not None:
             session, state = resumed
             run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
@@ -70,7 +69,8 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
         explanation = ""
         check_run_inputs(session, left, dev)  # before an auto strategy's probe loads and runs the model
         plan = plan_key(strategy, dev) if isinstance(strategy, AutoStrategy) else ""
-        if resumed is not None and plan and resumed[1].info.get("owner", {}).get("plan") == plan:
+        # rank 0 decides (plan_key names its GPU; the ranks resumed the same state): one rank planning alone would hang
+        if resumed is not None and plan and on_main_rank(lambda: resumed[1].info.get("owner", {}).get("plan") == plan):
             # the same request on the same device: the interrupted run's plan (a new probe could pick another, with
             # other rounding: token chunks, compile), so the resumed run equals an uninterrupted one
             explanation = resumed[1].info["owner"].get("note", "")

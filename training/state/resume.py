@@ -236,6 +236,51 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     return resumed, state
 
 
+def resume_agreed(path: Path, session: Any, *, owner: StateOwner | None = None,
+                  steps: int | None = None) -> tuple[Any, TrainingState] | None:
+    """resume_session from `path` if it exists, the same on every rank under torchrun. Each rank reads `path` in its
+    own --output-dir, which another machine may not share, see late or hold an older copy of: so rank 0 decides
+    (whether to resume, and from which state), the others load that same state or every rank stops (one line each),
+    never some ranks at step k and others at 0, whose collectives would hang or mix."""
+    par = distributed.current()
+    if not par.distributed:
+        return resume_session(path, session, owner=owner, steps=steps) if path.is_file() else None
+    mine: list = [None]
+
+    def decide() -> tuple[int, str] | None:  # rank 0: a refusal there is every rank's (on_main_rank)
+        mine[0] = resume_session(path, session, owner=owner, steps=steps) if path.is_file() else None
+        return None if mine[0] is None else _identity(mine[0][1])
+
+    chosen = distributed.on_main_rank(decide)
+    if chosen is None:
+        return None  # every rank starts this node anew
+    return distributed.on_every_rank(lambda: mine[0] if par.is_main else _follow(path, session, owner, steps, chosen))
+
+
+def _identity(state: TrainingState) -> tuple[int, str]:
+    """The state's step and a digest of its JSON part (its losses, owner, settings): another file differs."""
+    return state.step, hashlib.sha256(json.dumps(state.info, sort_keys=True).encode()).hexdigest()
+
+
+def _follow(path: Path, session: Any, owner: StateOwner | None, steps: int | None,
+            chosen: tuple[int, str]) -> tuple[Any, TrainingState]:
+    """A rank other than 0: the state rank 0 resumes from (`chosen`), read from its own `path`, or a ResumeError."""
+    rank, step = distributed.current().rank, chosen[0]
+    where = f"rank {rank} cannot resume step {step} as rank 0 does: its training state file '{path}'"
+    fix = ("every rank reads the training state in its --output-dir: put that folder on a file system every machine "
+           "shares (or copy rank 0's file to every machine), or run without --resume")
+    if not path.is_file():
+        raise ResumeError(f"{where} does not exist; {fix}")
+    try:
+        resumed = resume_session(path, session, owner=owner, steps=steps)
+    except ResumeError as e:
+        raise ResumeError(f"{where} cannot be used ({e}); {fix}") from None
+    if resumed is None or _identity(resumed[1]) != chosen:
+        held = "another run's state" if resumed is None or resumed[1].step == step else f"step {resumed[1].step}"
+        raise ResumeError(f"{where} is not rank 0's (it holds {held}); {fix}")
+    return resumed
+
+
 def _other_run(path: Path, saved: dict | None, owner: StateOwner) -> bool:
     """True (with a warning) if the state at `path` was written by this node in another run; raises if it was
     written by another node (a renamed or copied file)."""
@@ -262,4 +307,4 @@ def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
 
 
 __all__ = ["STATE_SUFFIX", "ResumeError", "StateOwner", "TrainingState", "state_path", "session_digest", "save_state",
-           "load_state", "resume_session", "fingerprints", "model_fingerprint", "dataset_fingerprint"]
+           "load_state", "resume_session", "resume_agreed", "fingerprints", "model_fingerprint", "dataset_fingerprint"]
