@@ -146,16 +146,17 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
                             f"a folder you can write to") from None
     with headless_host(output_dir, resume, log_dir), _comfyui_folders(library, models_dir):
         try:
-            graph = load_workflow(data, node_mappings)
+            graph = load_workflow(data, node_mappings, path=workflow_path)
         except WorkflowError as exc:  # with ComfyUI, a missing model file is named with the folders searched
             if library is None:
                 raise
-            raise library.explain_model_files(exc, parse_workflow(data, node_mappings)) from None
+            raise library.explain_model_files(exc, parse_workflow(data, node_mappings, path=workflow_path)) from None
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
         started = time.monotonic()
         main_rank = current().is_main  # under torchrun only rank 0 reports
         results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
-                               extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None)
+                               extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None,
+                               lazy_status=library.lazy_status if library else None)
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):
             print(line)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .executor import node_object
 from .graph import Link, NodeSpec, WorkflowError, describe_node
 from .input_spec import node_input_specs
 
@@ -72,6 +73,11 @@ class ComfyUILibrary:
             if self.node_mappings.get(node.class_type) is node_class:
                 raise CoreNodeFailed(f"{type(exc).__name__}: {exc}") from exc
             raise  # Tightrope's own nodes raise their own errors (user errors stay user errors)
+
+    def lazy_status(self, node_id: str, node: NodeSpec, node_class, results: dict, context: dict) -> list[str]:
+        """Which lazy inputs not yet received the node asks for, asked the way ComfyUI's executor asks (see LazyStatus
+        in executor.py)."""
+        return asyncio.run(_lazy_status(node_id, node, node_class, results, context))
 
     def explain_model_files(self, error: WorkflowError, graph: dict) -> WorkflowError:
         """`error` (from validating `graph`) with each problem about a model-file input (UNETLoader's unet_name, ...)
@@ -134,13 +140,8 @@ class ComfyUILibrary:
 
 async def _call_node(node_id: str, node: NodeSpec, node_class, results: dict, context: dict):
     import execution
-    from comfy_execution.graph import DynamicPrompt
-    inputs = {name: ([value.from_id, value.output_index] if isinstance(value, Link) else value)
-              for name, value in node.inputs.items()}
-    extra_data = {"extra_pnginfo": context.get("EXTRA_PNGINFO")}
-    arguments, _missing, v3_data = execution.get_input_data(
-        inputs, node_class, node_id, _ComputedOutputs(results), DynamicPrompt(context.get("PROMPT") or {}), extra_data)
-    obj = node_class()
+    arguments, _missing, v3_data = _input_data(node_id, node, node_class, results, context)
+    obj = node_object(node_id, node_class, context)
     returned = await execution._async_map_node_over_list(
         "tightrope-run", node_id, obj, arguments, obj.FUNCTION, allow_interrupt=True, v3_data=v3_data)
     returned = await execution.resolve_map_node_over_list_results(returned)
@@ -148,6 +149,38 @@ async def _call_node(node_id: str, node: NodeSpec, node_class, results: dict, co
     if expanded:
         return {"expand": True}  # the executor explains that graph expansion needs the server
     return {"ui": ui, "result": tuple(values[0] if values else None for values in outputs)}
+
+
+async def _lazy_status(node_id: str, node: NodeSpec, node_class, results: dict, context: dict) -> list[str]:
+    """execution.execute's check_lazy_status step: V3 nodes only if they define one, V1 nodes if their object has one;
+    of the names returned, those of inputs missing or not computed."""
+    import execution
+    from comfy_api.internal import _ComfyNodeInternal, first_real_override
+    arguments, missing, v3_data = _input_data(node_id, node, node_class, results, context)
+    obj = node_object(node_id, node_class, context)
+    if issubclass(node_class, _ComfyNodeInternal):
+        present = first_real_override(node_class, "check_lazy_status") is not None
+    else:
+        present = getattr(obj, "check_lazy_status", None) is not None
+    if not present:
+        return []
+    returned = await execution._async_map_node_over_list(
+        "tightrope-run", node_id, obj, arguments, "check_lazy_status", allow_interrupt=True,
+        v3_data={**v3_data, "create_dynamic_tuple": True})
+    returned = await execution.resolve_map_node_over_list_results(returned)
+    names = set(sum([r for r in returned if isinstance(r, list)], []))
+    return sorted(x for x in names if isinstance(x, str) and (x not in arguments or x in missing))
+
+
+def _input_data(node_id: str, node: NodeSpec, node_class, results: dict, context: dict):
+    """execution.get_input_data for the node: its arguments (lists), the inputs not computed, its V3 data."""
+    import execution
+    from comfy_execution.graph import DynamicPrompt
+    inputs = {name: ([value.from_id, value.output_index] if isinstance(value, Link) else value)
+              for name, value in node.inputs.items()}
+    extra_data = {"extra_pnginfo": context.get("EXTRA_PNGINFO")}
+    return execution.get_input_data(inputs, node_class, node_id, _ComputedOutputs(results),
+                                    DynamicPrompt(context.get("PROMPT") or {}), extra_data)
 
 
 class _ComputedOutputs:

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .comfyui_v3 import dynamic_input_kinds, finalized_inputs
 
 
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
@@ -70,7 +71,19 @@ class InputSpec:
 
 def node_input_specs(node_class) -> dict[str, InputSpec]:
     """Required then optional inputs, in declaration order (the order the frontend lays widgets out)."""
-    declared = _declared_inputs(node_class)
+    return specs_from_declared(node_class, declared_inputs(node_class))
+
+
+def live_input_specs(node_class, live_inputs: dict) -> dict[str, InputSpec]:
+    """The inputs a node with these `live_inputs` has: node_input_specs(), with a V3 node's dynamic inputs expanded
+    the way ComfyUI expands them (comfyui_v3.py): an Autogrow's `values.value0`, a DynamicCombo's chosen option's."""
+    declared = declared_inputs(node_class)
+    if dynamic_input_kinds(declared):
+        declared = finalized_inputs(declared, live_inputs)
+    return specs_from_declared(node_class, declared)
+
+
+def specs_from_declared(node_class, declared: dict) -> dict[str, InputSpec]:
     specs: dict[str, InputSpec] = {}
     for category in ("required", "optional"):
         for name, entry in (declared.get(category) or {}).items():
@@ -80,7 +93,7 @@ def node_input_specs(node_class) -> dict[str, InputSpec]:
 
 def hidden_inputs(node_class) -> dict[str, str]:
     """`{"hidden": {name: "UNIQUE_ID" | "PROMPT" | ...}}` — values the runtime supplies, never the workflow."""
-    hidden = _declared_inputs(node_class).get("hidden") or {}
+    hidden = declared_inputs(node_class).get("hidden") or {}
     return {name: (kind[0] if isinstance(kind, (tuple, list)) else kind) for name, kind in hidden.items()}
 
 
@@ -88,7 +101,7 @@ def widget_specs(node_class) -> list[InputSpec]:
     return [spec for spec in node_input_specs(node_class).values() if spec.is_widget]
 
 
-def _declared_inputs(node_class) -> dict:
+def declared_inputs(node_class) -> dict:
     try:
         declared = node_class.INPUT_TYPES()
     except Exception as exc:  # a node's schema failing is a bug in that node: name it
@@ -106,6 +119,10 @@ def _parse_entry(node_class, name: str, entry, *, required: bool) -> InputSpec:
         return InputSpec(name, "COMBO", required, options, tuple(kind))
     if kind == "COMBO":  # newer spelling: ("COMBO", {"options": [...]})
         return InputSpec(name, "COMBO", required, options, tuple(options.get("options", ())))
+    if kind == "COMFY_DYNAMICCOMBO_V3":  # a V3 DynamicCombo: its value is the key of one of its options
+        keys = tuple(getattr(option.get("key"), "value", option.get("key"))  # keys may be str Enums
+                     for option in options.get("options", ()) if isinstance(option, dict))
+        return InputSpec(name, "COMBO", required, options, keys)
     if not isinstance(kind, str):
         raise TypeError(f"{node_class.__name__} input '{name}' has type {kind!r}; expected a type name or a list")
     return InputSpec(name, kind, required, options)

@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node, sorted_node_ids
-from .input_spec import CONTROL_MODE, CONTROL_MODES, InputSpec, node_input_specs, widget_specs
+from .comfyui_v3 import dynamic_input_kinds
+from .graph import Graph, Link, NodeSpec, WorkflowError, describe_node, needed_node_ids, sorted_node_ids
+from .input_spec import CONTROL_MODE, CONTROL_MODES, InputSpec, declared_inputs, node_input_specs, widget_specs
+from .ui_damage import FIX, damage_problems
 from .validation import unknown_node_type_problem
 
 
@@ -37,46 +39,68 @@ def looks_like_ui_workflow(data) -> bool:
     return isinstance(data, dict) and isinstance(data.get("nodes"), list) and "links" in data
 
 
-def parse_ui_workflow(data: dict, node_mappings: dict) -> Graph:
+def parse_ui_workflow(data: dict, node_mappings: dict, path: str | None = None) -> Graph:
+    """The graph `data` holds; raises WorkflowError, each problem starting with `path` (the file's), if given.
+
+    As in ComfyUI, a problem in one node's own values or links refuses the workflow only if that node runs (feeds
+    an output node); an unknown node type, a subgraph or group node, or a damaged file refuses it wherever it is."""
+    where = f"{path}: " if path else ""
+    damage = damage_problems(data)
+    if damage:
+        raise WorkflowError([f"{where}{problem}: {FIX}" for problem in damage])
     nodes_by_id = {str(node["id"]): node for node in data["nodes"]}
     resolver = LinkResolver(nodes_by_id, parse_links(data.get("links")))
     subgraph_names = {sub.get("id"): sub.get("name") for sub in (data.get("definitions") or {}).get("subgraphs", [])}
     group_node_names = set((data.get("extra") or {}).get("groupNodes") or {})
-    problems: list[str] = []
+    problems: list[tuple[str | None, str]] = []  # (node id: only if that node runs | None: always, the problem)
     graph: Graph = {}
     for node_id in sorted_node_ids(nodes_by_id):
         node = nodes_by_id[node_id]
-        class_type = node.get("type")
+        class_type = node["type"]
         if node.get("mode", 0) in (MODE_MUTED, MODE_BYPASSED):
             continue  # never executed; links through bypassed nodes are rerouted by LinkResolver
         if class_type in COMMENT_NODE_TYPES or class_type in PASS_THROUGH_NODE_TYPES:
             continue
         if class_type in subgraph_names:
-            problems.append(f"node {node_id} is a subgraph ('{subgraph_names[class_type]}'), which headless runs "
-                            f"don't expand: in ComfyUI right-click it, choose 'Unpack Subgraph', save, and run again")
+            problems.append((None, f"node {node_id} is a subgraph ('{subgraph_names[class_type]}'), which headless "
+                                   f"runs don't expand: in ComfyUI right-click it, choose 'Unpack Subgraph', save, "
+                                   f"and run again"))
             continue
         if _is_group_node(class_type, group_node_names):
-            problems.append(f"{describe_node(node_id, class_type)} is a group node, which headless runs don't "
-                            f"expand: in ComfyUI right-click it, choose 'Convert to nodes', save, and run again")
+            problems.append((None, f"{describe_node(node_id, class_type)} is a group node, which headless runs "
+                                   f"don't expand: in ComfyUI right-click it, choose 'Convert to nodes', save, and "
+                                   f"run again"))
             continue
         node_class = node_mappings.get(class_type)
         if node_class is None:
-            package = (node.get("properties") or {}).get("cnr_id")
-            problems.append(unknown_node_type_problem(node_id, class_type, node_mappings, package=package))
+            properties = node.get("properties")
+            package = properties.get("cnr_id") if isinstance(properties, dict) else None
+            problems.append((None, unknown_node_type_problem(node_id, class_type, node_mappings, package=package)))
             continue
+        node_problems: list[str] = []
         try:
-            graph[node_id] = _node_spec(node, node_id, node_class, resolver, problems)
+            graph[node_id] = _node_spec(node, node_id, node_class, resolver, node_problems)
         except WorkflowError as exc:
-            problems.extend(f"{describe_node(node_id, class_type)}: {p}" for p in exc.problems)
-    if problems:
-        raise WorkflowError(problems)
+            problems.extend((None, f"{describe_node(node_id, class_type)}: {p}") for p in exc.problems)
+        problems.extend((node_id, problem) for problem in node_problems)
+    runs = needed_node_ids(graph, node_mappings)
+    shown = [where + problem for node_id, problem in problems if node_id is None or node_id in runs]
+    if shown:
+        raise WorkflowError(shown)
     return graph
 
 
 def _node_spec(node: dict, node_id: str, node_class, resolver: LinkResolver, problems: list[str]) -> NodeSpec:
     class_type = node["type"]
     specs = node_input_specs(node_class)
-    inputs = widget_values_by_name(node, node_class, node_id, problems)
+    dynamic = dynamic_input_kinds(declared_inputs(node_class))
+    if dynamic:  # where the frontend saves their values is not read here; the links are, to know if the node runs
+        problems.append(f"{describe_node(node_id, class_type)} has V3 dynamic inputs ({', '.join(dynamic)}), which "
+                        f"headless runs read only from API-format files: in ComfyUI use Workflow > Export (API) and "
+                        f"run that file, or run this workflow inside ComfyUI")
+        inputs = {}
+    else:
+        inputs = widget_values_by_name(node, node_class, node_id, problems)
     for entry in node.get("inputs") or []:
         # a widget converted to an input carries {"widget": {"name": ...}}; its name is the input's name
         name = (entry.get("widget") or {}).get("name") or entry.get("name")
@@ -134,18 +158,15 @@ class Disconnected:
 
 
 def parse_links(raw_links) -> dict[int, UiLink]:
-    """Links as saved: `[id, from_node, from_slot, to_node, to_slot, type]`, or objects (schema version 1)."""
+    """Links as saved: `[id, from_node, from_slot, to_node, to_slot, type]`, or objects (schema version 1). One that
+    cannot be read is left out: ui_damage.py has reported it if an input uses it (the frontend ignores the others)."""
     links = {}
     for raw in raw_links or []:
-        if isinstance(raw, dict):
-            link = UiLink(str(raw["origin_id"]), raw["origin_slot"], str(raw["target_id"]), raw["target_slot"],
-                          raw.get("type"))
-            links[raw["id"]] = link
+        if isinstance(raw, dict) and all(key in raw for key in ("id", "origin_id", "origin_slot")):
+            links[raw["id"]] = UiLink(str(raw["origin_id"]), raw["origin_slot"], str(raw.get("target_id")),
+                                      raw.get("target_slot"), raw.get("type"))
         elif isinstance(raw, (list, tuple)) and len(raw) >= 6:
             links[raw[0]] = UiLink(str(raw[1]), raw[2], str(raw[3]), raw[4], raw[5])
-        else:
-            raise WorkflowError(f"link {raw!r} is not [id, from_node, from_slot, to_node, to_slot, type]: "
-                                f"the file is damaged; re-save it from ComfyUI")
     return links
 
 
@@ -181,8 +202,8 @@ class LinkResolver:
         if source.get("type") == "Reroute":
             return self._follow_input(source, 0, label, seen)
         if source.get("type") == "PrimitiveNode":
-            saved = source.get("widgets_values") or []
-            return Value(saved[0]) if saved else Disconnected(f"{label} has no saved value")
+            saved = source.get("widgets_values")
+            return Value(saved[0]) if isinstance(saved, list) and saved else Disconnected(f"{label} has no saved value")
         return Link(link.from_id, link.from_slot)
 
     def _follow_input(self, node: dict, slot: int, label: str, seen: set):

@@ -21,20 +21,22 @@ from .validation import validate_graph
 UI_FORMAT, API_FORMAT = "ui", "api"
 
 
-def load_workflow(source, node_mappings: dict) -> Graph:
-    """`source` is a path or already-parsed JSON; returns {node_id: NodeSpec}; raises WorkflowError."""
-    data = read_workflow_json(source) if isinstance(source, (str, os.PathLike)) else source
-    graph = parse_workflow(data, node_mappings)
+def load_workflow(source, node_mappings: dict, *, path: str | None = None) -> Graph:
+    """`source` is a path or already-parsed JSON (read from `path`, which messages about a damaged file then name);
+    returns {node_id: NodeSpec}; raises WorkflowError."""
+    if isinstance(source, (str, os.PathLike)):
+        source, path = read_workflow_json(source), os.fspath(source)
+    graph = parse_workflow(source, node_mappings, path=path)
     if not graph:
         raise WorkflowError("the workflow has no nodes to run (all muted, bypassed or notes): "
                             "enable at least one node")
     return validate_graph(graph, node_mappings)
 
 
-def parse_workflow(data, node_mappings: dict) -> Graph:
-    """The graph as written (not yet checked against the node classes' inputs)."""
+def parse_workflow(data, node_mappings: dict, *, path: str | None = None) -> Graph:
+    """The graph as written (not yet checked against the node classes' inputs); `path` as for load_workflow."""
     kind = workflow_format(data)
-    return parse_ui_workflow(data, node_mappings) if kind == UI_FORMAT else parse_api_prompt(data)
+    return parse_ui_workflow(data, node_mappings, path) if kind == UI_FORMAT else parse_api_prompt(data)
 
 
 def workflow_format(data) -> str:

@@ -33,14 +33,15 @@ def test_only_nodes_leading_to_an_output_node_run(api_workflow, mappings, fake_n
     assert sorted(_ran(fake_nodes)) == sorted(["Constant", "Add", "Record", "MakeModel", "UseModel", "Record"])
 
 
-def test_without_output_nodes_everything_runs_in_dependency_order(mappings, fake_nodes):
-    graph = {"10": NodeSpec("Add", {"a": Link("2", 0), "b": 1, "seed": 0, "mode": "add"}),
+def test_nodes_run_in_dependency_order_ties_by_id(mappings, fake_nodes):
+    graph = {"10": NodeSpec("Add", {"a": Link("2", 0), "b": 1, "seed": 0, "mode": "add", "extra": Link("3", 0)}),
              "2": NodeSpec("Constant", {"value": 4}),
-             "3": NodeSpec("Constant", {"value": 5})}
+             "3": NodeSpec("Constant", {"value": 5}),
+             "11": NodeSpec("Record", {"value": Link("10", 0)})}
     seen = []
     results = run_workflow(graph, mappings, on_node=lambda *event: seen.append(event))
-    assert seen == [("2", "Constant", 1, 3), ("3", "Constant", 2, 3), ("10", "Add", 3, 3)]
-    assert results["10"] == (5,)
+    assert seen == [("2", "Constant", 1, 4), ("3", "Constant", 2, 4), ("10", "Add", 3, 4), ("11", "Record", 4, 4)]
+    assert results["10"] == (10,)
 
 
 def test_optional_inputs_omitted_or_defaulted(mappings, fake_nodes):

@@ -160,8 +160,11 @@ def test_other_pack_and_typo_messages(mappings):
 
 # --- API-format specifics -------------------------------------------------------------------------------------
 
+RECORD_1 = {"class_type": "Record", "inputs": {"value": ["1", 0]}}  # an output node: node 1 runs, so it is checked
+
+
 def test_api_missing_required_and_unknown_inputs(mappings):
-    api = {"1": {"class_type": "Add", "inputs": {"a": 1, "b": 2, "mode": "add", "sed": 3}}}
+    api = {"1": {"class_type": "Add", "inputs": {"a": 1, "b": 2, "mode": "add", "sed": 3}}, "2": RECORD_1}
     problems = _problems(api, mappings)
     assert "node 1 'Add' has no input 'sed' (did you mean 'seed'?" in problems[0]
     assert "node 1 'Add' is missing required input 'seed' (a INT)" in problems[1]
@@ -172,7 +175,8 @@ def test_api_links_are_checked(mappings):
            "2": {"class_type": "Record", "inputs": {"value": ["1", 0]}},
            "3": {"class_type": "Record", "inputs": {"value": ["9", 0]}},
            "4": {"class_type": "Record", "inputs": {"value": ["1", 3]}},
-           "5": {"class_type": "UseModel", "inputs": {"model": 5}}}
+           "5": {"class_type": "UseModel", "inputs": {"model": 5}},
+           "6": {"class_type": "Record", "inputs": {"value": ["5", 0]}}}
     problems = _problems(api, mappings)
     assert "needs a INT but is linked to output 0 of node 1 'MakeModel', which gives FAKE_MODEL" in problems[0]
     assert "linked to node 9, which is not in the workflow" in problems[1]
@@ -182,9 +186,9 @@ def test_api_links_are_checked(mappings):
 
 def test_literals_are_converted_strictly(mappings):
     base = {"a": 1.0, "b": "2", "seed": 3, "mode": "add"}
-    graph = load_workflow({"1": {"class_type": "Add", "inputs": base}}, mappings)
+    graph = load_workflow({"1": {"class_type": "Add", "inputs": base}, "2": RECORD_1}, mappings)
     assert graph["1"].inputs["a"] == 1 and graph["1"].inputs["b"] == 2 and graph["1"].inputs["bias"] == 0.0
-    problems = _problems({"1": {"class_type": "Add", "inputs": dict(base, a=1.5)}}, mappings)
+    problems = _problems({"1": {"class_type": "Add", "inputs": dict(base, a=1.5)}, "2": RECORD_1}, mappings)
     assert "input 'a' is 1.5; it needs a whole number" in problems[0]
 
 
