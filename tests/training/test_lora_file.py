@@ -219,6 +219,27 @@ def test_kohya_and_peft_format_files_load(tmp_path):
         assert (output(plain) - output(model)).abs().max() < 1e-5, path.name
 
 
+def test_a_kohya_file_with_text_encoder_layers_continues_its_diffusion_model_part(tmp_path):
+    """kohya's lora_te1_ keys were read as layers of another architecture; they are left out, with a warning."""
+    spec = LoraSpec(rank=4, alpha=4.0, targets="attention_mlp")
+    model, _ = trained(spec)
+    tensors, _ = read_lora_file(save_lora(tmp_path, "ours", model, spec, metadata={}))
+    te = {"lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": torch.zeros(4, 8),
+          "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": torch.zeros(8, 4),
+          "lora_te1_text_model_encoder_layers_0_mlp_fc1.alpha": torch.tensor(4.0)}
+    save_file(as_kohya(tensors) | te, tmp_path / "with_te.safetensors")
+    fresh = tiny_flux()
+    with pytest.warns(UserWarning, match=r"3 text-encoder tensors \(e.g. lora_te1_.*\) are left out"):
+        inject_lora_continuing(fresh, LoraSpec(rank=4, alpha=4.0, targets="attention_mlp",
+                                               existing_lora=str(tmp_path / "with_te.safetensors")), "flux")
+    ours, theirs = lora_state(model), lora_state(fresh)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    save_file(te, tmp_path / "te_only.safetensors")
+    with pytest.raises(LoraError, match="holds text-encoder layers only"):
+        inject_lora_continuing(tiny_flux(), LoraSpec(rank=4, alpha=4.0, targets="attention_mlp",
+                                                     existing_lora=str(tmp_path / "te_only.safetensors")), "flux")
+
+
 def lumina_shaped_file(path):
     t = {}
     for i in range(2):

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import warnings
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -41,6 +42,8 @@ _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weig
              ".lora_B.default.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B", ".alpha": "alpha"}
 _STRIPPED_PREFIXES = (PREFIX, "base_model.model.")  # ours; peft's PeftModel
 KOHYA_PREFIX = "lora_unet_"
+# text-encoder layers in kohya / diffusers / ai-toolkit files (lora_te_, lora_te1_, lora_te2_, lora_te3_, ...)
+_TEXT_ENCODER_KEY = re.compile(r"^(lora_te\d*_|text_encoders?(_\d+)?\.|te\d?\.)")
 
 
 class LoraWeights(NamedTuple):
@@ -208,6 +211,20 @@ def inject_lora_continuing(module: nn.Module, spec: LoraSpec, family: str) -> li
     return names
 
 
+def _diffusion_model_part(tensors: dict[str, Tensor], meta: dict, path) -> tuple[dict[str, Tensor], dict]:
+    """The file's diffusion-model tensors: text-encoder layers (kohya's lora_te*_) are left out with a warning, since
+    Tightrope trains the diffusion model only (they were read as layers of another architecture)."""
+    text = [k for k in tensors if _TEXT_ENCODER_KEY.match(k)]
+    if text:
+        if len(text) == len(tensors):
+            raise LoraError(f"{path} holds text-encoder layers only (e.g. {text[0]}): Tightrope continues LoRAs of the "
+                            "diffusion model; pick a LoRA that trains it")
+        warnings.warn(f"{path}: {len(text)} text-encoder tensors (e.g. {text[0]}) are left out: Tightrope trains the "
+                      "diffusion model only, so the LoRA it saves holds the diffusion model's layers only", stacklevel=3)
+    text = set(text)
+    return {k: v for k, v in tensors.items() if k not in text}, meta
+
+
 @torch.no_grad()
 def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
     """Load a LoRA file into the LoRA injected in `module` (to continue training from it). Every LoRA layer must
@@ -218,7 +235,7 @@ def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
         raise LoraError(f"{type(module).__name__} has no LoRA layers: inject_lora(module, spec, family) first")
     linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
               and ".base_layer" not in n and ".lora_" not in n} | set(layers)
-    tensors, meta = read_lora_file(path)
+    tensors, meta = _diffusion_model_part(*read_lora_file(path), path)
     if layer_algorithm(next(iter(layers.values()))) != "lora":
         return load_into(module, layers, tensors, meta, path)
     check_file_algorithm(tensors, "lora", str(path))
