@@ -68,6 +68,19 @@ def test_zero_repeat_folder(tmp_path):
     _says(e, tmp_path / "0_x", "at least 1", "1_x")
 
 
+def test_a_folder_named_like_a_year_is_warned_of_once(tmp_path):
+    """'2024_holiday' is kohya's 2024 repeats: likely a date, so it is named (once, not per image)."""
+    _image(tmp_path / "2024_holiday" / "a.png")
+    _image(tmp_path / "2024_holiday" / "b.png")
+    _image(tmp_path / "20_style" / "c.png")
+    with pytest.warns(UserWarning, match=r"'2024_holiday' \(2024x\) repeat their images") as caught:
+        entries = scan_folder(tmp_path)
+    assert sorted(e.repeats for e in entries) == [20, 2024, 2024] and len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scan_folder(tmp_path, use_repeats=False)  # the caller ignores the counts: nothing to warn of
+
+
 def test_missing_caption(tmp_path):
     _image(tmp_path / "a.png", caption=None)
     with pytest.raises(DatasetError) as e:

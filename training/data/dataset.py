@@ -97,7 +97,7 @@ class TrainingDataset(EpochBatches):
         self.encoded_images = self.image_cache_hits = 0
         self.encoded_captions = self.caption_cache_hits = 0
 
-        entries = scan_folder(folder, strict=strict)
+        entries = scan_folder(folder, strict=strict, use_repeats=use_repeats)
         masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
         # the empty caption only where dropout uses it: an encoder that does not pad gives it its own length
         captions = sorted({e.caption for e in entries} | ({""} if caption_dropout > 0 else set()))

@@ -34,6 +34,7 @@ UPSCALE_WARNING_FACTOR = 2.0
 MASK_SUFFIX = ".mask.png"  # name.mask.png beside name.png (or name.jpg ...) is that image's loss mask
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXIF_ORIENTATION = 0x0112
+_MANY_REPEATS = 100  # more repeats than this in a folder name get a warning (a year, say)
 
 
 class DatasetError(ValueError):
@@ -116,8 +117,9 @@ def check_dataset_folder(folder: str | Path) -> Path:
     return root
 
 
-def scan_folder(folder: str | Path, *, strict: bool = True) -> list[ImageEntry]:
-    """Find every image with its caption and repeat count (images are not decoded here)."""
+def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = True) -> list[ImageEntry]:
+    """Find every image with its caption and repeat count (images are not decoded here); use_repeats=False only
+    silences the warning about large counts (the caller ignores them)."""
     root = check_dataset_folder(folder)
     images, unsupported = _list_images(root)
     if not images:
@@ -135,7 +137,20 @@ def scan_folder(folder: str | Path, *, strict: bool = True) -> list[ImageEntry]:
             problems.append(e)
     if not entries:
         raise no_usable_images(root, len(images), problems)
+    if use_repeats:
+        _warn_many_repeats(entries, root)
     return entries
+
+
+def _warn_many_repeats(entries: list[ImageEntry], root: Path) -> None:
+    """kohya reads any 'N_name' folder as N repeats: a '2024_holiday' folder would show its images 2024 times an
+    epoch. Counts that large are more likely a date than a wish, so they are named once per run."""
+    many = sorted({(e.path.relative_to(root).parts[0], e.repeats) for e in entries if e.repeats > _MANY_REPEATS})
+    if many:
+        named = ", ".join(f"'{folder}' ({n}x)" for folder, n in many[:3])
+        warnings.warn(f"dataset folder '{root}': {named} repeat their images that many times an epoch (kohya's "
+                      "'N_name' folders); rename the folder if the number is not a repeat count, or set use_repeats "
+                      "to false", stacklevel=3)
 
 
 def no_usable_images(root: Path, n_images: int, problems: list[DatasetError]) -> DatasetError:
