@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import distributed
+from .data.masks import masked_per_image
 from .flow_loss import flow_matching_loss, noised
 from .data.image_folder import DatasetError
 from .timesteps import sample_timesteps
@@ -58,9 +59,9 @@ class Validation:
         self.run_start, self.run_end = run_start, run_end
         self.history: list[tuple[int, float]] = list(recorded[-1:])  # its last step is not scored again
         self._recorded = len(self.history)
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i in range(dataset.num_images):
-            by_shape.setdefault(tuple(dataset.latent(i).shape), []).append(i)
+        by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+        for i in range(dataset.num_images):  # captions of several token counts (Lumina 2, Qwen-Image) batch apart
+            by_shape.setdefault((tuple(dataset.latent(i).shape), dataset.text_shape(i)), []).append(i)
         size = -(-config.batch_size // distributed.current().world_size)  # a rank's part of a training batch
         self.batches = [images[k:k + size] for _, images in sorted(by_shape.items())
                         for k in range(0, len(images), size)]
@@ -83,7 +84,8 @@ class Validation:
         return loss
 
     def loss(self, adapter: Any, module: torch.nn.Module, runtime: Any) -> float:
-        """The mean per-image loss over the set (each image's loss is the mean over its elements)."""
+        """The mean per-image loss over the set (each image's loss is the mean over its elements, weighted by its loss
+        mask where the dataset has masks, as in training)."""
         cuda = [runtime.device] if runtime.device.type == "cuda" else []
         total = 0.0
         with torch.no_grad(), torch.random.fork_rng(devices=cuda), _eval_mode(module):
@@ -110,9 +112,15 @@ class Validation:
         noise, t = torch.stack(noise).to(latents.dtype), torch.cat(t)
         x_t, t, context, pooled, latents, noise = (v.to(dev) for v in (
             noised(latents, noise, t), t, context, pooled, latents, noise))
+        masks = [self.dataset.mask(i) for i in images]
         with runtime.autocast():
             pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
-        return flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta, reduction="none")
+        if masks[0] is None:
+            return flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
+                                      reduction="none")
+        elementwise = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
+                                         reduction="element")
+        return masked_per_image(elementwise, torch.stack(masks).to(dev))
 
 
 @contextlib.contextmanager

@@ -210,3 +210,44 @@ def test_a_schedule_free_run_scores_the_weights_it_saves(tmp_path, monkeypatch):
     y = [entry["tightrope_train_weights"] for entry in validated.optimizer_state["state"].values()]
     assert y and any(not any(torch.equal(t, v) for v in saved.values()) for t in y)
     assert validated.losses == plain.losses  # scoring x left the training at y untouched
+
+
+def _ragged_or_masked(dataset: TrainingDataset, ragged: bool, masked: bool) -> TrainingDataset:
+    """The demo images with captions cut to 2 token counts (an encoder that does not pad: Lumina 2, Qwen-Image), each
+    in both latent buckets, optionally with a loss mask that keeps a different area of each image."""
+    n = dataset.num_images
+    contexts = [dataset.text(i)[0][: dataset.text(i)[0].shape[0] - (i % 2) * 3 * ragged] for i in range(n)]
+    ds = TrainingDataset.from_tensors([dataset.latent(i) for i in range(n)], contexts,
+                                      [dataset.text(i)[1] for i in range(n)])
+    if masked:
+        for i, sample in enumerate(ds._samples):
+            mask = torch.zeros(1, *sample.shape[1:])
+            mask[..., : 2 + i, :] = 1
+            sample.mask = mask
+    return ds
+
+
+@pytest.mark.parametrize("ragged,masked", [(True, False), (False, True)], ids=["ragged", "masks"])
+def test_validation_batches_captions_of_one_length_and_weights_by_the_loss_mask(tmp_path, ragged, masked):
+    """Batched by latent shape alone, two captions of different lengths were stacked (a RuntimeError at the first
+    score); and the score ignored the loss masks training uses. Reference: the same per-image loss at batch 1, where
+    masks weigh each image's squared errors by its own kept area, computed here in plain torch."""
+    session = demo_session(tmp_path, batch_size=2)
+    val = _ragged_or_masked(session.dataset, ragged, masked)
+    batched = train(session.advanced(validation_dataset=val), 1, device=CPU).validation_losses[0][1]
+    cfg, losses = session.config, []
+    with torch.no_grad():
+        for i in range(val.num_images):
+            latent = val.latent(i)[None]
+            context, pooled = (x[None] for x in val.text(i))
+            gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
+            noise = torch.randn(latent.shape[1:], generator=gen)[None]
+            t = sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
+            pred = session.model.predict(session.model.flux, noised(latent, noise, t), t, context, pooled,
+                                         cfg.guidance)
+            err = (pred - (noise - latent)) ** 2
+            mask = val.mask(i)
+            kept = err.mean() if mask is None else (err * mask).sum() / (mask.sum() * err.shape[1])
+            losses.append(kept.item())
+    # batches of 2 against single images: the same fp32 math, matmuls of other shapes (a few ulps per element)
+    assert batched == pytest.approx(sum(losses) / len(losses), rel=1e-5)

@@ -300,6 +300,10 @@ class TrainingDataset(EpochBatches):
         """(context, pooled) of distinct image `index`'s caption."""
         return self._text(self._samples[index].text)
 
+    def text_shape(self, index: int) -> tuple[int, ...]:
+        """The context shape (T, D) of distinct image `index`'s caption, without reading it."""
+        return tuple(self._text_shapes[self._samples[index].text][0])
+
     def empty_text(self) -> tuple[Tensor, Tensor]:
         if self._empty_text is None:
             raise DatasetError("this dataset has no empty-caption encoding: build it with empty_context/empty_pooled")

@@ -103,17 +103,25 @@ def latent_mask(source: MaskSource, bucket: tuple[int, int], downscale: int, max
 
 
 def masked_mean(elementwise: Tensor, mask: Tensor) -> Tensor:
-    """The mask-weighted mean of a (B, C, h, w) loss, or (B, C, T, h, w) for families with a frame axis (Wan,
-    Qwen-Image): sum(mask * loss) / (C * T * sum(mask)) with the (B, 1, h, w) mask broadcast over channels and frames.
-    A fully white mask gives the plain mean; masked-out elements contribute exactly nothing, to the loss or its
-    gradient. Weights are normalised by the kept area so a small mask does not shrink the learning rate."""
+    """The mean over images of each image's mask-weighted mean (masked_per_image). A fully white mask gives the
+    plain mean; masked-out elements contribute exactly nothing, to the loss or its gradient."""
+    return masked_per_image(elementwise, mask).mean()
+
+
+def masked_per_image(elementwise: Tensor, mask: Tensor) -> Tensor:
+    """(B,) mask-weighted means of a (B, C, h, w) loss, or (B, C, T, h, w) for families with a frame axis (Wan,
+    Qwen-Image): sum(mask_b * loss_b) / (C * T * sum(mask_b)), the (B, 1, h, w) mask broadcast over channels and
+    frames. Each image is normalised by its own kept area, so a small mask does not shrink the learning rate, every
+    image weighs the same as in an unmasked batch, and a batch cut into parts (torchrun ranks, each weighted by its
+    share of images) gives exactly the whole batch's loss."""
     mask = mask.to(elementwise.dtype)
     if elementwise.ndim > mask.ndim:  # the frame axis sits between channels and height
         mask = mask.reshape(*mask.shape[:2], *[1] * (elementwise.ndim - mask.ndim), *mask.shape[2:])
     if mask.shape[0] != elementwise.shape[0] or mask.shape[-2:] != elementwise.shape[-2:]:
         raise ValueError(f"a loss mask of shape {tuple(mask.shape)} does not fit a loss of shape "
                          f"{tuple(elementwise.shape)}")
-    return (elementwise * mask).sum() / (mask.sum() * (elementwise.numel() // mask.numel()))
+    per_element = elementwise[0].numel() // mask[0].numel()  # C * T
+    return (elementwise * mask).flatten(1).sum(1) / (mask.flatten(1).sum(1) * per_element)
 
 
 def masked_flow_loss(prediction: Tensor, latents: Tensor, noise: Tensor, mask: Tensor, *, kind: str = "mse",
