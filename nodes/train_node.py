@@ -58,7 +58,7 @@ class TightropeTrain:
                                                          "use learning_rate 1.0; adamw_schedulefree (schedulefree) "
                                                          "needs schedule constant."}),
             "schedule": (list(SCHEDULES), {"default": _C.schedule,
-                                            "tooltip": "cosine decays the rate over this run's steps."}),
+                                            "tooltip": "cosine decays the rate over this run's steps after the warmup."}),
             "warmup_steps": ("INT", {"default": _C.warmup_steps, "min": 0, "max": 100_000,
                                      "tooltip": "Linear warmup over the session's first steps."}),
             "batch_size": ("INT", {"default": _C.batch_size, "min": 1, "max": 1024,

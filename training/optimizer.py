@@ -57,6 +57,11 @@ def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torc
         warnings.warn(f"optimizer='prodigy' finds the step size itself and learning_rate scales it: "
                       f"learning_rate={config.learning_rate:g} makes it crawl; use 1.0", stacklevel=2)
     extra = {"warmup_steps": 0} if config.optimizer == "adamw_schedulefree" else {}  # warmup is learning_rate_at's
+    if config.optimizer == "adafactor":
+        # PyTorch's Adafactor scales each step by max(eps2, RMS(weight)): LoRA's B starts at 0, so with its default
+        # eps2 = 1e-3 B moved 1000x slower than the learning rate says. eps2 = 1 makes the step the learning rate
+        # (LoRA weights have RMS < 1), as Adafactor(scale_parameter=False) does in kohya's and HF's LoRA recipes.
+        extra = {"eps": (None, 1.0)}
     return cls(params, lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
 
 
@@ -65,7 +70,9 @@ def learning_rate_at(config: TrainConfig, step: int, run_start: int, run_steps: 
     lr = config.learning_rate
     if config.warmup_steps and step < config.warmup_steps:
         lr *= (step + 1) / config.warmup_steps
-    if config.schedule == "cosine" and run_steps > 1:
-        progress = min(max(step - run_start, 0) / (run_steps - 1), 1.0)
+    # cosine decays after the warmup: from the run's first step past it to the run's last step
+    start, last = max(run_start, config.warmup_steps), run_start + run_steps - 1
+    if config.schedule == "cosine" and last > start:
+        progress = min(max(step - start, 0) / (last - start), 1.0)
         lr *= config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return lr

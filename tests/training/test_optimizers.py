@@ -7,7 +7,7 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.nodes.train_node import TightropeTrain
-from tightrope.training.optimizer import CHOICES, optimizer_class
+from tightrope.training.optimizer import CHOICES, learning_rate_at, make_optimizer, optimizer_class
 from tightrope.training.state.resume import load_state, resume_session, state_path
 from tightrope.training.schedule_free import TRAIN_WEIGHTS, eval_weights, trained_states
 from tightrope.training.train_config import OPTIMIZERS, ConfigError, TrainConfig
@@ -15,7 +15,7 @@ from tightrope.training.trainer import SaveTarget, train
 
 CPU = torch.device("cpu")
 # learning rates each optimizer is used with (Prodigy scales its own step size by lr: 1.0 is its normal value)
-CPU_OPTIMIZERS = {"adamw": 1e-3, "adafactor": 1e-2, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
+CPU_OPTIMIZERS = {"adamw": 1e-3, "adafactor": 1e-3, "prodigy": 1.0, "adamw_schedulefree": 1e-3}
 
 
 def _needs(name):
@@ -121,3 +121,34 @@ def test_unknown_optimizer_and_schedule_free_with_a_schedule_are_config_errors()
         TrainConfig(optimizer="adamw_schedulefree", schedule="cosine")
     assert "set schedule='constant'" in TightropeTrain.VALIDATE_INPUTS(optimizer="adamw_schedulefree",
                                                                          schedule="cosine")
+
+
+def test_warmup_reaches_the_learning_rate_and_cosine_decays_after_it():
+    """The cosine used to start at the run's first step, during the warmup, so the set rate was never reached (a
+    warmup of 100 of 1000 steps peaked at 0.976 of it, 500 of 1000 at 0.525)."""
+    cfg = TrainConfig(learning_rate=1e-4, schedule="cosine", warmup_steps=100, min_lr_ratio=0.0)
+    lrs = [learning_rate_at(cfg, s, 0, 1000) for s in range(1000)]
+    assert max(lrs) == lrs[99] == lrs[100] == 1e-4 and lrs[0] == pytest.approx(1e-6)
+    # step 550 is half a step past the middle of [100, 999]: cos moves by ~pi / (2 * 899) = 0.0017 relative
+    assert lrs[-1] == 0.0 and lrs[550] == pytest.approx(0.5e-4, rel=5e-3)
+    assert all(a <= b for a, b in zip(lrs[:100], lrs[1:101])) and all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
+    # a chained node after the warmup: its own cosine over its steps, as before
+    second = [learning_rate_at(cfg, s, 1000, 10) for s in range(1000, 1010)]
+    assert second[0] == 1e-4 and second[-1] == 0.0
+    # a run shorter than its warmup only warms up
+    assert [learning_rate_at(cfg, s, 0, 4) for s in range(4)] == pytest.approx([1e-6, 2e-6, 3e-6, 4e-6])
+
+
+def test_adafactor_steps_by_the_learning_rate_from_a_zero_weight():
+    """LoRA's B starts at 0; PyTorch's Adafactor scaled its step by max(1e-3, RMS(B)), so at learning_rate 1e-4 B
+    moved by 1e-7. A 1-D weight's first step is sign(grad) * lr exactly (v = grad^2 at step 1, the update's RMS is 1,
+    so d=1 does not clip): every element moves by lr, to fp32 rounding. A 2-D weight's second moment is factored
+    (rows x columns), so its elements differ, but the step's RMS is at most lr (d=1 clips at 1) and of its order."""
+    g = torch.Generator().manual_seed(0)
+    vector, matrix = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8, 4))
+    optimizer = make_optimizer([vector, matrix], TrainConfig(learning_rate=1e-4, optimizer="adafactor"), CPU)
+    vector.grad, matrix.grad = torch.randn(8, generator=g), torch.randn(8, 4, generator=g)
+    optimizer.step()
+    torch.testing.assert_close(vector.detach(), -1e-4 * vector.grad.sign(), rtol=1e-5, atol=0)
+    rms = matrix.detach().pow(2).mean().sqrt().item()
+    assert 0.3e-4 < rms <= 1e-4 * (1 + 1e-5)
