@@ -129,13 +129,42 @@ class ComfyUILibrary:
             folder_paths.filename_list_cache.clear()
             import nodes
             nodes.interrupt_processing(False)
-            yield
+            with _no_server():
+                yield
         finally:
             folder_paths.folder_names_and_paths.clear()
             folder_paths.folder_names_and_paths.update(saved[0])
             folder_paths.set_output_directory(saved[1])
             folder_paths.set_temp_directory(saved[2])
             folder_paths.filename_list_cache.clear()
+
+
+class _NoServer:
+    """Stands in for PromptServer.instance while no server runs: nodes that report to the UI (GetImageSize's
+    send_progress_text, say) raised AttributeError headless; their messages go nowhere, as with no browser open."""
+    client_id = None
+    last_node_id = None
+
+    def send_sync(self, *args, **kwargs) -> None:
+        pass
+
+    def send_progress_text(self, *args, **kwargs) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _no_server() -> Iterator[None]:
+    """_NoServer as ComfyUI's PromptServer.instance for one run, if ComfyUI's server module is loaded and has none."""
+    server = sys.modules.get("server")
+    prompt_server = getattr(server, "PromptServer", None)
+    if prompt_server is None or getattr(prompt_server, "instance", None) is not None:
+        yield
+        return
+    prompt_server.instance = _NoServer()
+    try:
+        yield
+    finally:
+        del prompt_server.instance
 
 
 async def _call_node(node_id: str, node: NodeSpec, node_class, results: dict, context: dict):

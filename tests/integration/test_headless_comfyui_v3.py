@@ -27,6 +27,8 @@ DYNAMIC = {
                                                           "resize_type.multiplier": 2.0, "scale_method": "area"}},
     "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "v3/resized"}},
     "8": {"class_type": "KSampler", "inputs": {"steps": -5}},  # an unfinished side branch: not checked, not run
+    "9": {"class_type": "GetImageSize", "inputs": {"image": ["6", 0]}},  # reports to PromptServer.instance (none)
+    "10": {"class_type": "PreviewAny", "inputs": {"source": ["9", 0]}},
 }
 BAD_AUDIO = {"1": {"class_type": "LoadAudio", "inputs": {"audio": "nope.wav"}},
              "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
@@ -82,6 +84,7 @@ def test_dynamic_inputs_and_own_validation_of_v3_nodes(batch):
     assert code == 0, log[-3000:]
     assert "node 2 'PreviewAny':\n  text: x+y\n" in log and "node 4 'PreviewAny':\n  text: mine\n" in log
     assert Image.open(batch["out"] / "v3" / "resized_00001_.png").size == (128, 64)
+    assert "node 10 'PreviewAny':\n  text: 128\n" in log  # GetImageSize ran with no server to report to
     assert "KSampler" not in log
 
 
