@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import functools
 import itertools
+import math
 import os
 from dataclasses import dataclass
 
@@ -152,8 +153,16 @@ def release_freed_host_memory() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+def _gib(n: float, up: bool = False) -> str:
+    """GiB to 1/100 (MiB to 1/10 under 128 MiB); `up`: rounded up, for a least amount that must suffice."""
+    unit, size, digits = ("GiB", 2**30, 2) if n >= 2**27 else ("MiB", 2**20, 1)
+    value = math.ceil(n / size * 10**digits) / 10**digits if up else n / size
+    return f"{value:.{digits}f} {unit}"
+
+
+def _activations(p: Prediction) -> int:
+    """Host bytes of p's offloaded activations as their buffers take them (pinned ones rounded up: plan_cost)."""
+    return p.breakdown.get("host_activations_pinned", p.breakdown.get("host_activations", 0))
 
 
 @dataclass(frozen=True)
@@ -162,62 +171,97 @@ class HostNeeds:
     model_bytes: int        # the model's weights and buffers in host memory now (each storage once)
     model_8bit_bytes: int   # the same with every floating-point weight stored in 8 bits (e.g. fp8)
     copy_bytes: list[int]   # per block: the host copy the block needs when offloaded (0: streams in place)
+    # the same run after each change a refusal may name, (the change, its needs): measured, see `measure`
+    changes: tuple[tuple[str, "HostNeeds"], ...] = ()
 
     @classmethod
     def measure(cls, model: nn.Module, blocks: list[nn.Module], weight_dtype: torch.dtype | None,
                 budget_bytes: int | None = None) -> "HostNeeds":
         """`budget_bytes` None: available host memory + the model's own anonymous host bytes (not those in a file
-        mapping) - AUTO_HOST_MARGIN_BYTES."""
+        mapping) - AUTO_HOST_MARGIN_BYTES. The changes measured with it: weight_dtype auto, where the run converts
+        weights and the model's own dtype is no larger on the device; 8-bit weights, where the model has larger
+        floating-point ones (streamed in place, so with weight_dtype auto)."""
         spans, small = {}, {}
         for t in itertools.chain(model.parameters(), model.buffers()):
             if t.device.type == "cpu":
                 s = t.untyped_storage()
                 spans[s.data_ptr()] = s.nbytes()
                 small[s.data_ptr()] = t.numel() * (1 if t.is_floating_point() else t.element_size())
-        copies = [sum(_aligned(p.numel() * (weight_dtype or p.dtype).itemsize) for p in b.parameters()
-                      if not p.requires_grad and not streams_in_place(p.data, weight_dtype or p.dtype))
-                  for b in blocks]
+        frozen = [[p for p in b.parameters() if not p.requires_grad] for b in blocks]
+        copies = [sum(_aligned(p.numel() * (weight_dtype or p.dtype).itemsize) for p in ps
+                      if not streams_in_place(p.data, weight_dtype or p.dtype)) for ps in frozen]
         model_bytes = sum(spans.values())
         if budget_bytes is None:
             free = available_host_bytes()
             if free is None:
                 raise StrategyError("the available host RAM cannot be read on this system: give host_ram_budget_gb")
             budget_bytes = free + model_bytes - file_backed_bytes(spans) - AUTO_HOST_MARGIN_BYTES
-        return cls(int(budget_bytes), model_bytes, sum(small.values()), copies)
+        budget, model_8bit = int(budget_bytes), sum(small.values())
+        copied = [[p for p in ps if not streams_in_place(p.data, p.dtype)] for ps in frozen]  # in any dtype
+        changes = []
+        auto = [sum(_aligned(p.numel() * p.element_size()) for p in ps) for ps in copied]
+        if weight_dtype is not None and auto != copies and all(p.element_size() <= weight_dtype.itemsize
+                                                               for ps in frozen for p in ps):
+            changes.append(("set weight_dtype auto (offloaded blocks stream from the model's own weights)",
+                            cls(budget, model_bytes, model_8bit, auto)))
+        if model_8bit < model_bytes:
+            auto_8bit = [sum(_aligned(p.numel() * (1 if p.is_floating_point() else p.element_size())) for p in ps)
+                         for ps in copied]
+            changes.append(("load the model with 8-bit weights (e.g. weight_dtype fp8_e4m3fn in Load Diffusion Model"
+                            + (", and weight_dtype auto here)" if weight_dtype is not None else ")"),
+                            cls(budget, model_8bit, model_8bit, auto_8bit)))
+        return cls(budget, model_bytes, model_8bit, copies, tuple(changes))
 
     def need(self, p: Prediction) -> int:
-        return self.model_bytes + self._copies(p) + p.breakdown.get("host_activations", 0)
+        return self.model_bytes + self._copies(p) + _activations(p)
 
     def _copies(self, p: Prediction) -> int:
         return sum(self.copy_bytes[i] for i in p.offloaded)
 
-    def keep_fitting(self, fitting: list[tuple[Prediction, object]]) -> list[tuple[Prediction, object]]:
-        """The (prediction, strategy) pairs that also fit host RAM; a refusal naming what would fit if none does."""
+    def keep_fitting(self, fitting: list[tuple[Prediction, object]],
+                     scored: list[tuple[Prediction, object]] = ()) -> list[tuple[Prediction, object]]:
+        """The (prediction, strategy) pairs that also fit host RAM. If none does, a refusal naming only what would
+        fit by this model: each of `changes` whose needs fit with one of `fitting`, a larger VRAM budget where one of
+        `scored` (every candidate predicted, fitting the VRAM budget or not) fits host RAM, and the least host RAM
+        this run needs as it is."""
         kept = [(p, s) for p, s in fitting if self.need(p) <= self.budget_bytes]
         if kept or not fitting:
             return kept
+        raise StrategyError(self._refusal([p for p, _ in fitting], [p for p, _ in scored]))
+
+    def _refusal(self, fitting: list[Prediction], scored: list[Prediction]) -> str:
         budget = f"host-RAM budget of {_gib(self.budget_bytes)} (host_ram_budget_gb)"
+        least = min(fitting, key=self.need)
         if self.model_bytes > self.budget_bytes:
-            raise StrategyError(
-                f"the model's own weights take {_gib(self.model_bytes)} of host memory, more than the {budget}: "
-                f"load the model with 8-bit weights (e.g. weight_dtype fp8_e4m3fn in Load Diffusion Model: about "
-                f"{_gib(self.model_8bit_bytes)}), or raise host_ram_budget_gb")
-        least = min((p for p, _ in fitting), key=self.need)
-        copies, acts = self._copies(least), least.breakdown.get("host_activations", 0)
-        fix = (f"weight_dtype auto streams offloaded blocks from the model's own weights without the copies "
-               f"({_gib(self.need(least) - copies)})" if copies else "a strategy without activation offload")
-        raise StrategyError(
-            f"no strategy that fits the VRAM budget fits the {budget}: the one needing the least host memory needs "
-            f"{_gib(self.need(least))} (the model's {_gib(self.model_bytes)} + {_gib(copies)} of converted weight "
-            f"copies + {_gib(acts)} of offloaded activations); what would fit: {fix}, or raise host_ram_budget_gb")
+            head = f"the model's own weights take {_gib(self.model_bytes)} of host memory, more than the {budget}"
+        else:
+            head = (f"no strategy that fits the VRAM budget fits the {budget}: the one needing the least host memory "
+                    f"needs {_gib(self.need(least))} (the model's {_gib(self.model_bytes)} + "
+                    f"{_gib(self._copies(least))} of converted weight copies + {_gib(_activations(least))} of "
+                    "offloaded activations)")
+        fixes = []
+        for change, needs in self.changes:
+            need = min(needs.need(p) for p in fitting)
+            if need <= self.budget_bytes:
+                fixes.append(f"{change}: {_gib(need)} of host RAM")
+        roomier = [p for p in scored if self.need(p) <= self.budget_bytes]
+        if roomier:
+            p = min(roomier, key=lambda p: p.peak_bytes)
+            k = len(p.offloaded)
+            fixes.append(f"raise the VRAM budget (vram_budget_gb) to {_gib(p.peak_bytes, up=True)} for a plan "
+                         f"offloading {k or 'no'} block{'s' * (k > 1)}{' and the activations' * bool(_activations(p))}"
+                         f": {_gib(self.need(p))} of host RAM")
+        least_ram = f"raise host_ram_budget_gb to at least {_gib(self.need(least), up=True)}"
+        if fixes:
+            return f"{head}; what would fit: {'; or '.join(fixes)}; or {least_ram}"
+        return f"{head}; nothing the planner can change fits it: {least_ram}, or free host memory"
 
     def explain(self, p: Prediction) -> str:
         copies = self._copies(p)
         extra = (f"+ {_gib(copies)} of host copies of offloaded weights in another dtype" if copies else
                  "offloaded blocks stream from those weights, no copy")
         return (f"Host RAM: {_gib(self.need(p))} of your {_gib(self.budget_bytes)} (the model's "
-                f"{_gib(self.model_bytes)}, {extra}, {_gib(p.breakdown.get('host_activations', 0))} of offloaded "
-                "activations).")
+                f"{_gib(self.model_bytes)}, {extra}, {_gib(_activations(p))} of offloaded activations).")
 
 
 def host_needs(model: nn.Module, strategy: Strategy, budget_gb: float = 0.0) -> HostNeeds:

@@ -13,6 +13,9 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   (peak reserved - peak allocated), and the prediction adds it (scaled with the batch). On the first H100 run
   (2026-11-23) a fixed 256 MiB allowance let the 8 and 12 GB plans for Flux-dev at 1024 px run out of memory with
   0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
+Host memory for offloaded activations (breakdown "host_activations_pinned", what host_memory.HostNeeds counts) is
+what the buffers take: pinned on CUDA, each comes from torch's caching host allocator rounded up to a power of two
+(`pinned_host_bytes`); "host_activations" is the bytes copied.
 A strategy with token_chunks > 1 takes, for each block measured chunked (`Profile.chunked`), the chunked figures in
 place of the block's own: bytes saved without checkpointing, the peak over forward + backward, and the forward and
 backward times (the backward includes the chunks' recompute; a checkpointed block adds the forward its checkpoint
@@ -93,13 +96,13 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
             margin_bytes: int | None = None, offloaded: list[int] | None = None, timed: bool = True,
             optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT) -> Prediction:
     """Peak memory and step time of `strategy` on `profile`. timed=False skips the copy/compute pipelines (most of
-    the cost): step_s and bound_s are then NaN, for callers that only need the memory. optimizer_bytes: the
-    optimizer's state per trainable element (AdamW's two fp32 moments unless told)."""
+    the cost): step_s is then NaN, and bound_s (never more than step_s) is what a caller can rule a candidate out
+    by. optimizer_bytes: the optimizer's state per trainable element (AdamW's two fp32 moments unless told)."""
     n, s = profile.n_blocks, batch_scale
     off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
     compiled = strategy.compiler.per_block
     budget = strategy.compiler.activation_memory_budget
-    kept, full, c_fwd, c_bwd, compact, block_peak = [], [], [], [], [], []
+    kept, full, c_fwd, c_bwd, compact, block_peak, inputs_only = [], [], [], [], [], [], []
     compile_s: dict[str, float] = {}
     factors: dict[str, tuple[float, float, float, float]] = {}
     measured_peak = profile.block_peak_alloc or [0] * n
@@ -122,6 +125,7 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
         kept.append(k_i)
         full.append(f_i * af if compiled else f_i)
         compact.append(keep is not Keep.ALL)
+        inputs_only.append(eager_ckpt)
         c_fwd.append(fwd_s * s * ff)
         c_bwd.append(bwd_s * s * bf + (refwd_s * s * ff if eager_ckpt else 0.0))
 
@@ -149,35 +153,54 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     breakdown = {"weights": int(weights), "slots": int(slots), "gradients": int(grads), "optimizer": int(optimizer),
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),
                  "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host))}
+    # what the host buffers take: pinned ones come from torch's caching host allocator, a power of two each
+    pinned = profile.device == "cuda" and strategy.offload.pin_memory
+    breakdown["host_activations_pinned"] = sum(_pinned_activation_bytes(profile, i, act_host[i], s, inputs_only[i])
+                                               for i in range(n) if act_host[i]) if pinned else int(sum(act_host))
     other = profile.other_s * s + profile.optimizer_s
     compute = sum(c_fwd) + sum(c_bwd) + other
-    if not timed:
-        return Prediction(peak_bytes=int(subtotal + margin), step_s=math.nan, bound_s=math.nan, compute_s=compute,
-                          compile_s=sum(compile_s.values()), offloaded=tuple(off), breakdown=breakdown)
-
     bw = max(profile.h2d_bytes_per_s, 1.0)
     offset = set(off)
     x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
-    cells = min(strategy.offload.prefetch_depth + 1, len(off))
-    cell = max((profile.block_packed[i] for i in off), default=0)
     still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.offload.prefetch_depth)
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
     overlap = profile.device == "cuda" and profile.h2d_pinned
+    if overlap:
+        bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd)) + other
+    else:
+        bound = compute + sum(x_fwd) + sum(x_bwd) + d2h
+    if not timed:
+        return Prediction(peak_bytes=int(subtotal + margin), step_s=math.nan, bound_s=bound, compute_s=compute,
+                          compile_s=sum(compile_s.values()), offloaded=tuple(off), breakdown=breakdown)
+
+    cells = min(strategy.offload.prefetch_depth + 1, len(off))
+    cell = max((profile.block_packed[i] for i in off), default=0)
     # a block whose copy is activations only takes a whole cell's share: as many ahead as prefetch_depth
     share = [profile.block_packed[i] if i in offset else cell for i in range(n)]
     window = (share, cell, cells, strategy.offload.prefetch_depth)
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, window, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, window, overlap)
-    if overlap:
-        t_fwd = max(t_fwd, d2h)
-        bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd)) + other
-    else:
-        t_fwd += d2h
-        bound = compute + sum(x_fwd) + sum(x_bwd) + d2h
+    t_fwd = max(t_fwd, d2h) if overlap else t_fwd + d2h
     return Prediction(peak_bytes=int(subtotal + margin), step_s=t_fwd + t_bwd + other, bound_s=bound,
                       compute_s=compute, compile_s=sum(compile_s.values()), offloaded=tuple(off),
                       breakdown=breakdown)
+
+
+def pinned_host_bytes(nbytes: float) -> int:
+    """What torch's caching host allocator (`pin_memory=True`) takes for a buffer of `nbytes`: it rounds every
+    allocation up to the next power of two (ATen's CachingHostAllocator, `PowerOf2Ceil`) and caches it so."""
+    n = math.ceil(nbytes)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _pinned_activation_bytes(profile: Profile, i: int, kept: float, scale: float, inputs_only: bool) -> int:
+    """Pinned host bytes for block i's offloaded activations (`kept` bytes): one buffer per saved tensor, each
+    rounded (`pinned_host_bytes`). A block kept at its inputs offloads the storages the probe measured
+    (`Profile.act_ckpt_allocs`); where their sizes are unknown (older profiles, a compiled block's own saves) the
+    block's bytes count as one buffer."""
+    allocs = profile.act_ckpt_allocs[i] if inputs_only and profile.act_ckpt_allocs else None
+    return sum(pinned_host_bytes(a * scale) for a in allocs) if allocs else pinned_host_bytes(kept)
 
 
 def loaded_at_turnaround(packed: list[int], offloaded: list[int], prefetch_depth: int) -> set[int]:

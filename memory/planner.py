@@ -1,7 +1,9 @@
 """The automatic memory planner: the fastest strategy that fits a memory budget, explained in one paragraph.
 
-It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 0-2
-(depth 0 keeps one cell of slots: the least memory, for budgets nothing else fits; small blocks still prefetch),
+It enumerates candidates (offload fraction 0..1 in steps of 0.05 through `select_offloaded`, prefetch depth 0 up
+to the runtime's MAX_PREFETCH_DEPTH (depth 0 keeps one cell of slots: the least memory, for budgets nothing else
+fits; small blocks still prefetch; each depth more costs a cell, so the budget bounds it, and depths past one cell
+per offloaded block add nothing, see `prefetch_depths`),
 checkpointing off / every 2nd block / all, activation offload on/off, and, when the profile measured it, per-block
 compile at activation budgets 1.0 and 0.5, and token chunks at the count the profile measured them at (probe.py
 says why that count)), predicts each one's peak memory and step time from a measured Profile
@@ -11,6 +13,7 @@ can therefore never give a slower plan: it only adds candidates.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,7 +23,7 @@ from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
 from .plan_cost import ADAMW_BYTES_PER_ELEMENT, Prediction, predict
 from .profile import Profile
-from .strategy import Keep, ShardingConfig, Strategy, StrategyError
+from .strategy import MAX_PREFETCH_DEPTH, Keep, ShardingConfig, Strategy, StrategyError
 
 OFFLOAD_GRID = tuple(round(0.05 * k, 2) for k in range(21))
 AUTO_MARGIN_BYTES = 512 << 20  # left free by budget="auto": other processes, the display, allocator growth
@@ -77,7 +80,7 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
     chunk_counts = (1, profile.token_chunks) if profile.chunked and profile.token_chunks > 1 else (1,)
     out, seen = [], set()
     for chosen, f in offload_sets.items():
-        for depth in ((0, 1, 2) if chosen else (base.offload.prefetch_depth,)):
+        for depth in (prefetch_depths(len(chosen)) if chosen else (base.offload.prefetch_depth,)):
             for ckpt in ("off", "every_n", "all"):
                 for (compile_mode, budget), chunks in itertools.product(compiles, chunk_counts):
                     try:
@@ -95,6 +98,12 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
                             seen.add(key)
                             out.append((s.replace(activation_offload=act_offload), list(chosen)))
     return out
+
+
+def prefetch_depths(n_offloaded: int) -> range:
+    """The depths worth trying for `n_offloaded` blocks: 0-2 always, deeper while a depth still adds a cell (the
+    runtime keeps depth + 1 cells, at most one per offloaded block), up to the most the runtime takes."""
+    return range(min(MAX_PREFETCH_DEPTH, max(2, n_offloaded - 1)) + 1)
 
 
 def compile_measured(profile: Profile) -> bool:
@@ -125,11 +134,11 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
     kw = {"batch_scale": batch_scale, "margin_fraction": margin_fraction, "margin_bytes": margin_bytes,
           "optimizer_bytes": optimizer_bytes}
     # memory first, for every candidate; step times (most of the cost) only for the ones that fit
-    scored = [(predict(profile, s, offloaded=off, timed=False, **kw), s) for s, off in candidates]
+    scored = _memory_first(profile, candidates, budget_bytes, kw)
     fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
     if host is not None:
-        fitting = host.keep_fitting(fitting)
-    fitting = [(predict(profile, s, offloaded=list(p.offloaded), **kw), s) for p, s in fitting]
+        fitting = host.keep_fitting(fitting, scored)
+    fitting = _fastest(profile, fitting, kw)
     if not fitting:
         least = min(scored, key=lambda ps: ps[0].peak_bytes)
         raise StrategyError(
@@ -137,9 +146,41 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
             f"needs at least {format_bytes(least[0].peak_bytes)}, with the strategy that needs the least "
             f"({_describe(least[1], least[0], profile)}): raise the budget or reduce the batch/resolution")
     best, strategy = min(fitting, key=lambda ps: (round(ps[0].step_s, 9), ps[0].peak_bytes))
-    text = explain(profile, strategy, best, int(budget_bytes), len(scored), allow_compile)
+    text = explain(profile, strategy, best, int(budget_bytes), len(candidates), allow_compile)
     text += f" {host.explain(best)}" if host is not None else ""
-    return Plan(strategy, best.peak_bytes, best.step_s, text, len(scored), best, int(budget_bytes))
+    return Plan(strategy, best.peak_bytes, best.step_s, text, len(candidates), best, int(budget_bytes))
+
+
+def _memory_first(profile: Profile, candidates: list[tuple[Strategy, list[int]]], budget: float,
+                  kw: dict) -> list[tuple[Prediction, Strategy]]:
+    """Each candidate's memory, except a deeper prefetch of a candidate that already did not fit: a depth more
+    adds a cell or nothing (candidate_strategies lists the depths of a candidate in increasing order)."""
+    scored, too_big = [], set()
+    for s, off in candidates:
+        variant = (tuple(off), s.checkpointing.mode, s.activations.enabled, s.compiler.scope,
+                   s.compiler.activation_memory_budget, s.checkpointing.token_chunks)
+        if variant in too_big:
+            continue
+        p = predict(profile, s, offloaded=off, timed=False, **kw)
+        if p.peak_bytes > budget:
+            too_big.add(variant)
+        scored.append((p, s))
+    return scored
+
+
+def _fastest(profile: Profile, fitting: list[tuple[Prediction, Strategy]],
+             kw: dict) -> list[tuple[Prediction, Strategy]]:
+    """The fitting candidates timed, in order of their lower bound, until the bound alone rules the rest out: a
+    step is never faster than its bound, so what is left could neither beat nor tie the fastest so far. In the
+    candidates' order, so that equal ones go to the same candidate as if all were timed."""
+    timed, fastest = {}, math.inf
+    for k in sorted(range(len(fitting)), key=lambda k: fitting[k][0].bound_s):
+        p, s = fitting[k]
+        if p.bound_s > fastest + 2e-9:  # plan() compares steps rounded to 1e-9 s
+            break
+        timed[k] = (predict(profile, s, offloaded=list(p.offloaded), **kw), s)
+        fastest = min(fastest, timed[k][0].step_s)
+    return [timed[k] for k in sorted(timed)]
 
 
 def _base_from(profile: Profile) -> Strategy:

@@ -89,14 +89,14 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
 
         boundary, captured, step = _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock)
         shared = {p for p, (_, owners, _) in boundary.by_ptr.items() if len({o for o in owners if o is not None}) > 1}
-        act_ckpt = [0] * len(blocks)
+        act_allocs: list[list[int]] = [[] for _ in blocks]
         act_shared = act_other = 0
         for ptr, (n, owners, _) in boundary.by_ptr.items():
             inside = {o for o in owners if o is not None}
             if ptr in shared:
                 act_shared += n
             elif inside:
-                act_ckpt[min(inside)] += n
+                act_allocs[min(inside)].append(n)
             else:
                 act_other += n
 
@@ -123,14 +123,15 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         block_types=[type(m).__name__ for m in blocks], block_frozen=list(sizes.block_frozen),
         block_packed=list(sizes.block_packed), block_trainable=list(sizes.block_trainable),
         other_weight_bytes=sizes.other, trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
-        trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=act_ckpt,
+        trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=[sum(a) for a in act_allocs],
         act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
         other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
         h2d_bytes_per_s=h2d_bytes_per_s, h2d_pinned=pinned,
         optimizer_s=optimizer_s, act_full_alloc=act_alloc if device.type == "cuda" else None,
         block_peak_alloc=peak if device.type == "cuda" else None, compile=compile_factors,
         token_chunks=chunks if chunked else 1, chunked=chunked,
-        measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict())
+        measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict(),
+        act_ckpt_allocs=act_allocs)
 
 
 def _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock):

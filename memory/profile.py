@@ -70,11 +70,13 @@ class Profile(ConfigBase):
     chunked: list[ChunkedBlock | None] | None = None  # per block, measured chunked; None: no chunked forward
     measured: dict[str, float] = field(default_factory=dict)     # the probe's own whole-step figures
     strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
+    act_ckpt_allocs: list[list[int]] | None = None  # per block, each storage in act_ckpt (bytes): one host buffer
+    #                                                 apiece under activation offload; None: not measured (old profiles)
 
     def __post_init__(self) -> None:
         n = len(self.block_names)
         for name in ("block_types", "block_frozen", "block_packed", "block_trainable", "act_full", "act_ckpt",
-                     "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc", "chunked"):
+                     "fwd_s", "bwd_s", "act_full_alloc", "block_peak_alloc", "chunked", "act_ckpt_allocs"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise self.ERROR(f"Profile.{name} has {len(getattr(self, name))} entries but there are {n} "
                                  "blocks: give one entry per block")
@@ -114,6 +116,7 @@ class Profile(ConfigBase):
         return dataclasses.replace(
             self, batch=batch, act_full=ints(self.act_full), act_ckpt=ints(self.act_ckpt),
             act_shared=int(round(self.act_shared * r)), act_other=int(round(self.act_other * r)),
+            act_ckpt_allocs=[ints(a) for a in self.act_ckpt_allocs] if self.act_ckpt_allocs else None,
             act_full_alloc=ints(self.act_full_alloc) if self.act_full_alloc else None,
             block_peak_alloc=ints(self.block_peak_alloc) if self.block_peak_alloc else None,
             fwd_s=[t * r for t in self.fwd_s], bwd_s=[t * r for t in self.bwd_s], other_s=self.other_s * r,

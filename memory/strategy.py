@@ -24,6 +24,7 @@ from .config_base import ConfigBase
 DTYPES = ("bf16", "fp16", "fp32")
 WEIGHT_DTYPES = ("auto",) + DTYPES
 OFFLOAD_POLICIES = ("spread", "first", "last")
+MAX_PREFETCH_DEPTH = 8  # the runtime takes any depth up to this; each one more costs a slot of device memory
 CHECKPOINT_MODES = ("off", "all", "every_n")
 COMPILE_MODES = ("off", "per_block")
 # reduce-overhead means CUDA graphs, which bake weight addresses in: incompatible with swapping weights per block.
@@ -82,7 +83,8 @@ class LayerOffloadConfig(_Part):
                                     "block indices >= 0 (model order), or leave it empty to use offload_fraction")
             # empty, as the message says, means offload_fraction decides
             object.__setattr__(self, "blocks", tuple(sorted(set(self.blocks))) or None)
-        self.check_int("prefetch_depth", self.prefetch_depth, 0, 8, "0 loads each block on demand, 1-2 is typical")
+        self.check_int("prefetch_depth", self.prefetch_depth, 0, MAX_PREFETCH_DEPTH,
+                       "0 loads each block on demand, 1-2 is typical")
         self.check_bool("pin_memory", self.pin_memory)
 
     @property

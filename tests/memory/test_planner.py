@@ -11,12 +11,13 @@ from two_stream import make_batch, make_lora_model
 from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.memory_model import measure_weight_sizes
 from tightrope.memory.plan_cost import CUDA_MARGIN_BYTES, fragmentation_bytes, predict
+from tightrope.memory import planner as planner_module
 from tightrope.memory.planner import auto_budget, autotune_batch, candidate_strategies, plan
 from tightrope.memory import probe as probe_module
 from tightrope.memory.probe import measure_h2d_bandwidth, probe_model
 from tightrope.memory.profile import CompileFactors, Profile
 from tightrope.memory.runtime import MemoryRuntime
-from tightrope.memory.strategy import ShardingConfig, Strategy, StrategyError
+from tightrope.memory.strategy import MAX_PREFETCH_DEPTH, ShardingConfig, Strategy, StrategyError
 from tightrope.training.models.reference_flux import Flux, FluxParams
 
 GiB = 1 << 30
@@ -68,6 +69,11 @@ def test_probe_measures_what_the_runtime_saves():
     assert prof.n_blocks == 6 and prof.batch == 2
     assert all(c < f for c, f in zip(prof.act_ckpt, prof.act_full))  # checkpoint-all keeps less, per block
     assert prof.act_shared > 0 and all(t > 0 for t in prof.fwd_s + prof.bwd_s) and prof.h2d_bytes_per_s > 0
+    # each kept input once (a host buffer apiece under activation offload): image and text into the double-stream
+    # blocks, their concatenation into the single-stream ones
+    assert [len(a) for a in prof.act_ckpt_allocs] == [2, 2, 2, 1, 1, 1] and prof.block_types[2:4] == ["DoubleBlock",
+                                                                                                      "SingleBlock"]
+    assert [sum(a) for a in prof.act_ckpt_allocs] == prof.act_ckpt
     model = make_lora_model()
     for strategy, predicted in [(Strategy.of(compute_dtype="fp32"), sum(prof.act_full)),
                                 (Strategy.of(compute_dtype="fp32", checkpoint="all"), sum(prof.act_ckpt))]:
@@ -184,6 +190,47 @@ def test_candidates_cover_the_grid():
               s.offload.prefetch_depth) for s, _ in cands}
     assert ("all", True, "off", 1.0, 2) in kinds and ("off", False, "per_block", 0.5, 1) in kinds
     assert len({tuple(off) for _, off in cands}) >= 15
+
+
+def test_prefetch_depths_go_as_deep_as_the_runtime_and_the_offloaded_blocks_allow():
+    """Depth d keeps d + 1 cells, at most one per offloaded block: deeper than that adds nothing to try."""
+    assert MAX_PREFETCH_DEPTH == 8
+    Strategy.of(prefetch_depth=MAX_PREFETCH_DEPTH)
+    with pytest.raises(StrategyError, match="prefetch_depth"):
+        Strategy.of(prefetch_depth=MAX_PREFETCH_DEPTH + 1)
+    for prof, expected in [(_flux_dev_profile(), {0: {1}, 5: set(range(5)), 57: set(range(9))}),
+                           (_two_stream_profile(), {1: {0, 1, 2}, 3: {0, 1, 2}, 4: {0, 1, 2, 3}})]:
+        depths: dict[int, set[int]] = {}
+        for s, off in candidate_strategies(prof, Strategy()):
+            depths.setdefault(len(off), set()).add(s.offload.prefetch_depth)
+        assert {n: depths[n] for n in expected} == expected
+        assert all(d == set(range(min(8, max(2, n - 1)) + 1)) for n, d in depths.items() if n)
+
+
+@pytest.mark.parametrize("gib, faster", [(16, 0.02), (24, 0.01)])
+def test_the_planner_streams_three_blocks_ahead_where_that_is_faster_and_fits(gib, faster, monkeypatch):
+    """At 16 and 24 GiB Flux-dev's fastest plan prefetches 3 blocks ahead: by the planner's own model faster than
+    the same plan at depth 2 and than any plan of depth 0-2 (the only ones it used to consider). A depth more
+    does not fit at 16 GiB, and at 24 GiB is no faster (equal times go to less memory)."""
+    prof, budget = _flux_dev_profile(), gib * GiB
+    p = plan(prof, budget)
+    assert p.strategy.offload.prefetch_depth == 3 and p.predicted_peak_bytes <= budget
+    at2 = predict(prof, p.strategy.replace(prefetch_depth=2))
+    assert at2.peak_bytes < p.predicted_peak_bytes and 1 - p.predicted_step_s / at2.step_s > faster
+    at4 = predict(prof, p.strategy.replace(prefetch_depth=4))
+    assert at4.peak_bytes > budget if gib == 16 else at4.step_s == pytest.approx(p.predicted_step_s, abs=1e-9)
+    monkeypatch.setattr(planner_module, "prefetch_depths", lambda n: range(3))
+    shallow = plan(prof, budget)
+    assert shallow.strategy.offload.prefetch_depth <= 2 and p.predicted_step_s < 0.99 * shallow.predicted_step_s
+
+
+def test_no_plan_prefetches_deeper_than_fits():
+    """Where a deeper prefetch would be faster still but needs more than the budget, the plan stops short of it."""
+    prof = _flux_dev_profile()
+    for gib in (8, 12, 16, 20):
+        p = plan(prof, gib * GiB)
+        deeper = predict(prof, p.strategy.replace(prefetch_depth=p.strategy.offload.prefetch_depth + 1))
+        assert p.predicted_peak_bytes <= gib * GiB < deeper.peak_bytes and deeper.step_s < p.predicted_step_s
 
 
 def test_h2d_bandwidth_on_cpu_is_a_memcpy_rate():

@@ -207,7 +207,7 @@ CASES = [
     # --- hostram ---
     Case("host_ram_too_small", "auto strategy with a host-RAM budget smaller than the model", TRAIN,
          "StrategyError", ("host_ram_budget_gb", "8-bit weights"),
-         lambda c: train_with(c, strat=strategy(mode="auto", vram_budget_gb=1.0, host_ram_budget_gb=0.001))),
+         lambda c: train_with(c, strat=strategy(mode="auto", vram_budget_gb=1.0, host_ram_budget_gb=0.004))),
     # --- headlesscomfy ---
     Case("comfyui_dir_missing", "--comfyui DIR that does not exist", "tightrope run", "ComfyUIUnavailable",
          ("'<tmp>/nope'", "pass --comfyui DIR"), lambda c: load_comfyui(c.tmp / "nope")),
