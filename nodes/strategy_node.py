@@ -31,7 +31,7 @@ class TightropeMemoryStrategy:
             "offload_policy": (list(s.OFFLOAD_POLICIES), {"default": _D["offload_policy"],
                                                            "tooltip": "spread: small blocks first, spaced out so "
                                                                       "transfers hide behind resident blocks."}),
-            "prefetch_depth": ("INT", {"default": _D["prefetch_depth"], "min": 0, "max": 8,
+            "prefetch_depth": ("INT", {"default": _D["prefetch_depth"], "min": 0, "max": s.MAX_PREFETCH_DEPTH,
                                        "tooltip": "Offloaded blocks copied ahead of use (each costs one block "
                                                   "of GPU memory)."}),
             "activation_offload": ("BOOLEAN", {"default": _D["activation_offload"],
