@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import math
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,27 +34,15 @@ from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
 from .optimizer import learning_rate_at, make_optimizer
+from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
+                         nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
 from .run_monitor import RunMonitor
-from .schedule_free import GRAD_SCALER, enter_train_mode, trained_states
+from .schedule_free import GRAD_SCALER, enter_train_mode, is_schedule_free, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
 
 Progress = Callable[[int, int, float], None]  # (steps done in this run, steps of this run, last loss)
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss (or a gradient) became NaN or infinite; the last good LoRA was kept."""
-
-
-class NonFiniteWeightsError(RuntimeError):
-    """An optimizer step made the LoRA weights NaN or infinite although its loss and gradients were finite; those
-    weights are never saved (the message names the last LoRA saved)."""
-
-
-class TrainingOutOfMemoryError(torch.OutOfMemoryError):
-    """Out of device memory in a step: memory was freed, the last completed step saved, and the message suggests a
-    strategy that needs less (still a torch.OutOfMemoryError, so ComfyUI's own OOM handling applies)."""
 
 
 @dataclass
@@ -140,7 +128,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     for group in optimizer.param_groups:  # loading restores the saved groups' weight decay too
                         group["weight_decay"] = cfg.weight_decay
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
-                run.ema = CpuEma(params, cfg.ema_decay, session.ema_state) if cfg.ema_decay else None
+                run.ema = CpuEma(_ema_weights(params, optimizer), cfg.ema_decay, session.ema_state) \
+                    if cfg.ema_decay else None
                 try:
                     _loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save, progress,
                                                   should_stop))
@@ -157,7 +146,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     if runtime.device.type == "cuda":
                         torch.cuda.empty_cache()
                     _save_after_failure(session, run, module, save, optimizer)
-                    raise TrainingOutOfMemoryError(_oom_message(session, run, runtime.device, oom, save))
+                    raise TrainingOutOfMemoryError(oom_message(session, run, runtime.device, oom, save))
                 ending.enter_context(held_stops())  # a stop from here on waits until the run is saved and undone
                 state, optimizer_state = trained_states(module, optimizer, run.scaler)
                 if run.step < session.step + steps or (save is not None and save.every):  # stopped early, or saving
@@ -192,9 +181,9 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
-        with seeding.forked(runtime.device):
-            loss = sum(_micro_step(parts, next(batches), cfg, run.step, k, scaler)
-                       for k in range(cfg.grad_accumulation))
+        with seeding.forked(runtime.device):  # the step's loss: the mean over its images (_step_batches)
+            loss = sum(_micro_step(parts, batch, cfg, run.step, k, scaler, share)
+                       for k, (batch, share) in enumerate(_step_batches(batches, cfg.grad_accumulation)))
         loss = distributed.all_reduce_gradients(parts.params.values(), loss)  # global-batch mean (no-op: 1 process)
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
             _update(cfg, run, optimizer, parts.params, scaler, loss)
@@ -216,7 +205,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
 
 def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> None:
     """The optimizer step of a finished forward/backward, or its refusal when something went non-finite."""
-    nonfinite = _nonfinite_loss_or_gradients(loss, params, scaler)
+    nonfinite = nonfinite_loss_or_gradients(loss, params, scaler)
     if nonfinite:
         if cfg.on_nonfinite == "stop":
             optimizer.zero_grad(set_to_none=True)
@@ -235,22 +224,24 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed, and lowers the scale
     scaler.update()
     if not all_finite(params.values()):  # one fused max-abs over the (small) LoRA weights per step
-        raise NonFiniteWeightsError(_nonfinite_weights_message(run, loss))
+        raise NonFiniteWeightsError(nonfinite_weights_message(run, loss))
 
 
-def _nonfinite_loss_or_gradients(loss: float, params: dict, scaler) -> str | None:
-    """What went non-finite in this step, if anything. A NaN/inf gradient with a finite loss (a bf16 overflow in
-    backward) would poison the weights as surely as a NaN loss, and is caught before the update, so 'skip' can skip
-    it. Under fp16 loss scaling an overflowed gradient is the scaler's business: it skips that step and lowers the
-    scale."""
-    if not math.isfinite(loss):
-        return f"the loss became {loss}"
-    if not scaler.is_enabled() and not all_finite(p.grad for p in params.values() if p.grad is not None):
-        return f"the gradients became NaN or infinite (the loss was {loss:.4g})"
-    return None
+def _step_batches(batches, count: int) -> list[tuple[dict, float]]:
+    """The step's `count` micro-batches (the dataset iterator's next ones: a resumed run's starts at its step), each
+    with its share of the step's images. A step trains as one batch of all their images would, every image weighing
+    the same: a bucket's last batch can be smaller than batch_size, and dividing each micro-batch's mean loss by
+    grad_accumulation gave its images more weight. Under torchrun these are shares of the global batches (each rank
+    loads its part, `batch["shard"]`) and each rank weights its part by its share of that (this_rank_part), so the
+    ranks sum to what one process computes. The step's loss is the same image-weighted mean."""
+    step = [next(batches) for _ in range(count)]
+    sizes = [distributed.global_batch_size(batch) for batch in step]
+    return [(batch, n / sum(sizes)) for batch, n in zip(step, sizes)]
 
 
-def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> float:
+def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, share: float) -> float:
+    """Forward and backward of a micro-batch, its mean loss weighted by `share` (_step_batches) and this rank's part
+    of it; returns that weighted loss."""
     seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
@@ -263,6 +254,7 @@ def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> 
     noise = torch.randn((n, *latents.shape[1:]), generator=gen)
     t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
+    weight *= share
     dev = parts.runtime.device
     mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
     # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
@@ -274,8 +266,35 @@ def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler) -> 
         loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
             if mask is None else masked_flow_loss(pred, latents, noise, mask, kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)
-    scaler.scale((loss if weight == 1.0 else loss * weight) / cfg.grad_accumulation).backward()
-    return loss.item() * weight / cfg.grad_accumulation
+    scaler.scale(loss if weight == 1.0 else loss * weight).backward()
+    return loss.item() * weight
+
+
+def _ema_weights(params: dict, optimizer) -> Mapping:
+    """The weights the EMA averages: those a save writes and validation scores. The parameters themselves, but a
+    schedule-free optimizer trains at y and saves its eval weights x (schedule_free.eval_weights)."""
+    return _EvalWeights(params, optimizer) if is_schedule_free(optimizer) else params
+
+
+class _EvalWeights(Mapping):
+    """A schedule-free optimizer's x by name, computed as its eval() does (x = lerp(y, z, 1 - 1/beta1), per parameter:
+    bit for bit what eval_weights gives) into new tensors: the parameters keep y, nothing is swapped per step."""
+
+    def __init__(self, params: dict, optimizer):
+        self._params, self._optimizer = params, optimizer
+        self._toward_z = {p: 1 - 1 / (group["betas"][0] if "betas" in group else group["momentum"])
+                          for group in optimizer.param_groups for p in group["params"]}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        z = self._optimizer.state.get(p, {}).get("z")  # none before the first step: x = y
+        return p.detach() if z is None else torch.lerp(p.detach(), z.to(p.device), self._toward_z[p])
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
 
 
 def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
@@ -356,37 +375,12 @@ def _optimizer_tensors(optimizer_state: dict) -> dict[str, torch.Tensor]:
             if isinstance(v, torch.Tensor)}
 
 
-def _nonfinite_weights_message(run: _Run, loss: float) -> str:
-    kept = f"the last LoRA saved is {run.saved[-1][0]} (step {run.saved[-1][1]})" if run.saved \
-        else "no LoRA was saved in this run (set save_every to keep intermediate steps)"
-    return (f"the optimizer step of step {run.step + 1} made LoRA weights NaN or infinite although its loss "
-            f"({loss:.4g}) and gradients were finite: training stopped (on_nonfinite='skip' cannot skip an update "
-            f"already applied) and these weights are not saved; {kept}. Lower learning_rate")
-
-
 def _remove_stale_temporaries(save: SaveTarget, started: float) -> None:
     """Temp files a killed earlier run (kill -9) left in the folders this run writes to."""
     if distributed.current().is_main:
         for folder in {safe_output_path(save.folder, save.filename_prefix).parent,
                        save.state_file.parent}:
             remove_stale_temporaries(folder, older_than=started)
-
-
-def _oom_message(session: TrainingSession, run: _Run, device, detail: str, save: SaveTarget | None) -> str:
-    s, cfg = session.strategy, session.config
-    lighter = (["offload_fraction=1.0"] if s.offload.fraction < 1.0 or s.offload.blocks is not None else []) \
-        + (["checkpoint='all'"] if s.checkpointing.mode != "all" else []) \
-        + (["activation_offload=True"] if not s.activations.enabled else [])
-    fix = (f"in the Memory Strategy node set {', '.join(lighter)} (or mode='auto' with your GPU's vram_budget_gb "
-           "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
-    fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
-    kept = (f"the LoRA and training state of step {run.step} are saved ({run.saved[-1][0]}, "
-            f"{save.state_file})"
-            if save is not None and run.step > session.step and run.saved_step == run.step
-            else f"step {run.step + 1}'s update was cut short, so nothing new was saved" if run.updating
-            else "no step was completed in this run, so nothing new was saved")
-    return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "
-            f"memory: {fix}; then run again (headless: `tightrope run --resume` continues from the saved step)")
 
 
 def run_metadata(session: TrainingSession, step: int) -> dict[str, str]:
