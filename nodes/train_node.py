@@ -94,8 +94,9 @@ class TightropeTrain:
             "ema_decay": ("FLOAT", {"default": _C.ema_decay, "min": 0.0, "max": 0.999999, "step": 0.0001,
                                     "round": False,
                                     "tooltip": "0: off. Else keep an exponential moving average of the LoRA "
-                                               "weights on the CPU (no GPU memory), e.g. 0.999; Save LoRA writes it "
-                                               "as a second file ending in _ema."}),
+                                               "weights on the CPU (no GPU memory), e.g. 0.999, warmed up as "
+                                               "diffusers does (decay min(this, (1+n)/(10+n)) at update n); Save "
+                                               "LoRA writes it as a second file ending in _ema."}),
             **_VALIDATION_AND_LOSS_INPUTS,
         }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 

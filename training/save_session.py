@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..memory.ema import ema_weights
 from .lora.dora_scale import BaseWeight, base_weight_of, check_dora_for
 from .lora.files import save_lora_state
 from .lora.rescue import rescue_lora
@@ -40,8 +41,8 @@ def save_session_ema(session: TrainingSession, folder: Path, filename_prefix: st
         return None
     metadata = run_metadata(session, session.step) | {"tightrope.ema_decay": repr(session.config.ema_decay)}
     with _base_weights(session, dora_for) as base_weight:
-        return _write(session, session.ema_state, folder, filename_prefix + EMA_SUFFIX, metadata, dora_for,
-                      base_weight)
+        return _write(session, ema_weights(session.ema_state), folder, filename_prefix + EMA_SUFFIX, metadata,
+                      dora_for, base_weight)
 
 
 @contextlib.contextmanager

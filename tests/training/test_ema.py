@@ -6,7 +6,7 @@ import pytest
 import torch
 from demo_setup import demo_session
 
-from tightrope.memory.ema import CpuEma
+from tightrope.memory.ema import UPDATES_KEY, CpuEma, ema_weights
 from tightrope.nodes import host
 from tightrope.nodes.save_node import TightropeSaveLora
 from tightrope.training.lora.files import lora_file_tensors, read_lora_file
@@ -31,18 +31,19 @@ def ema_run(tmp_path_factory):
 def test_ema_equals_a_hand_computed_ema(ema_run):
     steps, whole = ema_run
     hand = {k: v.double() for k, v in steps[0].lora_state.items()}  # the EMA starts at the weights it starts from
-    for s in steps[1:]:
-        hand = {k: DECAY * hand[k] + (1 - DECAY) * s.lora_state[k].double() for k in hand}
+    for n, s in enumerate(steps[1:]):  # diffusers' warm-up: decay min(DECAY, (1 + n) / (10 + n)) at update n
+        decay = min(DECAY, (1 + n) / (10 + n))
+        hand = {k: decay * hand[k] + (1 - decay) * s.lora_state[k].double() for k in hand}
     biggest = max(v.abs().max().item() for v in hand.values())
     # each of the 3 fp32 updates rounds once or twice (a lerp) by at most 2**-24 of the largest value, and earlier
     # rounding errors only shrink (multiplied by DECAY < 1): 2 * 3 * 2**-24 * biggest bounds the difference
     atol = 6 * 2**-24 * biggest
-    assert whole.ema_state.keys() == hand.keys()
+    assert ema_weights(whole.ema_state).keys() == hand.keys() and whole.ema_state[UPDATES_KEY].item() == 3
     for k, v in hand.items():
         assert whole.ema_state[k].dtype == torch.float32
         torch.testing.assert_close(whole.ema_state[k].double(), v, rtol=0, atol=atol)
     assert any(not torch.equal(whole.ema_state[k], whole.lora_state[k]) for k in hand)  # it is not the weights
-    # continued sessions carry the EMA: one step per node run gives the one-call EMA, bit for bit
+    # continued sessions carry the EMA and its update count: one step per node run gives the one-call EMA, bit for bit
     assert all(torch.equal(steps[-1].ema_state[k], v) for k, v in whole.ema_state.items())
 
 
@@ -56,7 +57,7 @@ def test_save_node_writes_the_ema_as_a_second_comfyui_lora_file(ema_run, tmp_pat
     normal, _ = read_lora_file(paths[0])
     ema, meta = read_lora_file(paths[1])
     assert ema.keys() == normal.keys()  # the same ComfyUI keys (lora_A/B + alpha), from the same writer
-    expected = lora_file_tensors(whole.ema_state, whole.lora)
+    expected = lora_file_tensors(ema_weights(whole.ema_state), whole.lora)
     assert all(torch.equal(ema[k], v) for k, v in expected.items())
     assert meta["tightrope.ema_decay"] == repr(DECAY) and meta["tightrope.steps"] == "4"
 
@@ -73,6 +74,24 @@ def test_ema_decay_outside_0_1_is_a_config_error(decay):
     with pytest.raises(ConfigError, match=rf"ema_decay={decay!r} (is out of range: use a number between 0 and 1|is "
                                           "not a finite number)"):
         TrainConfig(ema_decay=decay)
+
+
+def test_the_warm_up_forgets_the_untrained_start():
+    """A weight trained linearly from 0 to 1 over 1000 steps: at decay 0.999 without a warm-up the EMA was 0.368 (the
+    untrained start still weighing 0.999^1000 = 0.37). With diffusers' warm-up it is 0.9, computed here in float64;
+    the fp32 average rounds 1000 times by at most 2**-24 each, and earlier errors only shrink: atol 1000 * 2**-24.
+    A state saved without an update count (before it was kept) goes on with the full decay."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    ema, reference = CpuEma({"w": param}, 0.999), 0.0
+    for n in range(1000):
+        param.data.fill_((n + 1) / 1000)
+        ema.update()
+        decay = min(0.999, (1 + n) / (10 + n))
+        reference = decay * reference + (1 - decay) * (n + 1) / 1000
+    assert ema.shadow["w"].item() == pytest.approx(reference, abs=1000 * 2**-24) and reference > 0.89
+    old = CpuEma({"w": param}, 0.999, {"w": torch.zeros(1)})
+    old.update()
+    assert old.updates == 10 ** 9 + 1 and old.shadow["w"].item() == pytest.approx(0.001)
 
 
 def test_cpu_ema_refuses_a_state_of_other_weights():
