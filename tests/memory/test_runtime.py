@@ -113,8 +113,10 @@ def test_cpu_ema():
     ema = CpuEma({"w": p}, decay=0.5)
     with torch.no_grad():
         p.add_(2.0)
-    ema.update()
-    torch.testing.assert_close(ema.state_dict()["w"], torch.full((3,), 1.0))
+    ema.update()  # the first update's decay is warmed up: min(0.5, (1 + 0) / (10 + 0)) = 0.1
+    torch.testing.assert_close(ema.state_dict()["w"], torch.full((3,), 1.8))
+    ema.update()  # min(0.5, 2 / 11)
+    torch.testing.assert_close(ema.state_dict()["w"], torch.full((3,), 2 / 11 * 1.8 + 9 / 11 * 2.0))
     with pytest.raises(ValueError, match="ema decay=1.5"):
         CpuEma({"w": p}, decay=1.5)
 
