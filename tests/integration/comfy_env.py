@@ -33,3 +33,15 @@ def run_on_tiny_flux(tmp_path: Path, runner: str):
     r, _ = run_in_comfyui(tmp_path, runner, ckpt, tmp_path / "loras", env=tightrope_env(tmp_path))
     print(f"\n{json.dumps(r, indent=1)}")
     return r
+
+
+def run_headless_batch(comfyui_python: str, tmp: Path, runs: list[dict], names, timeout: int) -> dict:
+    """`tightrope run` for each of `runs` in one ComfyUI process (headless_batch.py): {name: (exit code, log text)}
+    in the order of `names`."""
+    import subprocess
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    proc = subprocess.run([comfyui_python, str(Path(__file__).with_name("headless_batch.py")), str(tmp / "runs.json")],
+                          env=tightrope_env(tmp), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    codes = json.loads((tmp / "runs.json.codes").read_text())
+    return {name: (code, (tmp / f"{name}.log").read_text(errors="replace")) for name, code in zip(names, codes)}

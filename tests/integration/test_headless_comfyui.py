@@ -7,20 +7,18 @@ The runs share one ComfyUI python process (headless_batch.py: ComfyUI is importe
 as users do, `python -m tightrope run`, and compares with a real server.
 """
 import json
-import os
 import subprocess
 
 import pytest
 import torch
 from api_graph import Graph
-from comfy_env import COMFYUI_DIR, REPO, tightrope_env
+from comfy_env import COMFYUI_DIR, REPO, run_headless_batch, tightrope_env
 from PIL import Image
 from safetensors.torch import load_file
 from tiny_models import CHECKPOINTS, write_taef1
 
 from tightrope.training.lora.files import read_lora_file
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FLUX, SD3 = CHECKPOINTS["flux"][0], CHECKPOINTS["sd3"][0]
 
 
@@ -110,12 +108,7 @@ def batch(comfyui_python, tmp_path_factory):
             path.write_text(json.dumps(prompt))
         runs.append({"argv": ["run", str(path), "--models-dir", str(models), "--output-dir", str(out)],
                      "log": str(tmp / f"{name}.log"), "ui_from": prompt if name == "flux" else None})
-    (tmp / "runs.json").write_text(json.dumps(runs))
-    proc = subprocess.run([comfyui_python, os.path.join(HERE, "headless_batch.py"), str(tmp / "runs.json")],
-                          env=tightrope_env(tmp), capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    codes = json.loads((tmp / "runs.json.codes").read_text())
-    result = {name: (code, (tmp / f"{name}.log").read_text(errors="replace")) for name, code in zip(workflows, codes)}
+    result = run_headless_batch(comfyui_python, tmp, runs, workflows, timeout=1200)
     result["out"], result["models"] = out, models
     return result
 

@@ -4,14 +4,11 @@ validate_inputs owns its checks (CustomCombo takes any input; LoadAudio names a 
 branch is ignored, a workflow without an output node is refused. In one ComfyUI process (headless_batch.py).
 tests/headless/test_comfyui_parity.py checks the same rules with stand-in nodes, without ComfyUI."""
 import json
-import os
-import subprocess
 
 import pytest
-from comfy_env import tightrope_env
+from comfy_env import run_headless_batch
 from PIL import Image
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 SWITCH = {"1": {"class_type": "PrimitiveInt", "inputs": {"value": 3}},
           "2": {"class_type": "PrimitiveInt", "inputs": {"value": 4}},
@@ -56,12 +53,7 @@ def batch(comfyui_python, tmp_path_factory):
         (tmp / f"{name}.json").write_text(json.dumps(workflow))
         runs.append({"argv": ["run", str(tmp / f"{name}.json"), "--output-dir", str(tmp / "out")],
                      "log": str(tmp / f"{name}.log"), "ui_from": None})
-    (tmp / "runs.json").write_text(json.dumps(runs))
-    proc = subprocess.run([comfyui_python, os.path.join(HERE, "headless_batch.py"), str(tmp / "runs.json")],
-                          env=tightrope_env(tmp), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    codes = json.loads((tmp / "runs.json.codes").read_text())
-    result = {name: (code, (tmp / f"{name}.log").read_text(errors="replace")) for name, code in zip(WORKFLOWS, codes)}
+    result = run_headless_batch(comfyui_python, tmp, runs, WORKFLOWS, timeout=900)
     result["out"] = tmp / "out"
     return result
 

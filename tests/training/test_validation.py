@@ -66,23 +66,32 @@ def test_same_seed_same_curve_scored_at_first_last_and_every_n(tmp_path):
     assert a.validation_losses[-1][1] < a.validation_losses[0][1]  # the LoRA learned something the held-out set shows
 
 
+def _plain_losses(session, dataset) -> list[float]:
+    """Each image's validation loss at batch 1 in plain torch: its own (seed, 'validation', index) noise and
+    timestep, the base model's MSE, weighted by the image's loss mask (over its kept area) where it has one."""
+    cfg, losses = session.config, []
+    with torch.no_grad():
+        for i in range(dataset.num_images):
+            latent = dataset.latent(i)[None]
+            context, pooled = (x[None] for x in dataset.text(i))
+            gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
+            noise = torch.randn(latent.shape[1:], generator=gen)[None]
+            t = sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
+            pred = session.model.predict(session.model.flux, noised(latent, noise, t), t, context, pooled,
+                                         cfg.guidance)
+            err = (pred - (noise - latent)) ** 2
+            mask = dataset.mask(i)
+            losses.append((err.mean() if mask is None else (err * mask).sum() / (mask.sum() * err.shape[1])).item())
+    return losses
+
+
 def test_the_first_validation_loss_is_the_plain_torch_loss_with_fixed_noise_and_timesteps(tmp_path):
     """At step 0 the LoRA is the identity (peft's B = 0), so the score is the base model's per-image MSE on the
     held-out images, with each image's noise and timestep drawn from its own (seed, 'validation', index) stream."""
     session = demo_session(tmp_path, validation_fraction=0.25, batch_size=1)
     scored = train(session, 1, device=CPU).validation_losses[0]
     held_out = split_for_validation(session)[1]
-    cfg, losses = session.config, []
-    with torch.no_grad():
-        for i in range(held_out.num_images):
-            latent = held_out.latent(i)[None]
-            context, pooled = (x[None] for x in held_out.text(i))
-            gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
-            noise = torch.randn(latent.shape[1:], generator=gen)[None]
-            t = sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
-            pred = session.model.predict(session.model.flux, noised(latent, noise, t), t, context, pooled,
-                                         cfg.guidance)
-            losses.append(torch.mean((pred - (noise - latent)) ** 2).item())
+    losses = _plain_losses(session, held_out)
     assert scored[0] == 0
     # the same fp32 operations on the same inputs (batch_size=1 both ways); only the order in which the two per-image
     # means are summed (float64 there, Python floats here) may differ, by an ulp or so
@@ -235,19 +244,6 @@ def test_validation_batches_captions_of_one_length_and_weights_by_the_loss_mask(
     session = demo_session(tmp_path, batch_size=2)
     val = _ragged_or_masked(session.dataset, ragged, masked)
     batched = train(session.advanced(validation_dataset=val), 1, device=CPU).validation_losses[0][1]
-    cfg, losses = session.config, []
-    with torch.no_grad():
-        for i in range(val.num_images):
-            latent = val.latent(i)[None]
-            context, pooled = (x[None] for x in val.text(i))
-            gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
-            noise = torch.randn(latent.shape[1:], generator=gen)[None]
-            t = sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
-            pred = session.model.predict(session.model.flux, noised(latent, noise, t), t, context, pooled,
-                                         cfg.guidance)
-            err = (pred - (noise - latent)) ** 2
-            mask = val.mask(i)
-            kept = err.mean() if mask is None else (err * mask).sum() / (mask.sum() * err.shape[1])
-            losses.append(kept.item())
+    losses = _plain_losses(session, val)
     # batches of 2 against single images: the same fp32 math, matmuls of other shapes (a few ulps per element)
     assert batched == pytest.approx(sum(losses) / len(losses), rel=1e-5)
