@@ -26,7 +26,7 @@ from ..memory.probe import measure_h2d_bandwidth, probe_model
 from ..memory.strategy import Strategy, StrategyError
 from .grid import BenchConfig, strategy_label
 from .gpu_run import Run, gib, run_main
-from .measure import fits, run_config
+from .measure import fits, run_config, skipped
 from .models import build_bench_model
 
 GB = 10 ** 9
@@ -56,8 +56,15 @@ def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
         run.add(f"{compiled['model']} {compiled['resolution']} px: compile@0.5 vs eager ckpt-all",
                 f"{compiled['speedup']:.2f}x ({eager.get('step_s', 0):.3g} vs {comp.get('step_s', 0):.3g} s/step; "
                 f"compile {comp.get('compile_s', 0):.0f} s, {comp.get('recompiles', '?')} recompiles after step 1)"
-                if compiled["speedup"] else "a run ran out of memory", ">= 1.5x (sd-scripts PR: 1.73x)")
+                if compiled["speedup"] else _why_no_speedup(eager, comp), ">= 1.5x (sd-scripts PR: 1.73x)",
+                False if eager.get("failed") or comp.get("failed") else None)
     return run.finish()
+
+
+def _why_no_speedup(eager: dict, compiled: dict) -> str:
+    failed = [f"{name} crashed: {r['error'][:100]}" for name, r in (("eager", eager), ("compiled", compiled))
+              if r.get("failed")]
+    return "; ".join(failed) or "a run ran out of memory"
 
 
 @contextlib.contextmanager
@@ -129,6 +136,9 @@ def _summarise_plan(run: Run, row: dict) -> None:
     if m.get("oom"):
         run.add(f"{what}: {row['label']}", "out of memory", "fits", False if row["fits"] is not None else None)
         return
+    if m.get("failed"):
+        run.add(f"{what}: {row['label']}", f"crashed: {m['error'][:120]}", "runs", False)
+        return
     error = f" ({row['peak_error']:+.0%})" if row["peak_error"] is not None else ""
     measured = gib(row["measured_peak_bytes"]) + error if row["measured_peak_bytes"] else "not measured (CPU)"
     run.add(f"{what}: {row['label']}: peak", f"predicted {gib(row['predicted_peak_bytes'])}, measured {measured}",
@@ -154,7 +164,7 @@ def _compile(device: torch.device, spec: dict, log) -> dict[str, Any]:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    ok = not records["eager"].get("oom") and not records["compiled"].get("oom")
+    ok = not skipped(records["eager"]) and not skipped(records["compiled"])
     return {"model": spec["model"], "resolution": spec["resolution"], **records,
             "speedup": records["eager"]["step_s"] / records["compiled"]["step_s"] if ok else None}
 

@@ -28,7 +28,7 @@ from ..memory.strategy import Strategy
 from . import allocator_trace, cuda_checks
 from .grid import BenchConfig, with_references
 from .gpu_run import Run, gib, run_main
-from .measure import add_bounds, run_config
+from .measure import add_bounds, run_config, skip_word
 from .models import build_bench_model
 
 HEADLINE = {"model": "flux-dev", "resolution": 2048, "batch": 1, "warmup": 1, "steps": 2}
@@ -103,7 +103,7 @@ def _headline(device: torch.device, spec: dict, log, run: Run) -> dict[str, Any]
             records.append(run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"],
                                       trace=_least_peak(cfg.strategy.to_flat())))
             r = records[-1]
-            log(f"  {cfg.name}: " + ("OOM" if r.get("oom") else f"{r['step_s']:.3g} s/step, peak reserved "
+            log(f"  {cfg.name}: " + (skip_word(r) or f"{r['step_s']:.3g} s/step, peak reserved "
                                     f"{gib(r['peak_reserved_bytes'])}"))
             _write_trace(run, r)
             run.result["sections"]["headline_rows_so_far"] = records
@@ -140,6 +140,9 @@ def _summarise_headline(run: Run, headline: dict) -> None:
         target = PEAK_TARGET if off == 0.9 or _least_peak(r["strategy"]) else ""
         if r.get("oom"):
             run.add(f"{px} {r['label']}", f"out of memory: {r.get('error', '')[:100]}", target)
+            continue
+        if r.get("failed"):  # a bug, not a figure: the section's other rows still ran
+            run.add(f"{px} {r['label']}", f"crashed: {r['error'][:120]}", "runs", False)
             continue
         memory = (f"reserved {gib(r['peak_reserved_bytes'])} ({r['peak_reserved_bytes'] / 1e9:.2f} GB), allocated "
                   f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}"

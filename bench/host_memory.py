@@ -124,18 +124,33 @@ def _host_allocator(dev: torch.device) -> dict | None:
         s = stats()
     except RuntimeError:  # a torch whose host allocator keeps no statistics
         return None
-    return {k: s.get(k) for k in ("allocated_bytes.current", "allocated_bytes.peak", "num_host_alloc")}
+    # "reserved_bytes.*" is the pool (in use + cached) where torch reports it; "allocated_bytes.*" meant in use only
+    # before torch counted cached blocks there too (PR #164412): both are kept, the report reads the larger
+    return {k: s.get(k) for k in ("allocated_bytes.current", "allocated_bytes.peak", "reserved_bytes.current",
+                                  "reserved_bytes.peak", "num_host_alloc")}
 
 
-def measure(device: str = "cpu", hidden_size: int | None = None, offloads=OFFLOADS) -> list[dict]:
+def measure(device: str = "cpu", hidden_size: int | None = None, offloads=OFFLOADS, *, on_row=None,
+            timeout_s: float | None = None, keep_going: bool = False) -> list[dict]:
+    """One child process per offload fraction. `on_row(rows)` after each row (a caller saves as it goes);
+    `keep_going`: a child that fails or outlasts `timeout_s` is a row {"offload", "failed", "error"}, not an error."""
     rows = []
     for offload in offloads:
         cmd = [sys.executable, "-m", "tightrope.bench.host_memory", "--child", str(offload), "--device", device,
                "--hidden-size", str(_params(hidden_size).hidden_size)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **CHILD_ENV})
-        if proc.returncode != 0:
-            raise RuntimeError(f"host-memory child (offload {offload}) failed (exit {proc.returncode}):\n"
-                               f"{proc.stderr[-2000:]}")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **CHILD_ENV},
+                                  timeout=timeout_s)
+            error = None if proc.returncode == 0 else f"exit {proc.returncode}:\n{proc.stderr[-2000:]}"
+        except subprocess.TimeoutExpired:
+            error = f"no result within {timeout_s:g} s"
+        if error is not None:
+            if not keep_going:
+                raise RuntimeError(f"host-memory child (offload {offload}) failed ({error})")
+            rows.append({"offload": offload, "failed": True, "error": error})
+            if on_row:
+                on_row(rows)
+            continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         w = r["weights_bytes"]
         r["peak_above_loaded_w"] = (r["peak_rss_bytes"] - r["loaded_rss_bytes"]) / w
@@ -145,6 +160,8 @@ def measure(device: str = "cpu", hidden_size: int | None = None, offloads=OFFLOA
         r["after_last_vs_loaded"] = r["after"][-1]["rss"] / r["loaded_rss_bytes"] - 1
         r["growth_per_run_bytes"] = (r["after"][-1]["rss"] - r["after"][0]["rss"]) / (len(r["after"]) - 1)
         rows.append(r)
+        if on_row:
+            on_row(rows)
     return rows
 
 

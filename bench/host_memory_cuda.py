@@ -22,6 +22,7 @@ from .gpu_run import out_dir, resolve_device
 from .report import save_cpu_result
 
 DEFAULT_HIDDEN = 2048
+CHILD_TIMEOUT_S = 150  # one child builds ~5 GB of weights and trains RUNS x 2 steps: well under a minute on an H100
 
 
 def main(out: str | None, hidden_size: int | None, offloads: tuple[float, ...], measure, runs: int) -> int:
@@ -34,22 +35,21 @@ def main(out: str | None, hidden_size: int | None, offloads: tuple[float, ...], 
     hidden = hidden_size or DEFAULT_HIDDEN
     device = resolve_device("cuda")
     folder = out_dir(out, device)
-    rows = measure("cuda", hidden, offloads)
-    for r in rows:
-        w = r["weights_bytes"]
-        r["peak_above_loaded_w"] = (r["peak_rss_bytes"] - r["loaded_rss_bytes"]) / w
-        r["after_vs_loaded"] = r["after_rss_bytes"] / r["loaded_rss_bytes"] - 1
-        r["after_last_vs_loaded"] = r["after"][-1]["rss"] / r["loaded_rss_bytes"] - 1
     result = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "device": torch.cuda.get_device_name(device), "hidden_size": hidden, "runs": runs,
-              "rows": rows}
-    save_cpu_result(f"host_memory_cuda_h{hidden}", result, markdown(result, offloads), str(folder))
-    return 0
+              "device": torch.cuda.get_device_name(device), "hidden_size": hidden, "runs": runs, "rows": []}
+
+    def save(rows: list[dict]) -> None:  # after every row: a call stopped at its time limit keeps the rows done
+        result["rows"] = rows
+        save_cpu_result(f"host_memory_cuda_h{hidden}", result, markdown(result, offloads), str(folder))
+
+    measure("cuda", hidden, offloads, on_row=save, timeout_s=CHILD_TIMEOUT_S, keep_going=True)
+    return 1 if any(r.get("failed") for r in result["rows"]) else 0
 
 
 def markdown(result: dict, offloads: tuple[float, ...]) -> str:
-    rows = result["rows"]
-    w = rows[0]["weights_bytes"]
+    failed = [r for r in result["rows"] if r.get("failed")]
+    rows = [r for r in result["rows"] if not r.get("failed")]
+    w = rows[0]["weights_bytes"] if rows else 1
     gib = float(1 << 30)
     lines = [f"# Host memory above the loaded model, training on {result['device']} ({result['date']})", "",
              f"Command: `tightrope bench --host-memory --device cuda --hidden-size {result['hidden_size']} --offloads "
@@ -62,8 +62,8 @@ def markdown(result: dict, offloads: tuple[float, ...]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         h = r.get("host_allocator")
-        pool = "not reported" if h is None else (f"{(h.get('allocated_bytes.current') or 0) / 2**20:.0f} / "
-                                                 f"{(h.get('allocated_bytes.peak') or 0) / 2**20:.0f} MiB")
+        pool = "not reported" if h is None else (f"{_pool(h, 'current') / 2**20:.0f} / "
+                                                 f"{_pool(h, 'peak') / 2**20:.0f} MiB")
         lines.append(f"| {r['offload']:g} | +{r['peak_above_loaded_w']:.2f} W | "
                      f"{r['pinned_in_place_bytes'] / w:.2f} W | {r['host_copy_bytes'] / w:.2f} W | "
                      f"{100 * r['after_vs_loaded']:+.2f} % | {100 * r['after_last_vs_loaded']:+.2f} % | "
@@ -74,5 +74,11 @@ def markdown(result: dict, offloads: tuple[float, ...]) -> str:
             f"{r['peak_above_loaded_w'] - base['peak_above_loaded_w']:+.2f} W at {r['offload']:g}"
             for r in rows if r is not base) + f" to the peak of offload 0 (+{base['peak_above_loaded_w']:.2f} W; "
             "target <= +0.1 W at 1.0). After a run: target within 2 % of the loaded RSS."]
+    lines += [f"\nOffload {r['offload']:g} failed: {r['error'].splitlines()[0]}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def _pool(stats: dict, which: str) -> int:
+    """Bytes the caching host allocator holds, in use and cached (see host_memory._host_allocator)."""
+    return max(stats.get(f"reserved_bytes.{which}") or 0, stats.get(f"allocated_bytes.{which}") or 0)
 

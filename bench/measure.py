@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ def _sync(device: torch.device) -> None:
 def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | str, *, steps: int = 5,
                warmup: int = 2, trace: bool = False) -> dict[str, Any]:
     """Median figures over `steps` measured steps after `warmup` steps. The first step's excess over a steady step
-    is reported as compile (and other one-off) time. A CUDA out-of-memory is a result, not a crash. `trace` (CUDA):
+    is reported as compile (and other one-off) time. A CUDA out-of-memory is a result, not a crash; so is any other
+    error (record["failed"], with its traceback) unless it left CUDA unusable (then it is raised). `trace` (CUDA):
     one more step, not measured, with the allocator's history recorded (bench/allocator_trace.py), in
     record["allocator_trace"]."""
     device = torch.device(device)
@@ -45,6 +47,15 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
             del opt
     except torch.cuda.OutOfMemoryError as exc:
         record.update(oom=True, error=str(exc).splitlines()[0])
+        return record
+    except Exception as exc:  # noqa: BLE001 - one configuration's crash must not cost the rest of its section
+        record.update(oom=False, failed=True, error=f"{type(exc).__name__}: {str(exc)[:500]}",
+                      traceback=traceback.format_exc()[-4000:])
+        if device.type == "cuda":
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:  # noqa: BLE001 - a sticky CUDA error: every later configuration would fail too
+                raise exc from None
         return record
     finally:
         for p in model.parameters():
@@ -73,10 +84,20 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
     return record
 
 
+def skipped(record: dict[str, Any]) -> bool:
+    """Whether a configuration has no figures: it ran out of memory, or failed (run_config)."""
+    return bool(record.get("oom") or record.get("failed"))
+
+
+def skip_word(record: dict[str, Any]) -> str:
+    """'OOM', 'FAILED' or '' (the configuration has figures)."""
+    return "OOM" if record.get("oom") else "FAILED" if record.get("failed") else ""
+
+
 def fits(record: dict[str, Any], budget: int) -> bool:
     """A run fits a budget if it ran and neither what the allocator reserved nor what the device lost to the run
     (total - free, over the baseline) exceeds it: allocated alone leaves out the cache and fragmentation."""
-    if record.get("oom"):
+    if skipped(record):
         return False
     return max(record.get("peak_reserved_bytes", 0), record.get("device_used_bytes", 0)) <= budget
 
@@ -130,10 +151,10 @@ def add_bounds(records: list[dict[str, Any]], h2d_bytes_per_s: float) -> None:
     """Physical bound of every run: max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer, with C from the offload-0
     twin's measured forward/backward (same batch, resolution, checkpointing, compile), X = bytes streamed in that
     pass / measured H2D bandwidth. Activation offload copies are not in X (they use their own stream)."""
-    twins = {_twin_key(r): r for r in records if not r.get("oom") and r["strategy"]["offload_fraction"] == 0}
+    twins = {_twin_key(r): r for r in records if not skipped(r) and r["strategy"]["offload_fraction"] == 0}
     for r in records:
         ref = twins.get(_twin_key(r))
-        if r.get("oom") or ref is None:
+        if skipped(r) or ref is None:
             r["bound_s"] = r["bound_ratio"] = None
             continue
         x_fwd = r["h2d_fwd_bytes"] / h2d_bytes_per_s

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ..memory.planner import format_bytes
+from .measure import skipped
 from ..training.charts import line_chart, scatter_chart
 
 GiB = float(1 << 30)
@@ -31,8 +32,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"| config | s/step | img/s | {mem_col} | MFU | HFU | H2D GB/step | wait s | compile s | "
               "recompiles | bound s | ratio |", "|" + " --- |" * 12]
     for r in result["configs"]:
-        if r.get("oom"):
-            lines.append(f"| {r['name']} | OOM | | | | | | | | | | |")
+        if skipped(r):
+            lines.append(f"| {r['name']} | {'OOM' if r.get('oom') else 'FAILED'} | | | | | | | | | | |")
             continue
         if cuda:
             mem = (f"{r['peak_allocated_bytes'] / GiB:.2f} / {r['peak_reserved_bytes'] / GiB:.2f} / "
@@ -72,7 +73,7 @@ def charts(result: dict[str, Any]) -> dict[str, Any]:
     """name -> PIL image."""
     meta = result["meta"]
     cuda = meta["device"] == "cuda"
-    primary = [r for r in result["configs"] if not r.get("oom") and r["batch"] == meta["primary_batch"]
+    primary = [r for r in result["configs"] if not skipped(r) and r["batch"] == meta["primary_batch"]
                and r["resolution"] == meta["primary_resolution"]]
     mems = [(r["peak_reserved_bytes"] if cuda else r.get("predicted_peak_bytes"), r) for r in primary]
     unit, size = _unit(max((m or 0 for m, _ in mems), default=0))

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..memory.strategy import Strategy
 from .gpu_check import headline_configs
 from .grid import strategy_label
+from .measure import skipped
 from .reserved_replay import replay_step, replayable
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-2026-11-23"
@@ -34,7 +35,7 @@ def measured(folder: Path, expandable: bool, model: str, resolution: int) -> dic
     if (headline["model"], headline["resolution"], headline["batch"]) != (model, resolution, 1):
         return {}
     return {Strategy.from_dict(c["strategy"]): (c["peak_allocated_bytes"], c["peak_reserved_bytes"])
-            for c in headline["configs"] if not c.get("oom") and "peak_reserved_bytes" in c}
+            for c in headline["configs"] if not skipped(c) and "peak_reserved_bytes" in c}
 
 
 def rows(model: str = "flux-dev", resolution: int = 2048, folder: Path = MEASURED, log=None,

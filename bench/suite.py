@@ -26,7 +26,7 @@ from ..memory.strategy import StrategyError
 from . import report
 from .flops import device_peak_flops, forward_flops, step_flops
 from .grid import BenchConfig, full_grid, quick_grid, strategy_label
-from .measure import add_bounds, fits, run_config
+from .measure import add_bounds, fits, run_config, skip_word, skipped
 from .models import build_bench_model
 
 GiB = 1 << 30
@@ -84,7 +84,7 @@ def _run(model, dev, quick, steps, warmup, grid, out_dir, budgets, run_planner, 
         rec = run_config(bench, cfg, dev, steps=steps, warmup=warmup)
         _annotate(rec, cfg, bench, profile, primary.resolution, peak, flops_cache)
         records.append(rec)
-        log(f"[{k + 1}/{len(grid)}] {cfg.name}: " + ("OOM" if rec.get("oom") else f"{rec['step_s']:.4g} s/step"))
+        log(f"[{k + 1}/{len(grid)}] {cfg.name}: " + (skip_word(rec) or f"{rec['step_s']:.4g} s/step"))
     add_bounds(records, bandwidth)
     planner_rows = []
     if run_planner:
@@ -113,7 +113,7 @@ def _annotate(rec: dict, cfg: BenchConfig, bench, profile, probed_resolution: in
     if cfg.resolution == probed_resolution:
         pred = predict(profile, cfg.strategy, batch_scale=cfg.batch / profile.batch)
         rec["predicted_peak_bytes"], rec["predicted_step_s"] = pred.peak_bytes, pred.step_s
-    if rec.get("oom"):
+    if skipped(rec):
         return
     key = (cfg.batch, cfg.resolution)
     if key not in cache:
@@ -141,5 +141,5 @@ def _planner_check(bench, profile, primary: BenchConfig, dev, budgets, steps, wa
                      "breakdown": p.prediction.breakdown, "measured": measured,
                      "fits": fits(measured, budget) if dev.type == "cuda" else None})
         log(f"plan for {format_bytes(budget)}: {strategy_label(p.strategy)}: predicted {p.predicted_step_s:.3g} s, "
-            f"measured " + ("OOM" if measured.get("oom") else f"{measured['step_s']:.3g} s"))
+            f"measured " + (skip_word(measured) or f"{measured['step_s']:.3g} s"))
     return rows

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 12 and 13, in parts that each fit one 10-minute call of a lent GPU machine with no
-# network (the checkout is imported through a symlink: `pip install -e .` cannot fetch there):
+# network (the checkout is imported through a symlink: `pip install -e .` cannot fetch there), most needed first:
 #   bash scripts/gpu_session.sh check   # make gpu-check: correctness, the 2048 px headline, the allocator trace (~5 min)
-#   bash scripts/gpu_session.sh bench   # make gpu-bench, then the host-memory bench on the GPU (~6 min)
+#   bash scripts/gpu_session.sh bench   # the host-memory bench on the GPU (~2 min), then make gpu-bench (~3 min)
 #   bash scripts/gpu_session.sh default # make gpu-bench under the default CUDA allocator (~3 min)
-# Each part writes into a folder of its own, stops a command at its time limit (what it wrote so far stays), and
-# leaves in $OUT (default ./gpu-session) two kinds of file only: <part>.tgz (the whole folder) and <part>-<name>.md
-# (its markdown summaries), so few files come back from the machine. Without CUDA every command says so in one line
-# and exits 0.
+# Each part writes straight into $OUT/<part>/ (default ./gpu-session/<part>/), and every command there saves its
+# results as it goes, so a part stopped by its own limits or killed by the device tool keeps what it measured; a part
+# leaves at most 6 files (the device tool brings back 8, two folders deep). Without CUDA every command says so in
+# one line and exits 0.
 set -u
 part=${1:?usage: gpu_session.sh check|bench|default}
 case $part in check|bench|default) ;;
@@ -16,11 +16,11 @@ esac
 dest=${OUT:-$PWD/gpu-session}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 pp=$(mktemp -d)
-out=$pp/$part
+out=$dest/$part
 ln -sfn "$repo" "$pp/tightrope"
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PY:-python3}
-mkdir -p "$out" "$dest"
+mkdir -p "$out"
 status=0
 step() {  # step LIMIT_S ARGS...: one command of the part, stopped at its limit
     local limit=$1; shift
@@ -29,15 +29,11 @@ step() {  # step LIMIT_S ARGS...: one command of the part, stopped at its limit
 }
 case $part in
     check)   step 540 gpu-check --out "$out" ;;
-    bench)   step 270 gpu-bench --out "$out"
-             step 270 --host-memory --device cuda --out "$out" ;;
+    bench)   step 200 --host-memory --device cuda --out "$out"
+             step 330 gpu-bench --out "$out" ;;
     default) export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
              step 540 gpu-bench --out "$out" ;;
 esac
-tar czf "$dest/$part.tgz" -C "$out" .
-for f in "$out"/*.md; do
-    [ -e "$f" ] && cp "$f" "$dest/$part-$(basename "$f")"
-done
 rm -rf "$pp"
-echo "== $part: exit $status; everything in $dest/$part.tgz"
+echo "== $part: exit $status; everything in $out"
 exit $status

@@ -57,6 +57,10 @@ def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torc
         warnings.warn(f"optimizer='prodigy' finds the step size itself and learning_rate scales it: "
                       f"learning_rate={config.learning_rate:g} makes it crawl; use 1.0", stacklevel=2)
     extra = {"warmup_steps": 0} if config.optimizer == "adamw_schedulefree" else {}  # warmup is learning_rate_at's
+    if config.optimizer == "prodigy":
+        # Prodigy's estimate of the step size grows from the gradients it sees: during a warmup the small learning
+        # rates make it overshoot once the rate is reached, unless its safeguard (Prodigy's README) is on
+        extra = {"safeguard_warmup": config.warmup_steps > 0}
     if config.optimizer == "adafactor":
         # PyTorch's Adafactor scales each step by max(eps2, RMS(weight)): LoRA's B starts at 0, so with its default
         # eps2 = 1e-3 B moved 1000x slower than the learning rate says. eps2 = 1 makes the step the learning rate

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from tightrope.bench import gpu_bench, gpu_check
+from tightrope.bench import gpu_bench, gpu_check, measure
 from tightrope.bench.cli import main as bench_main
+from tightrope.bench.gpu_run import Run
 from tightrope.bench.measure import fits
 from tightrope.memory.layer_offload import LayerOffload, in_backward
 
@@ -109,3 +110,27 @@ def test_fits_counts_what_the_allocator_reserved_and_the_device_lost():
     assert not fits(under | {"peak_reserved_bytes": 3 * GiB}, 2 * GiB)
     assert not fits(under | {"device_used_bytes": 2.5 * GiB}, 2 * GiB)
     assert not fits(under | {"oom": True}, 2 * GiB)
+
+
+def test_a_configuration_that_crashes_is_a_failed_row_and_the_rest_still_run(tmp_path, monkeypatch):
+    """One headline row raising (a bug in code no GPU has run yet, e.g. the token chunks) used to end the section:
+    the rows after it, the offload-0 twins and every step / bound ratio were lost."""
+    real = measure.MemoryRuntime
+
+    def runtime(model, strategy, device):
+        flat = strategy.to_flat()
+        if (flat["token_chunks"], flat["prefetch_depth"], flat["offload_fraction"]) == (8, 1, 1.0):
+            raise ValueError("chunked block: shapes do not match (simulated)")
+        return real(model, strategy, device)
+
+    monkeypatch.setattr(measure, "MemoryRuntime", runtime)
+    run = Run("gpu-check", torch.device("cpu"), True, tmp_path, log=lambda line: None)
+    headline = gpu_check._headline(torch.device("cpu"), gpu_check.TINY, lambda line: None, run)
+    gpu_check._summarise_headline(run, headline)
+    rows = headline["configs"]
+    crashed = [r for r in rows if r.get("failed")]
+    assert len(rows) == 7 and [r["strategy"]["token_chunks"] for r in crashed] == [8]
+    assert crashed[0]["error"] == "ValueError: chunked block: shapes do not match (simulated)"
+    assert "Traceback" in crashed[0]["traceback"] and not measure.skipped(rows[-1])  # the twin after it ran
+    assert all(r["bound_s"] > 0 for r in rows if not r.get("failed") and r["strategy"]["offload_fraction"] > 0)
+    assert run.failed() and any("crashed: ValueError" in result for _, result, _, _ in run.summary)

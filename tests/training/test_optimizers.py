@@ -152,3 +152,12 @@ def test_adafactor_steps_by_the_learning_rate_from_a_zero_weight():
     torch.testing.assert_close(vector.detach(), -1e-4 * vector.grad.sign(), rtol=1e-5, atol=0)
     rms = matrix.detach().pow(2).mean().sqrt().item()
     assert 0.3e-4 < rms <= 1e-4 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("warmup,safeguard", [(0, False), (10, True)])
+def test_prodigy_guards_its_step_size_estimate_during_a_warmup(warmup, safeguard):
+    """Prodigy's README: use safeguard_warmup=True with a warmup, else its step-size estimate d overshoots."""
+    _needs("prodigy")
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = make_optimizer([p], TrainConfig(optimizer="prodigy", learning_rate=1.0, warmup_steps=warmup), CPU)
+    assert opt.param_groups[0]["safeguard_warmup"] is safeguard
