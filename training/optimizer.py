@@ -1,5 +1,10 @@
 """The optimizer over the LoRA weights, and the learning-rate schedule as a pure function of the step.
 
+Weight decay pulls a weight toward 0, which for LoRA's A and B is toward the base model. A DoRA magnitude m_i is no
+such weight: it starts at |W_i| and is the output row's norm, so decaying it would shrink every adapted layer's
+output. Magnitudes are therefore a param group of their own, never decayed (flag NO_DECAY); optimizer states saved
+before that split (one group) are regrouped on load.
+
 Optional optimizers come from well-kept packages imported only when chosen; a missing one is a ConfigError with a
 one-line install hint, raised by the Train node's input check before any node trains.
 """
@@ -51,7 +56,22 @@ def optimizer_class(name: str, device: torch.device) -> type[torch.optim.Optimiz
     return getattr(module, choice.name)
 
 
-def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+NO_DECAY = "tightrope_no_decay"  # a param group's flag: its weights are never decayed
+
+
+def _never_decayed(name: str) -> bool:
+    return ".lora_magnitude_vector." in name  # peft's DoRA magnitude
+
+
+def _groups(params: dict[str, nn.Parameter]) -> list[dict]:
+    groups = [{"params": [p for n, p in params.items() if not _never_decayed(n)]}]
+    kept = [p for n, p in params.items() if _never_decayed(n)]
+    return groups + [{"params": kept, "weight_decay": 0.0, NO_DECAY: True}] if kept else groups
+
+
+def make_optimizer(params: dict[str, nn.Parameter], config: TrainConfig,
+                   device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer over the LoRA weights by name (lora_parameters' order): decayed, then never decayed."""
     cls = optimizer_class(config.optimizer, device)
     if config.optimizer == "prodigy" and config.learning_rate < 0.1:
         warnings.warn(f"optimizer='prodigy' finds the step size itself and learning_rate scales it: "
@@ -66,7 +86,25 @@ def make_optimizer(params: list[nn.Parameter], config: TrainConfig, device: torc
         # eps2 = 1e-3 B moved 1000x slower than the learning rate says. eps2 = 1 makes the step the learning rate
         # (LoRA weights have RMS < 1), as Adafactor(scale_parameter=False) does in kohya's and HF's LoRA recipes.
         extra = {"eps": (None, 1.0)}
-    return cls(params, lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
+    return cls(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, names: list[str],
+                         weight_decay: float) -> None:
+    """Load a saved state into `optimizer` (made by make_optimizer over the weights named `names`, in order), with
+    the run's weight decay (never on NO_DECAY groups). A state from before magnitudes had a group of their own (one
+    group over `names` in order) is regrouped: each weight's moments follow it to its new index."""
+    if len(saved["param_groups"]) == 1 < len(optimizer.param_groups):
+        order = [i for i, n in enumerate(names) if not _never_decayed(n)] + \
+                [i for i, n in enumerate(names) if _never_decayed(n)]
+        (group,) = saved["param_groups"]
+        split = len(optimizer.param_groups[0]["params"])
+        saved = {**saved, "state": {new: saved["state"][old] for new, old in enumerate(order) if old in saved["state"]},
+                 "param_groups": [{**group, "params": list(range(split))},
+                                  {**group, "params": list(range(split, len(order))), NO_DECAY: True}]}
+    optimizer.load_state_dict(saved)
+    for group in optimizer.param_groups:  # loading restores the saved groups' weight decay too
+        group["weight_decay"] = 0.0 if group.get(NO_DECAY) else weight_decay
 
 
 def learning_rate_at(config: TrainConfig, step: int, run_start: int, run_steps: int) -> float:

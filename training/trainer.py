@@ -33,7 +33,7 @@ from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
-from .optimizer import learning_rate_at, make_optimizer
+from .optimizer import learning_rate_at, load_optimizer_state, make_optimizer
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
 from .run_monitor import RunMonitor
@@ -122,11 +122,10 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
-                optimizer = make_optimizer(list(params.values()), cfg, device)
+                optimizer = make_optimizer(params, cfg, device)
                 if session.optimizer_state is not None:
-                    optimizer.load_state_dict(clone_state(session.optimizer_state))
-                    for group in optimizer.param_groups:  # loading restores the saved groups' weight decay too
-                        group["weight_decay"] = cfg.weight_decay
+                    load_optimizer_state(optimizer, clone_state(session.optimizer_state), list(params),
+                                         cfg.weight_decay)
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
                 run.ema = CpuEma(_ema_weights(params, optimizer), cfg.ema_decay, session.ema_state) \
                     if cfg.ema_decay else None

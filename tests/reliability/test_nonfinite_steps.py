@@ -39,7 +39,7 @@ def _poison_weights_at(monkeypatch, step):
             calls.append(1)
             if len(calls) == step:
                 with torch.no_grad():
-                    params[0].view(-1)[0] = float("nan")
+                    next(iter(params.values())).view(-1)[0] = float("nan")
         optimizer.step = poisoned_step
         return optimizer
     monkeypatch.setattr(trainer, "make_optimizer", make_optimizer)

@@ -7,7 +7,9 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.nodes.train_node import TightropeTrain
-from tightrope.training.optimizer import CHOICES, learning_rate_at, make_optimizer, optimizer_class
+from tightrope.training.lora.layers import LoraSpec
+from tightrope.training.optimizer import (CHOICES, learning_rate_at, load_optimizer_state, make_optimizer,
+                                          optimizer_class)
 from tightrope.training.state.resume import load_state, resume_session, state_path
 from tightrope.training.schedule_free import TRAIN_WEIGHTS, eval_weights, trained_states
 from tightrope.training.train_config import OPTIMIZERS, ConfigError, TrainConfig
@@ -146,7 +148,7 @@ def test_adafactor_steps_by_the_learning_rate_from_a_zero_weight():
     (rows x columns), so its elements differ, but the step's RMS is at most lr (d=1 clips at 1) and of its order."""
     g = torch.Generator().manual_seed(0)
     vector, matrix = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8, 4))
-    optimizer = make_optimizer([vector, matrix], TrainConfig(learning_rate=1e-4, optimizer="adafactor"), CPU)
+    optimizer = make_optimizer({"vector": vector, "matrix": matrix}, TrainConfig(learning_rate=1e-4, optimizer="adafactor"), CPU)
     vector.grad, matrix.grad = torch.randn(8, generator=g), torch.randn(8, 4, generator=g)
     optimizer.step()
     torch.testing.assert_close(vector.detach(), -1e-4 * vector.grad.sign(), rtol=1e-5, atol=0)
@@ -159,5 +161,52 @@ def test_prodigy_guards_its_step_size_estimate_during_a_warmup(warmup, safeguard
     """Prodigy's README: use safeguard_warmup=True with a warmup, else its step-size estimate d overshoots."""
     _needs("prodigy")
     p = torch.nn.Parameter(torch.zeros(3))
-    opt = make_optimizer([p], TrainConfig(optimizer="prodigy", learning_rate=1.0, warmup_steps=warmup), CPU)
+    opt = make_optimizer({"p": p}, TrainConfig(optimizer="prodigy", learning_rate=1.0, warmup_steps=warmup), CPU)
     assert opt.param_groups[0]["safeguard_warmup"] is safeguard
+
+
+def _dora_session(tmp_path, **config):
+    session = demo_session(tmp_path, weight_decay=0.5, **config)
+    return session.advanced(lora=LoraSpec(rank=4, targets="attention_mlp", algorithm="dora"))
+
+
+def test_dora_magnitudes_are_never_decayed():
+    """Weight decay pulls LoRA's A and B toward 0 (the base model); a DoRA magnitude starts at |W_i|, so decaying it
+    shrank every adapted layer's output row by lr * weight_decay a step. With no gradient, AdamW moves a weight by
+    its decay alone: the magnitude stays, lora_A shrinks by exactly (1 - lr * wd)."""
+    a = torch.nn.Parameter(torch.ones(2, 3))
+    m = torch.nn.Parameter(torch.full((2,), 5.0))
+    names = {"layer.lora_A.default.weight": a, "layer.lora_magnitude_vector.default.weight": m}
+    opt = make_optimizer(names, TrainConfig(learning_rate=0.1, weight_decay=0.5), CPU)
+    a.grad, m.grad = torch.zeros_like(a), torch.zeros_like(m)
+    opt.step()
+    assert torch.equal(m, torch.full((2,), 5.0)) and torch.allclose(a, torch.full((2, 3), 0.95), rtol=0, atol=1e-7)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+
+
+def test_a_dora_run_resumes_exactly_with_its_undecayed_magnitudes(tmp_path):
+    session = _dora_session(tmp_path)
+    whole = train(session, 3, device=CPU)
+    assert [g["weight_decay"] for g in whole.optimizer_state["param_groups"]] == [0.5, 0.0]
+    save = SaveTarget(tmp_path / "out", "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(session, 3, device=CPU, save=save, progress=_stop_at(2))
+    resumed, state = resume_session(state_path(save.folder, save.filename_prefix), session)
+    done = train(resumed, 1, device=CPU, run_start=state.run_start)
+    assert done.losses == whole.losses and all(torch.equal(done.lora_state[k], v) for k, v in whole.lora_state.items())
+
+
+def test_a_state_saved_with_one_param_group_is_regrouped_on_load(tmp_path):
+    """States saved before magnitudes had a group of their own: each weight's moments follow it to its new index."""
+    named = {n: torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(i)))
+             for i, n in enumerate(["x.lora_A.default.weight", "x.lora_magnitude_vector.default.weight",
+                                    "y.lora_A.default.weight", "y.lora_magnitude_vector.default.weight"])}
+    old = torch.optim.AdamW(list(named.values()), lr=0.1, weight_decay=0.5)  # what the old code made
+    for p in named.values():
+        p.grad = p.detach() * 2
+    old.step()
+    moments = {n: old.state[p]["exp_avg"].clone() for n, p in named.items()}
+    new = make_optimizer(named, TrainConfig(learning_rate=0.1, weight_decay=0.25), CPU)
+    load_optimizer_state(new, old.state_dict(), list(named), 0.25)
+    assert all(torch.equal(new.state[p]["exp_avg"], moments[n]) for n, p in named.items())
+    assert [(len(g["params"]), g["weight_decay"]) for g in new.param_groups] == [(2, 0.25), (2, 0.0)]
