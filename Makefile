@@ -10,8 +10,9 @@ install:
 demo: install
 	$(PY) -m tightrope run workflows/demo.json --output-dir output
 
+# one worker per core (pytest-xdist), each test file in one worker: its module fixtures run once
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 bench-quick: install
 	$(PY) -m tightrope bench --quick

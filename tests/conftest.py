@@ -3,3 +3,10 @@ import sys
 
 # test helpers (small models, comparison utilities) live in tests/helpers and are imported by module name
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
+
+# pytest-xdist (`make test` runs the suite in one worker per core): each worker's torch gets its share of the cores,
+# so the workers do not oversubscribe them (the golden curve's tolerance covers thread counts: test_golden_losses)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
