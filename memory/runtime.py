@@ -182,8 +182,8 @@ class MemoryRuntime:
             return  # nothing to do for this block: no wrapper, no overhead
         previous = module.__dict__.get("forward")
         inner: Callable = module.forward
-        if compiled:
-            inner = compile_block(inner, self.strategy.compiler)
+        if compiled:  # a checkpointed block's inputs are cloned by checkpointed_call already
+            inner = compile_block(inner if checkpointed else _cloning_inputs(inner), self.strategy.compiler)
         elif chunked is not None:
             ctx = self._chunk_context(index, inner, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
@@ -324,3 +324,12 @@ def _storage_ptrs(tensors) -> set[int]:
             continue
     return ptrs
 
+
+def _cloning_inputs(fn: Callable) -> Callable:
+    """fn on copies of its tensor arguments, made inside the compiled graph. Blocks that add residuals in place to
+    their input (ComfyUI's Flux: `x += ...`) would otherwise make the graph mutate a tensor the previous block saved
+    for its backward (autograd: "modified by an inplace operation")."""
+    def cloned(*args, **kwargs):
+        return fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
+                  **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    return cloned

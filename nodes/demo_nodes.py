@@ -15,8 +15,9 @@ class TightropeDemoModel:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
-                                              "tooltip": "Seed of the random weights: the same seed, the same model."})}}
+        return {"required": {"seed": ("INT", {
+            "default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": "fixed",
+            "tooltip": "Seed of the random weights: the same seed, the same model."})}}
 
     def load(self, seed):
         return (demo_model(seed),)
@@ -31,8 +32,9 @@ class TightropeDemoEncoders:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1,
-                                              "tooltip": "Seed of the codec's mixing matrix and the word vectors."})}}
+        return {"required": {"seed": ("INT", {
+            "default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": "fixed",
+            "tooltip": "Seed of the codec's mixing matrix and the word vectors."})}}
 
     def load(self, seed):
         return demo_encoders(seed)
@@ -54,7 +56,8 @@ class TightropeDemoImages:
             "count": ("INT", {"default": 16, "min": 1, "max": 1000, "tooltip": "How many images to draw."}),
             "size": ("INT", {"default": 64, "min": 16, "max": 1024, "step": 16,
                              "tooltip": "Side of each square image in pixels."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Same seed, same images."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": "fixed",
+                             "tooltip": "Same seed, same images."}),
         }, "optional": {
             "masks": ("BOOLEAN", {"default": False,
                                   "tooltip": "Also draw a loss mask per image (name.mask.png: the shape white, the "
@@ -82,7 +85,8 @@ class TightropeDemoConditioning:
             "text": ("STRING", {"default": "a red circle", "multiline": True,
                                 "tooltip": "The prompt: the same words, the same conditioning."}),
             "tokens": ("INT", {"default": 16, "min": 1, "max": 512, "tooltip": "Context length in tokens."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "tooltip": "Seed of the word vectors."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**31 - 1, "control_after_generate": "fixed",
+                             "tooltip": "Seed of the word vectors."}),
         }}
 
     def encode(self, model, text, tokens, seed):

@@ -65,7 +65,7 @@ class TightropeTrain:
                                    "tooltip": "Images per micro-batch (from one aspect-ratio bucket)."}),
             "grad_accumulation": ("INT", {"default": _C.grad_accumulation, "min": 1, "max": 1024,
                                           "tooltip": "Micro-batches per optimizer step."}),
-            "seed": ("INT", {"default": _C.seed, "min": 0, "max": 2**63 - 1,
+            "seed": ("INT", {"default": _C.seed, "min": 0, "max": 2**63 - 1, "control_after_generate": "fixed",
                              "tooltip": "Seeds data order, noise and timesteps: same seed, same run."}),
             "timestep_sampling": (list(SAMPLINGS), {"default": _C.timestep_sampling,
                                                      "tooltip": "How training timesteps are drawn."}),

@@ -18,7 +18,7 @@ from ..memory.plan_cost import predict
 from ..memory.planner import format_bytes, plan
 from ..memory.probe import probe_model
 from ..memory.strategy import Strategy, StrategyError
-from . import distributed
+from . import distributed, seeding
 from .flow_loss import flow_matching_loss, noised
 from .lora.layers import inject_lora, remove_lora
 from .models import adapter_for
@@ -85,7 +85,9 @@ def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.devic
         target = latents.to(device), noise.to(device)  # before the forward: copied in the loss they stall the host
         return inputs, lambda out: flow_matching_loss(out, *target)
 
-    with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
+    # the LoRA's random init and dropout draw from the global generators: the caller's stream is restored on exit
+    with torch.inference_mode(False), torch.enable_grad(), seeding.forked(device), \
+            adapter.training_module() as module:
         host = host_needs(module, session.strategy, choice.host_ram_budget_gb)
         inject_lora(module, session.lora, adapter.family)
         try:

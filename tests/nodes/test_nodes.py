@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tightrope import NODE_CLASS_MAPPINGS
 from tightrope.memory.strategy import StrategyError
 from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeDatasetFromLatents, TightropeLoadDataset
@@ -138,3 +139,16 @@ def test_auto_strategy_plans_within_the_budget_and_trains(out):
     with pytest.raises(StrategyError, match="explicit budget|at least"):
         TightropeTrain().train(**_train_widgets(steps=1), model=model, dataset=dataset, lora=lora,
                                strategy=TightropeMemoryStrategy().make(**_strategy_inputs(mode="auto"))[0])
+
+
+def test_seed_inputs_stay_fixed_after_each_queue():
+    """The frontend adds a 'control after generate' widget to every INT input named seed, set to randomize unless
+    the input says otherwise: a new Train node drew a new seed at every queue (retraining from scratch when only the
+    Save prefix changed), and the demo nodes a new model and new images."""
+    seeds = [(name, key) for name, cls in NODE_CLASS_MAPPINGS.items()
+             for section in cls.INPUT_TYPES().values() for key, spec in section.items()
+             if key in ("seed", "noise_seed") and spec[0] == "INT"]
+    assert ("TightropeTrain", "seed") in seeds and len(seeds) >= 5
+    for name, key in seeds:
+        spec = next(s[key] for s in NODE_CLASS_MAPPINGS[name].INPUT_TYPES().values() if key in s)
+        assert spec[1].get("control_after_generate") == "fixed", (name, key)

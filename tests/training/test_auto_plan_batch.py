@@ -67,3 +67,19 @@ def test_the_prediction_counts_the_optimizer_state_it_is_given():
     adamw, prodigy = predict(prof, s), predict(prof, s, optimizer_bytes=16.0)
     assert adamw.breakdown["optimizer"] == ADAMW_BYTES_PER_ELEMENT * prof.trainable_numel
     assert prodigy.breakdown["optimizer"] == 2 * adamw.breakdown["optimizer"]
+
+
+def test_auto_leaves_the_global_random_stream_as_it_found_it(tmp_path, monkeypatch):
+    """The probe injects a LoRA (random init: kaiming-uniform A) and runs it with dropout: the caller's
+    torch.manual_seed stream (a ComfyUI user's, or the next node's) used to move on by whatever the probe drew."""
+    session = demo_session(tmp_path)
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    def probe(*args, **kwargs):  # the real probe's LoRA dropout draws from the global stream, as this does
+        torch.rand(8)
+        raise StopIteration  # the plan itself is not what is tested
+    monkeypatch.setattr(auto_plan, "probe_model", probe)
+    torch.manual_seed(123)
+    with pytest.raises(StopIteration):
+        auto_plan.plan_for_session(session, AutoStrategy(vram_budget_gb=4.0), torch.device("cpu"))
+    assert torch.equal(torch.rand(4), expected)
