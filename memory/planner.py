@@ -48,11 +48,16 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def reads_free_memory(device: torch.device | str) -> bool:
+    """Whether auto_budget can read what is free on `device` (only CUDA can)."""
+    return torch.device(device).type == "cuda"
+
+
 def auto_budget(device: torch.device | str, margin_bytes: int = AUTO_MARGIN_BYTES) -> int:
     """Free device memory now, minus a margin. Only CUDA can say what is free. Blocks this process's caching
     allocator holds but no tensor uses (a probe's, say) are free to the plan: the driver counts them as used."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if not reads_free_memory(device):
         raise StrategyError(f"budget='auto' reads the free GPU memory, but the device is '{device}': give an "
                             "explicit budget in bytes (e.g. budget_bytes=12 * 2**30)")
     free, _total = torch.cuda.mem_get_info(device)
@@ -248,7 +253,8 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
                  "s/step)")
     note = ""
     if allow_compile and not compile_measured(profile):
-        note = " Per-block compile was not considered: probe with measure_compile=True to measure it."
+        note = (" Per-block compile was not considered: the probe did not measure it (it does on CUDA; "
+                "probe_model(..., measure_compile=True) elsewhere).")
     return (f"{first}; {second}. Predicted {format_bytes(p.peak_bytes)} peak of your {format_bytes(budget)}, "
             f"~{p.step_s:.3g} s/step; {third} (best of {considered} candidates).{note}")
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..training.data.builder import dataset_from_conditioning, dataset_from_folder
-from ..training.data.image_folder import check_dataset_folder
+from ..training.data.image_folder import check_dataset_folder, folder_fingerprint
 from ..training.data.masks import MASK_SOURCES
 from . import host
 from .input_validation import validation_result
@@ -44,6 +44,12 @@ class TightropeLoadDataset:
         """Before anything runs: every widget in range, and a folder typed in (not linked) exists."""
         folder = inputs.get("folder")
         return validation_result(cls, inputs, lambda: folder is None or check_dataset_folder(folder))
+
+    @classmethod
+    def IS_CHANGED(cls, folder="", **inputs):
+        """ComfyUI reuses this node's cached dataset while its inputs are the same: the folder's files count too, so
+        images, captions or masks added or edited since the last run are scanned and encoded (new ones only)."""
+        return folder_fingerprint(folder) if isinstance(folder, str) else ""
 
     def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none"):
         return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,

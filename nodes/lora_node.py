@@ -1,9 +1,11 @@
 """LoRA setup node: what to train (peft LoRA), not yet on which model (presets resolve per model family)."""
 from __future__ import annotations
 
+import os
+
 from ..training.input_checks import check_existing_lora
 from ..training.lora.algorithms import ALGORITHMS
-from ..training.lora.layers import INITS, LoraSpec
+from ..training.lora.layers import INITS, LoraSpec, resolve_existing_lora
 from ..training.lora.targets import PRESETS
 from . import host
 from .input_validation import validation_result
@@ -51,6 +53,18 @@ class TightropeLoraSetup:
         return validation_result(cls, inputs, lambda: not regex or LoraSpec(target_regex=regex),
                                  lambda: LoraSpec(**combination),
                                  lambda: not existing or check_existing_lora(existing, host.loras_dir(), algorithm))
+
+    @classmethod
+    def IS_CHANGED(cls, existing_lora="", **inputs):
+        """ComfyUI reuses cached results while the inputs are the same: a LoRA to continue from that was saved again
+        under the same name (its size or modification time) counts as changed, so training starts from the new one."""
+        if not existing_lora or not isinstance(existing_lora, str):
+            return ""
+        try:
+            stat = os.stat(resolve_existing_lora(existing_lora, host.loras_dir()))
+        except Exception:  # noqa: BLE001 - unresolvable: the input check reports it
+            return "missing"
+        return f"{stat.st_size}:{stat.st_mtime_ns}"
 
     def setup(self, rank, alpha, rslora, dropout, targets, init, target_regex="", existing_lora="", algorithm="lora"):
         existing = check_existing_lora(existing_lora, host.loras_dir(), algorithm) if existing_lora else None

@@ -45,6 +45,10 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     picks the fastest candidate by the probe's timings, which differ from rank to rank. So rank 0 plans, for the
     smallest VRAM and host-RAM budgets among the ranks, and sends the plan; each rank checks it on its own probe and
     budget (a GPU another program fills, or a larger probe there, stops every rank with one line)."""
+    if choice.vram_budget_gb == 0 and not planner.reads_free_memory(device):  # before the probe: it takes a while
+        raise StrategyError(f"vram_budget_gb=0 plans for the free GPU memory, but the device is '{device}', which "
+                            "cannot say what is free: set vram_budget_gb to the memory to plan for, or set the "
+                            "strategy yourself (mode manual)")
     optimizer_bytes = CHOICES[session.config.optimizer].state_bytes
     profile, host, budget = distributed.on_every_rank(lambda: _measure(session, choice, device))
     budgets = distributed.from_every_rank((budget, host.budget_bytes))

@@ -140,6 +140,7 @@ def plan_on_two_ranks(monkeypatch, demo, probes, free):
         return distributed.current().rank
     monkeypatch.setattr(auto_plan, "probe_model", lambda *a, **k: probes[rank()])
     monkeypatch.setattr(planner, "auto_budget", lambda device: free[rank()])
+    monkeypatch.setattr(planner, "reads_free_memory", lambda device: True)
     monkeypatch.setattr(auto_plan, "host_needs", lambda *a: HostNeeds(1 << 40, 0, 0, [0] * probes[0].n_blocks))
     sessions = [demo.advanced(model=demo_model()) for _ in range(2)]
     return run_ranks(monkeypatch, 2, lambda r: auto_plan.plan_for_session(sessions[r], AutoStrategy(),

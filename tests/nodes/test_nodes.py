@@ -64,6 +64,10 @@ def test_dataset_from_latents_bad_inputs_are_dataset_errors_naming_the_input():
         TightropeDatasetFromLatents().load(torch.randn(3, 16, 8, 8), cond, 0.0)
     (dataset,) = TightropeDatasetFromLatents().load({"samples": torch.randn(2, 16, 1, 8, 8)}, cond * 2, 0.0)
     assert len(dataset) == 2 and dataset.latent(1).shape == (16, 8, 8)  # single-frame video latents are images
+    # caption dropout without the empty caption names the node's input (it named from_tensors' Python arguments)
+    with pytest.raises(DatasetError, match=r"caption_dropout=0.1 trains some samples with the empty caption: connect "
+                                           r"empty_conditioning \(a CLIP Text Encode of an empty prompt\)"):
+        TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 8, 8)}, cond, 0.1)
 
 
 def test_lora_setup_errors_name_the_input():
@@ -136,7 +140,7 @@ def test_auto_strategy_plans_within_the_budget_and_trains(out):
                                                 strategy=auto)
     assert session.step == 1 and session.strategy != auto
     assert "GB" in report or "MiB" in report or "GiB" in report  # the planner's explanation is in the report
-    with pytest.raises(StrategyError, match="explicit budget|at least"):
+    with pytest.raises(StrategyError, match="vram_budget_gb=0 plans for the free GPU memory.*set vram_budget_gb"):
         TightropeTrain().train(**_train_widgets(steps=1), model=model, dataset=dataset, lora=lora,
                                strategy=TightropeMemoryStrategy().make(**_strategy_inputs(mode="auto"))[0])
 
@@ -152,3 +156,42 @@ def test_seed_inputs_stay_fixed_after_each_queue():
     for name, key in seeds:
         spec = next(s[key] for s in NODE_CLASS_MAPPINGS[name].INPUT_TYPES().values() if key in s)
         assert spec[1].get("control_after_generate") == "fixed", (name, key)
+
+
+def test_a_dataset_folder_changed_since_the_last_run_is_loaded_again(tmp_path):
+    """ComfyUI reuses a node's cached output while its inputs and IS_CHANGED stay the same: images added to the folder
+    (or a caption edited) after a run were ignored, and Train then refused a batch larger than the old dataset."""
+    import os
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"png")
+    (folder / "a.txt").write_text("a cat")
+    first = TightropeLoadDataset.IS_CHANGED(folder=str(folder), resolution=512)
+    assert TightropeLoadDataset.IS_CHANGED(folder=str(folder), resolution=512) == first  # nothing changed: cached
+    (folder / ".hidden").write_text("editor state")
+    assert TightropeLoadDataset.IS_CHANGED(folder=str(folder)) == first  # hidden names are not data
+    (folder / "sub").mkdir()
+    (folder / "sub" / "b.png").write_bytes(b"png")
+    added = TightropeLoadDataset.IS_CHANGED(folder=str(folder))
+    assert added != first
+    (folder / "a.txt").write_text("a black cat")  # same name, new caption
+    edited = TightropeLoadDataset.IS_CHANGED(folder=str(folder))
+    assert edited != added
+    os.utime(folder / "a.txt", ns=(1, 1))  # same size, only the modification time differs
+    assert TightropeLoadDataset.IS_CHANGED(folder=str(folder)) != edited
+    assert TightropeLoadDataset.IS_CHANGED(folder=str(tmp_path / "missing")) not in (first, added, edited)
+
+
+def test_a_lora_to_continue_from_saved_again_under_its_name_counts_as_changed(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(host, "loras_dir", lambda: str(tmp_path))
+    path = tmp_path / "mine.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path))
+    first = TightropeLoraSetup.IS_CHANGED(existing_lora="mine.safetensors", rank=4)
+    assert first == TightropeLoraSetup.IS_CHANGED(existing_lora="mine.safetensors", rank=4)
+    save_file({"x": torch.zeros(3)}, str(path))
+    assert TightropeLoraSetup.IS_CHANGED(existing_lora="mine.safetensors") != first
+    assert TightropeLoraSetup.IS_CHANGED(existing_lora="") == ""
+    assert TightropeLoraSetup.IS_CHANGED(existing_lora="gone.safetensors") == "missing"

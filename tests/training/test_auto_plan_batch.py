@@ -6,6 +6,7 @@ from demo_setup import demo_session
 
 from tightrope.training import auto_plan
 from tightrope.training.data.dataset import TrainingDataset
+from tightrope.memory.strategy import StrategyError
 from tightrope.training.strategy_choice import AutoStrategy
 
 
@@ -36,7 +37,7 @@ def test_auto_probes_the_largest_batch_whatever_the_seed(tmp_path, monkeypatch, 
         raise StopIteration  # the plan itself is not what is tested
     monkeypatch.setattr(auto_plan, "probe_model", probe)
     with pytest.raises(StopIteration):
-        auto_plan.plan_for_session(session, AutoStrategy(), torch.device("cpu"))
+        auto_plan.plan_for_session(session, AutoStrategy(vram_budget_gb=4.0), torch.device("cpu"))
     assert probed == [((1, 16, 32, 32), 1)]
 
 
@@ -83,3 +84,12 @@ def test_auto_leaves_the_global_random_stream_as_it_found_it(tmp_path, monkeypat
     with pytest.raises(StopIteration):
         auto_plan.plan_for_session(session, AutoStrategy(vram_budget_gb=4.0), torch.device("cpu"))
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_auto_with_no_budget_off_cuda_names_the_node_input_before_probing(tmp_path, monkeypatch):
+    """vram_budget_gb=0 means "the free GPU memory": off CUDA it cannot be read. The error came after the whole probe
+    and told the user to give `budget_bytes=12 * 2**30`, a Python argument no node has."""
+    monkeypatch.setattr(auto_plan, "probe_model", lambda *a, **k: pytest.fail("probed before refusing"))
+    with pytest.raises(StrategyError, match="vram_budget_gb=0 plans for the free GPU memory, but the device is 'cpu'"
+                                            ".*set vram_budget_gb to the memory to plan for"):
+        auto_plan.plan_for_session(demo_session(tmp_path), AutoStrategy(), torch.device("cpu"))

@@ -49,6 +49,9 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
                            "conditioning (as CLIPTextEncode makes) or one per latent (e.g. Conditioning "
                            "(Combine) of one CLIPTextEncode per image)")
     pick = (lambda i: conds[0]) if len(conds) == 1 else (lambda i: conds[i])
+    if caption_dropout > 0 and not empty_conditioning:
+        raise DatasetError(f"caption_dropout={caption_dropout:g} trains some samples with the empty caption: connect "
+                           "empty_conditioning (a CLIP Text Encode of an empty prompt), or set caption_dropout to 0")
     empty = empty_conditioning[0] if empty_conditioning else None
     return TrainingDataset.from_tensors(
         [samples[i] for i in range(samples.shape[0])], [pick(i)[0] for i in range(samples.shape[0])],

@@ -15,6 +15,7 @@ captions is what caption dropout is for.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 import warnings
@@ -115,6 +116,22 @@ def check_dataset_folder(folder: str | Path) -> Path:
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' is a file, not a folder: {fix}")
     return root
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """What a dataset folder holds, cheaply: a hash of every file's relative path, size and modification time (no
+    file is read), hidden names skipped as the scan skips them. Images, captions or masks added, removed or edited
+    change it; an unreadable or missing folder gives its own value (the node's input check reports it)."""
+    root, digest = Path(str(folder)).expanduser(), hashlib.sha256()
+    try:
+        for path in sorted(root.rglob("*")):
+            relative = path.relative_to(root)
+            if not any(part.startswith(".") for part in relative.parts) and path.is_file():
+                stat = path.stat()
+                digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    except OSError as e:
+        return f"unreadable: {e}"
+    return digest.hexdigest()
 
 
 def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = True) -> list[ImageEntry]:
