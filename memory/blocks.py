@@ -22,6 +22,11 @@ KNOWN_BLOCK_LISTS: tuple[tuple[str, ...], ...] = (
 )
 
 
+# A block module with this attribute set True adds to its input tensors in place (ComfyUI's: `x += ...`); its adapter
+# sets it. Per-block compile then lets the graph work on copies of the inputs (runtime._cloning_inputs).
+MUTATES_INPUTS = "tightrope_mutates_inputs"
+
+
 @dataclass(frozen=True)
 class Block:
     name: str         # dotted name from the model root, e.g. "double_blocks.3"

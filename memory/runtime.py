@@ -31,7 +31,7 @@ from torch import nn
 
 from .activation_offload import ActivationOffload
 from .block_compile import compile_block, compiled_graph_count
-from .blocks import Block, discover_blocks
+from .blocks import MUTATES_INPUTS, Block, discover_blocks
 from .checkpointing import checkpointed_call
 from .dtypes import TORCH_DTYPES
 from .host_memory import release_freed_host_memory
@@ -183,7 +183,8 @@ class MemoryRuntime:
         previous = module.__dict__.get("forward")
         inner: Callable = module.forward
         if compiled:  # a checkpointed block's inputs are cloned by checkpointed_call already
-            inner = compile_block(inner if checkpointed else _cloning_inputs(inner), self.strategy.compiler)
+            cloning = getattr(module, MUTATES_INPUTS, False) and not checkpointed
+            inner = compile_block(_cloning_inputs(inner) if cloning else inner, self.strategy.compiler)
         elif chunked is not None:
             ctx = self._chunk_context(index, inner, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
@@ -326,9 +327,10 @@ def _storage_ptrs(tensors) -> set[int]:
 
 
 def _cloning_inputs(fn: Callable) -> Callable:
-    """fn on copies of its tensor arguments, made inside the compiled graph. Blocks that add residuals in place to
-    their input (ComfyUI's Flux: `x += ...`) would otherwise make the graph mutate a tensor the previous block saved
-    for its backward (autograd: "modified by an inplace operation")."""
+    """fn on copies of its tensor arguments, made inside the compiled graph, for blocks marked MUTATES_INPUTS. The
+    partitioner saves a graph input rather than a copy of it (it costs no memory), so a block that adds a residual
+    in place to its input (ComfyUI's Flux: `x += ...`) changed a tensor saved for backward (autograd: "modified by an
+    inplace operation"). Only for those blocks: a copy changes what the partitioner saves under a memory budget."""
     def cloned(*args, **kwargs):
         return fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
                   **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})

@@ -34,7 +34,7 @@ import comfy.model_sampling
 import comfy.sd
 import comfy.utils
 
-from ...memory.blocks import discover_blocks
+from ...memory.blocks import MUTATES_INPUTS, discover_blocks
 from ..lora.targets import LoraError
 from .adapter import ordinary_alias
 from .comfy_dynamic_vram import cast_to_model_dtypes, drop_dynamic_vram_state, share_dynamic_vram_state
@@ -84,6 +84,7 @@ def _guard_in_place_residuals(module: nn.Module) -> None:
         return norm_forward
 
     for block in discover_blocks(module):
+        setattr(block.module, MUTATES_INPUTS, True)  # compiled blocks work on copies (memory/runtime.py)
         for m in block.module.modules():
             if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm"):
                 m.forward = guarded(m.forward)
