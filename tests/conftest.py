@@ -9,4 +9,5 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
