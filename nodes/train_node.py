@@ -39,8 +39,9 @@ _VALIDATION_AND_LOSS_INPUTS = {
 
 class TightropeTrain:
     DESCRIPTION = ("Trains the LoRA for N steps under the memory strategy, with a progress bar; interrupting saves "
-                   "the LoRA and training state of the last completed step (`tightrope run --resume` continues from "
-                   "it). Wire its session into another Train node to go on.")
+                   "the LoRA of the last completed step (and its training state, which `tightrope run --resume` "
+                   "continues from when the workflow runs headless). Wire its session into another Train node to go "
+                   "on.")
     CATEGORY = "Tightrope/train"
     RETURN_TYPES = ("TIGHTROPE_SESSION", "MODEL", "STRING")
     RETURN_NAMES = ("session", "model", "report")
@@ -109,6 +110,9 @@ class TightropeTrain:
             resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
             validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir))
         if result.interrupted:
+            new = result.saved[len(session.saved) if session is not None else 0:]
+            host.notify(f"Train node {unique_id} interrupted at step {result.step}: "
+                        + (f"its LoRA is saved in '{new[-1]}'" if new else "no step of this run had completed"))
             host.raise_interrupt()
         return (result, model_out, report)
 

@@ -71,9 +71,14 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         calls = []
         monkeypatch.setattr(host, "interrupt_requested", lambda: len(calls) >= 3)
         monkeypatch.setattr(host, "progress_reporter", lambda total: lambda d, t, loss: calls.append((d, t)))
+        notes = []
+        monkeypatch.setattr(host, "notify", notes.append)
         with pytest.raises(KeyboardInterrupt):  # the node ends the prompt as interrupted, after saving
             train_node(model, dataset, spec, strat, **kw)
         assert calls == [(1, 6), (2, 6), (3, 6)]
+        # the user is told which step was kept, and where (the last file the run saved)
+        assert notes[-1].startswith("Train node ") and " interrupted at step 3: its LoRA is saved in '" in notes[-1]
+        assert notes[-1].endswith(".safetensors'") and "rt/lora" in notes[-1]
         assert load_state(state_path(host.state_dir(), "rt/lora")).step == 3
         monkeypatch.setattr(host, "interrupt_requested", lambda: False)
         calls.clear()
