@@ -53,7 +53,8 @@ class TightropeLoadDataset:
 
     def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none"):
         return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
-                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask),)
+                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask,
+                                    progress=host.work_progress("encoding images")),)
 
 
 class TightropeDatasetFromLatents:

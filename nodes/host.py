@@ -136,6 +136,32 @@ def progress_reporter(total: int) -> Callable[[int, int, float], None]:
     return report
 
 
+def work_progress(what: str) -> Callable[[int, int], None]:
+    """progress(done, total) for work before training (encoding a dataset): ComfyUI's progress bar, which also ends
+    the work when the user interrupts (ComfyUI's own interrupt exception); a tqdm bar headless (rank 0)."""
+    bars: dict = {}
+    if in_comfyui():
+        import comfy.model_management
+        import comfy.utils
+
+        def report(done: int, total: int) -> None:
+            comfy.model_management.throw_exception_if_processing_interrupted()
+            bar = bars.get("bar") or bars.setdefault("bar", comfy.utils.ProgressBar(total))
+            bar.update_absolute(done, total)
+        return report
+    if not is_main():
+        return lambda done, total: None
+    from tqdm import tqdm
+
+    def report_tqdm(done: int, total: int) -> None:
+        bar = bars.get("bar") or bars.setdefault("bar", tqdm(total=total, desc=what, unit="image", dynamic_ncols=True))
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+    return report_tqdm
+
+
 def interrupt_requested() -> bool:
     if in_comfyui():
         import comfy.model_management

@@ -190,3 +190,20 @@ def test_from_tensors(tmp_path):
     ds = TrainingDataset.from_tensors(latents, contexts, pooled, caption_dropout=1.0,
                                       empty_context=torch.zeros(1, 5, 64), empty_pooled=torch.zeros(1, 32))
     assert all(b["context"].abs().sum() == 0 for b in _take(ds.batches(1, seed=0), 6))
+
+
+def test_encoding_reports_progress_and_an_interrupt_keeps_what_was_encoded(demo, tmp_path):
+    """Load Dataset encoded a whole folder with no progress bar and no way to stop it: it reports each image now,
+    and an interrupt raised by the report stops the encoding; the next load encodes only what was left."""
+    seen = []
+
+    def interrupting(done, total):
+        seen.append((done, total))
+        if done == 5:
+            raise KeyboardInterrupt("interrupted while encoding")
+    with pytest.raises(KeyboardInterrupt, match="while encoding"):
+        _build(demo, tmp_path / "cache", progress=interrupting)
+    assert seen == [(k, 16) for k in range(1, 6)]  # the report after each image, then the stop
+    seen.clear()
+    resumed, image_calls, _ = _build(demo, tmp_path / "cache", progress=lambda d, t: seen.append((d, t)))
+    assert (resumed.image_cache_hits, image_calls) == (5, 11) and seen == [(k, 16) for k in range(1, 17)]

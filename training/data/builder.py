@@ -24,10 +24,10 @@ def encoders_for(vae: Any, clip: Any) -> tuple[ImageEncoder, TextEncoder]:
 
 def dataset_from_folder(folder: str | Path, vae: Any, clip: Any, *, resolution: int, caption_dropout: float,
                         use_repeats: bool, strict: bool, cache_dir: Path | None,
-                        mask: str = "none") -> TrainingDataset:
+                        mask: str = "none", progress=None) -> TrainingDataset:
     image, text = encoders_for(vae, clip)
     return TrainingDataset(folder, image, text, max_pixels=resolution * resolution, caption_dropout=caption_dropout,
-                           use_repeats=use_repeats, strict=strict, cache_dir=cache_dir, mask=mask)
+                           use_repeats=use_repeats, strict=strict, cache_dir=cache_dir, mask=mask, progress=progress)
 
 
 def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropout: float = 0.0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +84,13 @@ class TrainingDataset(EpochBatches):
     def __init__(self, folder: str | Path, image_encoder: ImageEncoder, text_encoder: TextEncoder, *,
                  max_pixels: int = 512 * 512, multiple: int | None = None, use_repeats: bool = True,
                  caption_dropout: float = 0.0, cache_dir: str | Path | None = None, strict: bool = True,
-                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, mask: str = "none"):
+                 max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, mask: str = "none",
+                 progress: Callable[[int, int], None] | None = None):
         """multiple: bucket sides are multiples of this; default downscale * 2 (a patch-2 transformer
         like Flux). use_repeats=False ignores kohya N_name repeat counts. mask: 'none', 'mask_files' or 'alpha'
-        (training/masks.py): a loss mask per image, cached with its latent."""
+        (training/masks.py): a loss mask per image, cached with its latent. progress(done, total) after each image
+        (a ComfyUI progress bar); what it raises (an interrupt) stops the encoding, and the images encoded so far
+        stay in the cache."""
         downscale = int(image_encoder.downscale)
         multiple = downscale * 2 if multiple is None else multiple
         if multiple < 1 or multiple % downscale:
@@ -105,7 +109,9 @@ class TrainingDataset(EpochBatches):
         self._empty_text = text_index.get("")
 
         samples, repeats, problems, upscaled = [], [], [], []
-        for entry in entries:
+        for k, entry in enumerate(entries):
+            if progress is not None and k:
+                progress(k, len(entries))
             try:
                 latent, shape, weights = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
                                                             max_image_pixels, upscaled, masks.get(entry.path))
@@ -115,6 +121,8 @@ class TrainingDataset(EpochBatches):
                 continue
             samples.append(_Sample(latent, shape, entry.caption, text_index[entry.caption], weights))
             repeats.append(entry.repeats if use_repeats else 1)
+        if progress is not None:
+            progress(len(entries), len(entries))
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
         warn_upscaled(upscaled)
