@@ -146,19 +146,21 @@ def work_progress(what: str) -> Callable[[int, int], None]:
 
         def report(done: int, total: int) -> None:
             comfy.model_management.throw_exception_if_processing_interrupted()
-            bar = bars.get("bar") or bars.setdefault("bar", comfy.utils.ProgressBar(total))
-            bar.update_absolute(done, total)
+            if "bar" not in bars:  # the total is known once the folder is scanned
+                bars["bar"] = comfy.utils.ProgressBar(total)
+            bars["bar"].update_absolute(done, total)
         return report
     if not is_main():
         return lambda done, total: None
     from tqdm import tqdm
 
     def report_tqdm(done: int, total: int) -> None:
-        bar = bars.get("bar") or bars.setdefault("bar", tqdm(total=total, desc=what, unit="image", dynamic_ncols=True))
-        bar.n = done
-        bar.refresh()
+        if "bar" not in bars:
+            bars["bar"] = tqdm(total=total, desc=what, unit="image", dynamic_ncols=True)
+        bars["bar"].n = done
+        bars["bar"].refresh()
         if done >= total:
-            bar.close()
+            bars["bar"].close()
     return report_tqdm
 
 
