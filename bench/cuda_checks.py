@@ -59,8 +59,9 @@ def two_stream():
 
 def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
     """Eager: offload 0 / 0.5 / 1 x checkpoint off / all x activation offload; plus prefetch depth 2 and every-2nd,
-    and token chunks (offload 1 + checkpoint all + activation offload; offload 0.5 alone).
-    tiny: three of them that still cover weight streaming with and without checkpointing and activation offload."""
+    and token chunks (offload 1 + checkpoint all + activation offload; offload 0.5 alone), and the first of those with
+    the optimizer on the host. tiny: four of them (the optimizer on the host, and three that still cover weight
+    streaming with and without checkpointing and activation offload)."""
     out = []
     for off, ckpt, act in itertools.product((0.0, 0.5, 1.0), ("off", "all"), (False, True)):
         if act and ckpt == "off":
@@ -74,7 +75,10 @@ def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
              Strategy.of(compute_dtype="fp32", offload_fraction=off, checkpoint=ckpt, activation_offload=act,
                          token_chunks=3))  # the test model's blocks have chunked forwards (two_stream.py)
             for off, ckpt, act in ((1.0, "all", True), (0.5, "off", False))]
-    return [out[k] for k in (3, 8, 9)] if tiny else out
+    out.append(("off1 ckpt-all actoff chunks3 optoff",  # AdamW on the host: training/host_optimizer.py
+                Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", activation_offload=True,
+                            token_chunks=3, optimizer_offload=True)))
+    return [out[k] for k in (3, 8, 9, -1)] if tiny else out
 
 
 def compiled_matrix(backend: str) -> list[tuple[str, Strategy]]:

@@ -43,6 +43,8 @@ def strategy_label(s: Strategy) -> str:
         parts.append(f"chunks{ckpt.token_chunks}")
     if s.compiler.per_block:
         parts.append(f"compile@{s.compiler.activation_memory_budget:g}")
+    if s.optimizer.enabled:
+        parts.append("optoff")
     return " ".join(parts)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory.runtime import MemoryRuntime
+from ..training.host_optimizer import HostOptimizer
 from . import allocator_trace
 from .grid import BenchConfig
 from .models import BenchModel
@@ -38,12 +39,15 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
         with MemoryRuntime(model, config.strategy, device) as rt:
             record["offloaded_blocks"] = len(rt.offloaded)
             record["weights_on_device_bytes"] = rt.device_weight_bytes()
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=1e-5)
-            for _ in range(warmup + steps):
-                steps_data.append(_one_step(model, rt, opt, inputs, target, device))
-            if trace and device.type == "cuda":
-                record["allocator_trace"] = _traced_step(model, rt, opt, inputs, target, device)
+            opt = _optimizer(model, config.strategy, device)
+            try:
+                for _ in range(warmup + steps):
+                    steps_data.append(_one_step(model, rt, opt, inputs, target, device))
+                if trace and device.type == "cuda":
+                    record["allocator_trace"] = _traced_step(model, rt, opt, inputs, target, device)
+            finally:
+                if isinstance(opt, HostOptimizer):
+                    opt.close()
             del opt
     except torch.cuda.OutOfMemoryError as exc:
         record.update(oom=True, error=str(exc).splitlines()[0])
@@ -121,6 +125,15 @@ def _traced_step(model, rt: MemoryRuntime, opt, inputs, target, device: torch.de
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     result.update(step_peak_reserved=data["peak_reserved"], step_peak_allocated=data["peak_allocated"])
     return result
+
+
+def _optimizer(model, strategy, device: torch.device):
+    """AdamW over the LoRA: on the device, or on the host (fused) when the strategy offloads the optimizer."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not strategy.optimizer.enabled:
+        return torch.optim.AdamW(list(params.values()), lr=1e-5)
+    return HostOptimizer(params, lambda host: torch.optim.AdamW(list(host.values()), lr=1e-5, fused=True), device,
+                         pin=strategy.offload.pin_memory)
 
 
 def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:

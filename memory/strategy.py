@@ -2,7 +2,7 @@
 
 A `Strategy` composes one small config per memory policy (as torchtitan composes its activation-checkpoint
 policies): `LayerOffloadConfig`, `CheckpointConfig`, `ActivationOffloadConfig`, `CompileConfig`, `PrecisionConfig`,
-`ShardingConfig`, plus the model's block lists (each config's JSON and checks: `config_base.py`). Each config validates its own fields; the checks between policies live in one place,
+`ShardingConfig`, `OptimizerOffloadConfig`, plus the model's block lists (each config's JSON and checks: `config_base.py`). Each config validates its own fields; the checks between policies live in one place,
 `Strategy.__post_init__`; and one method, `Strategy.keeps(i)`, answers what block i keeps for backward, for the
 runtime, the cost model, the planner and the FLOP counter alike.
 
@@ -208,9 +208,25 @@ class ShardingConfig(_Part):
         return self.mode != "off"
 
 
+@dataclass(frozen=True, kw_only=True)
+class OptimizerOffloadConfig(_Part):
+    """Optimizer offload (`training/host_optimizer.HostOptimizer`): the trainable weights' gradients and optimizer
+    state live in host memory and the optimizer steps on the CPU (ZeRO-Offload's split, for a LoRA)."""
+    FLAT = {"enabled": "optimizer_offload"}
+
+    enabled: bool = False
+    """Copy each LoRA gradient to host memory as soon as backward completes it (freeing it on the device), keep the
+    optimizer's state there, step on the CPU and copy the updated LoRA back: the device holds no gradients at the
+    peak and no optimizer state (AdamW: 12 bytes per LoRA weight less), for a CPU optimizer step per step."""
+
+    def __post_init__(self) -> None:
+        self.check_bool("optimizer_offload", self.enabled)
+
+
 _PARTS: dict[str, type[_Part]] = {"offload": LayerOffloadConfig, "checkpointing": CheckpointConfig,
                                   "activations": ActivationOffloadConfig, "compiler": CompileConfig,
-                                  "precision": PrecisionConfig, "sharding": ShardingConfig}
+                                  "precision": PrecisionConfig, "sharding": ShardingConfig,
+                                  "optimizer": OptimizerOffloadConfig}
 # flat name (node widget, 0.1 JSON key) -> (part, field)
 FLAT_FIELDS: dict[str, tuple[str, str]] = {flat: (part, name) for part, cls in _PARTS.items()
                                            for name, flat in cls.FLAT.items()}
@@ -230,6 +246,8 @@ class Strategy:
     """Compute and weight dtypes."""
     sharding: ShardingConfig = ShardingConfig()
     """Whether the blocks' frozen weights are sharded over the data-parallel ranks (a strategy without it: off)."""
+    optimizer: OptimizerOffloadConfig = OptimizerOffloadConfig()
+    """Whether the LoRA's gradients and optimizer state live in host memory (the optimizer steps on the CPU)."""
     block_lists: tuple[str, ...] | None = None
     """Dotted names of the model's sequential block lists, in execution order, when discovery does not find them."""
 
@@ -260,6 +278,11 @@ class Strategy:
                 "frozen weights live (FSDP keeps 1/N of each block per GPU and all-gathers it block by block); set "
                 "offload_fraction=0 and no offload_blocks in the Memory Strategy node, or shard='off' (run without "
                 "--fsdp) to offload instead")
+        if self.sharding.active and self.optimizer.enabled:
+            raise StrategyError(
+                f"Strategy.optimizer_offload=True does not work with shard={self.sharding.mode!r} (--fsdp) yet: the "
+                "sharded blocks' LoRA weights are split over the ranks; set optimizer_offload=False in the Memory "
+                "Strategy node, or run without --fsdp to offload the optimizer")
         if self.compiler.partitions and self.checkpointing.mode != "off":
             raise StrategyError(
                 f"Strategy.checkpoint={self.checkpointing.mode!r} does not combine with compile='per_block' at "

@@ -67,6 +67,11 @@ class TightropeMemoryStrategy:
                                      "tooltip": "Run each block's token-wise layers in this many chunks, recomputed "
                                                 "in backward: a much smaller per-block working set at high "
                                                 "resolution for one more forward of those layers. 1 = off."}),
+            "optimizer_offload": ("BOOLEAN", {"default": _D["optimizer_offload"],
+                                              "tooltip": "Keep the LoRA's gradients and optimizer state in host "
+                                                         "memory and step the optimizer on the CPU: 12 bytes less GPU "
+                                                         "memory per LoRA weight with AdamW, for a CPU step per "
+                                                         "step. Not with adamw8bit or schedule-free."}),
         }}
 
     @classmethod
@@ -74,8 +79,9 @@ class TightropeMemoryStrategy:
         """Before anything runs: every widget in range, and (manual mode) the fields fit together."""
         names = [n for n in cls.INPUT_TYPES()["required"] if n not in ("mode", "vram_budget_gb")]
         fields = {n: inputs.get(n) for n in names}
-        if "token_chunks" in inputs:  # optional: workflows saved before it existed leave it out
-            fields["token_chunks"] = inputs["token_chunks"]
+        for name in ("token_chunks", "optimizer_offload"):  # optional: workflows saved before them leave them out
+            if name in inputs:
+                fields[name] = inputs[name]
 
         def fields_fit():
             if inputs.get("mode") == "manual" and None not in fields.values():  # linked values are not known yet

@@ -17,6 +17,7 @@ from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
 from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
+from .host_optimizer import check_offloadable
 from .optimizer import optimizer_class
 from .state.atomic_write import OutputPathError, safe_output_path
 from .train_config import ConfigError
@@ -89,5 +90,7 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
+    if session.strategy.optimizer.enabled:
+        check_offloadable(cfg.optimizer)  # one that cannot step on the host
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package
     return data, validation_set

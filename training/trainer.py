@@ -33,7 +33,8 @@ from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
-from .optimizer import learning_rate_at, load_optimizer_state, make_optimizer
+from .host_optimizer import gradient_holders, optimizer_for, updated_weights
+from .optimizer import learning_rate_at, load_optimizer_state
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
 from .run_monitor import RunMonitor
@@ -122,12 +123,15 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
-                optimizer = make_optimizer(params, cfg, device)
+                optimizer = optimizer_for(params, cfg, strategy, device)  # on the host under optimizer offload
+                if hasattr(optimizer, "close"):
+                    ending.callback(optimizer.close)
                 if session.optimizer_state is not None:
                     load_optimizer_state(optimizer, clone_state(session.optimizer_state), list(params),
                                          cfg.weight_decay)
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
-                run.ema = CpuEma(_ema_weights(params, optimizer), cfg.ema_decay, session.ema_state) \
+                run.ema = CpuEma(_ema_weights(updated_weights(optimizer, params), optimizer), cfg.ema_decay,
+                                 session.ema_state) \
                     if cfg.ema_decay else None
                 try:
                     _loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save, progress,
@@ -183,9 +187,10 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
         with seeding.forked(runtime.device):  # the step's loss: the mean over its images (_step_batches)
             loss = sum(_micro_step(parts, batch, cfg, run.step, k, scaler, share)
                        for k, (batch, share) in enumerate(_step_batches(batches, cfg.grad_accumulation)))
-        loss = distributed.all_reduce_gradients(parts.params.values(), loss)  # global-batch mean (no-op: 1 process)
+        grads = gradient_holders(optimizer, parts.params)  # host copies under optimizer offload, once landed
+        loss = distributed.all_reduce_gradients(grads.values(), loss)  # global-batch mean (no-op: 1 process)
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
-            _update(cfg, run, optimizer, parts.params, scaler, loss)
+            _update(cfg, run, optimizer, grads, scaler, loss)
             optimizer.zero_grad(set_to_none=True)
             if run.ema is not None:
                 run.ema.update()

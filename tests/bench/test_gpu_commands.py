@@ -54,15 +54,19 @@ def test_gpu_check_dry_run(tmp_path):
     sections = data["sections"]
     equivalence, ordering = sections["equivalence"], sections["stream_ordering"]
     assert [r["config"] for r in equivalence] == ["off0.5 ckpt-off", "off1 ckpt-all actoff",
-                                                  "off0.5 ckpt-every2 actoff depth2"]
+                                                  "off0.5 ckpt-every2 actoff depth2",
+                                                  "off1 ckpt-all actoff chunks3 optoff"]
     assert all("max_diff[cpu]" in r for r in equivalence + ordering)  # the plain spelling matched the reference
     assert [r["injection"] for r in ordering] == ["sleep on compute stream", "sleep on copy streams"]
     assert sections["leak_test"]["passed"] and sections["leak_test"]["counts"]["tests"] == 1
     headline = sections["headline"]["configs"]
-    # the planner's least-peak configuration (depth 0, token chunks) included, and the unchunked one before it
-    assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"], r["strategy"]["token_chunks"])
-            for r in headline] == [(0.9, 1, 1), (1.0, 1, 1), (1.0, 0, 1), (1.0, 1, 8), (1.0, 0, 8), (0.0, 1, 1),
-                                   (0.0, 1, 8)]
+    # the planner's least-peak configuration (depth 0, token chunks, the optimizer on the host) included, and the
+    # ones without each of those before it
+    assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"], r["strategy"]["token_chunks"],
+             r["strategy"]["optimizer_offload"]) for r in headline] == [
+        (0.9, 1, 1, False), (1.0, 1, 1, False), (1.0, 0, 1, False), (1.0, 1, 8, False), (1.0, 0, 8, False),
+        (1.0, 0, 8, True), (0.0, 1, 1, False), (0.0, 1, 8, False), (0.0, 1, 8, True)]
+    assert headline[5]["opt_s"] > 0 and "optoff" in headline[5]["label"]
     assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
     assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
 
@@ -129,7 +133,7 @@ def test_a_configuration_that_crashes_is_a_failed_row_and_the_rest_still_run(tmp
     gpu_check._summarise_headline(run, headline)
     rows = headline["configs"]
     crashed = [r for r in rows if r.get("failed")]
-    assert len(rows) == 7 and [r["strategy"]["token_chunks"] for r in crashed] == [8]
+    assert len(rows) == 9 and [r["strategy"]["token_chunks"] for r in crashed] == [8]
     assert crashed[0]["error"] == "ValueError: chunked block: shapes do not match (simulated)"
     assert "Traceback" in crashed[0]["traceback"] and not measure.skipped(rows[-1])  # the twin after it ran
     assert all(r["bound_s"] > 0 for r in rows if not r.get("failed") and r["strategy"]["offload_fraction"] > 0)

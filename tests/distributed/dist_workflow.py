@@ -2,9 +2,9 @@
 
 
 def workflow(*, images: int = 9, steps: int = 4, learning_rate: float = 1e-3, batch_size: int = 4,
-             grad_accumulation: int = 1,
+             grad_accumulation: int = 1, optimizer_offload: bool = False,
              offload_fraction: float = 0.5, checkpoint: str = "every_n", prefix: str = "dist/lora") -> dict:
-    return {
+    graph = {
         "1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}},
         "2": {"class_type": "TightropeDemoEncoders", "inputs": {"seed": 0}},
         "3": {"class_type": "TightropeDemoImages",
@@ -32,3 +32,6 @@ def workflow(*, images: int = 9, steps: int = 4, learning_rate: float = 1e-3, ba
         "8": {"class_type": "TightropeSaveLora", "inputs": {"session": ["7", 0], "filename_prefix": prefix}},
         "9": {"class_type": "TightropePlots", "inputs": {"session": ["7", 0], "filename_prefix": "dist/plot"}},
     }
+    if optimizer_offload:  # an optional input: workflows saved before it leave it out
+        graph["6"]["inputs"]["optimizer_offload"] = True
+    return graph

@@ -80,7 +80,8 @@ def runs(tmp_path_factory):
     """The small demo workflow (9 images, batch 4: batches of 4, 4 and 1, so one rank's part is empty; 2
     micro-batches per step) once in one process, once on 2 processes, once on 2 processes with --fsdp."""
     tmp = tmp_path_factory.mktemp("torchrun")
-    for name, kwargs in (("layer_offload", {"offload_fraction": 0.5}), ("resident", {"offload_fraction": 0.0})):
+    for name, kwargs in (("layer_offload", {"offload_fraction": 0.5}), ("resident", {"offload_fraction": 0.0}),
+                         ("optimizer_offload", {"offload_fraction": 0.5, "optimizer_offload": True})):
         graph = workflow(steps=STEPS, learning_rate=LEARNING_RATE, grad_accumulation=2, **kwargs)
         (tmp / f"{name}.json").write_text(json.dumps(graph))
     entry = "torchrun_entry.py"
@@ -89,6 +90,8 @@ def runs(tmp_path_factory):
         "dp": _launch(tmp, "dp", entry, ["run", str(tmp / "layer_offload.json"), "--output-dir", "{out}"], 2),
         "fsdp": _launch(tmp, "fsdp", entry, ["run", str(tmp / "resident.json"), "--output-dir", "{out}", "--fsdp"],
                         2),
+        "dp_host_optimizer": _launch(tmp, "dp_host_optimizer", entry,
+                                     ["run", str(tmp / "optimizer_offload.json"), "--output-dir", "{out}"], 2),
     }
 
 
@@ -109,9 +112,11 @@ def _recorded(run, kind: str, step: int) -> list[torch.Tensor]:
     return [record[f"{kind}{step}.{i}"] for i in range(count)]
 
 
-def _assert_same_lora(run, reference_run):
+def _assert_same_lora(run, reference_run, fused: bool = False):
     """Same start, first-step gradients equal up to rounding, first-step weights within what Adam makes of that, and
-    every later step exactly what AdamW makes of the recorded gradients."""
+    every later step exactly what AdamW makes of the recorded gradients (`fused`: the run's AdamW is the fused one,
+    as optimizer offload's on the host; it rounds differently from the loop in the last bit of an update, far under
+    the weights' ulp that the step-1 bound allows)."""
     w0, want_w0 = _recorded(run, "weight", 0), _recorded(reference_run, "weight", 0)
     assert len(w0) == len(want_w0) > 0 and all(torch.equal(a, b) for a, b in zip(w0, want_w0))
     g0, want_g0 = _recorded(run, "grad", 0), _recorded(reference_run, "grad", 0)
@@ -125,7 +130,7 @@ def _assert_same_lora(run, reference_run):
     worst = max((a - b).abs().max().item() for a, b in zip(w1, want_w1))
     assert worst <= bound, (f"weights after step 1 differ by up to {worst}, more than the {bound} that first-step "
                             f"gradient differences of up to {worst_dg} allow")
-    _assert_weights_follow_adamw(run)
+    _assert_weights_follow_adamw(run, fused)
     _assert_weights_follow_adamw(reference_run)
     (path,), (reference,) = _loras(run["out"]), _loras(reference_run["out"])
     (got, meta), (want, _) = read_lora_file(path), read_lora_file(reference)
@@ -133,11 +138,11 @@ def _assert_same_lora(run, reference_run):
     assert meta["tightrope.steps"] == str(STEPS)
 
 
-def _assert_weights_follow_adamw(run):
+def _assert_weights_follow_adamw(run, fused: bool = False):
     """Replay: plain AdamW (and gradient clipping at the workflow's max_grad_norm, 1.0) on the recorded gradients
     from the recorded first weights gives every recorded later weight bit for bit (same ops on the same CPU)."""
     params = [torch.nn.Parameter(w.clone()) for w in _recorded(run, "weight", 0)]
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0, fused=fused)
     for step in range(STEPS - 1):
         for p, g in zip(params, _recorded(run, "grad", step)):
             p.grad = g.clone()
@@ -152,6 +157,15 @@ def test_two_processes_train_what_one_process_trains(runs):
     for rank in (0, 1):  # every rank reports the global-batch loss
         _assert_same_losses(dp["records"][rank]["losses"], single["records"][0]["losses"])
     _assert_same_lora(dp, single)
+
+
+def test_two_processes_with_the_optimizer_on_the_host_train_what_one_process_trains(runs):
+    """Optimizer offload under data parallel: the host gradients are all-reduced (gloo, the CPU's backend) and the
+    fused host AdamW steps them; the recorded gradients are the host ones (what that optimizer sees)."""
+    single, dp = runs["single"], runs["dp_host_optimizer"]
+    for rank in (0, 1):
+        _assert_same_losses(dp["records"][rank]["losses"], single["records"][0]["losses"])
+    _assert_same_lora(dp, single, fused=True)
 
 
 def test_only_rank_0_writes_and_reports(runs):

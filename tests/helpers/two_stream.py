@@ -10,6 +10,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from tightrope.memory.token_chunks import register_chunked_forward, token_slices
+from tightrope.training.host_optimizer import HostOptimizer, gradient_holders
 from tightrope.training.lora.linear_columns import linear_columns
 
 
@@ -172,8 +173,11 @@ def make_batch(seed=1, b=2, n_img=12, n_txt=5, d_in=8):
 
 
 def train_steps(model, steps=2, runtime=None, lr=1e-2):
-    """Losses and LoRA gradients (cloned, on CPU) of `steps` AdamW steps."""
+    """Losses and LoRA gradients (cloned, on CPU) of `steps` AdamW steps; under a runtime whose strategy offloads the
+    optimizer, AdamW steps on the host (training/host_optimizer.py) and the gradients are read there."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if runtime is not None and runtime.strategy.optimizer.enabled:
+        return _train_steps_offloaded(model, params, steps, runtime, lr)
     opt = torch.optim.AdamW(params.values(), lr=lr)
     losses, grads = [], []
     for step in range(steps):
@@ -190,4 +194,25 @@ def train_steps(model, steps=2, runtime=None, lr=1e-2):
         grads.append({n: p.grad.detach().cpu().clone() for n, p in params.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+def _train_steps_offloaded(model, params, steps, runtime, lr):
+    optimizer = HostOptimizer(params, lambda host: torch.optim.AdamW(host.values(), lr=lr), runtime.device,
+                              pin=runtime.strategy.offload.pin_memory)
+    losses, grads = [], []
+    try:
+        for step in range(steps):
+            inputs, target = make_batch(seed=100 + step)
+            inputs, target = {k: v.to(runtime.device) for k, v in inputs.items()}, target.to(runtime.device)
+            runtime.start_step()
+            loss = F.mse_loss(model(**inputs), target)
+            loss.backward()
+            runtime.end_step()
+            losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in gradient_holders(optimizer, params).items()})
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        optimizer.close()
     return losses, grads

@@ -42,6 +42,16 @@ def test_token_chunks(offload, ckpt, act, chunks):
     assert_equivalent(run_managed(s))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cpu:0"])
+def test_optimizer_offload(device):
+    """The optimizer on the host (training/host_optimizer.py) under offload, checkpointing, activation offload and
+    token chunks, the device spelled without and with an index: its gradients (read on the host) and losses are
+    the plain run's."""
+    s = Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True, compute_dtype="fp32",
+                    token_chunks=3, optimizer_offload=True)
+    assert_equivalent(run_managed(s, device=device))
+
+
 def test_prefetch_depths_and_policies():
     for kw in ({"prefetch_depth": 0}, {"prefetch_depth": 3}, {"offload_policy": "first"},
                {"offload_policy": "last"}, {"offload_blocks": (1, 4)}):

@@ -15,7 +15,7 @@ def test_json_round_trip_is_tagged_by_part():
                     compute_dtype="fp16", block_lists=("blocks",))
     data = json.loads(s.to_json())
     assert set(data) == {"offload", "checkpointing", "activations", "compiler", "precision", "sharding",
-                         "block_lists"}
+                         "optimizer", "block_lists"}
     assert data["offload"]["blocks"] == [1, 3]
     assert data["checkpointing"] == {"mode": "every_n", "every": 3, "token_chunks": 1}
     again = Strategy.from_json(s.to_json())

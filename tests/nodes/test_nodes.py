@@ -101,6 +101,9 @@ def test_strategy_node_validates():
     assert s.offload.fraction == 0.5 and s.checkpointing.mode == "all"
     with pytest.raises(StrategyError, match="offload_fraction=1.5"):
         TightropeMemoryStrategy().make(**_strategy_inputs(offload_fraction=1.5))
+    (offloaded,) = TightropeMemoryStrategy().make(**_strategy_inputs(optimizer_offload=True))
+    assert offloaded.optimizer.enabled and not s.optimizer.enabled  # optional: left out, off
+    assert TightropeMemoryStrategy.VALIDATE_INPUTS(**_strategy_inputs(optimizer_offload=True)) is True
 
 
 def _train_widgets(**kw):

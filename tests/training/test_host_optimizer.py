@@ -1,0 +1,180 @@
+"""Optimizer offload (training/host_optimizer.py): the optimizer steps host copies of the LoRA, the gradients leave
+the device as backward completes each, and the numbers are the device optimizer's.
+
+On the CPU the "device" and the host are the same memory, so what is modelled and counted here is what the GPU run
+depends on: the updates (bit for bit, with the same optimizer implementation), that a gradient never outlives the
+hook that copies it out (at most one on the device at any time), one host copy of each weight, the micro-batches
+adding up on the host, page-locked buffers that no copy straddles, and a state that goes on with the offload on or
+off."""
+import mmap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from demo_setup import demo_session
+from fake_cudart import FakeCudart, StraddleCheck
+from two_stream import make_batch, make_lora_model
+
+from tightrope.memory.host_pinning import interior_ranges, storage_spans
+from tightrope.memory.strategy import Strategy, StrategyError
+from tightrope.training.host_optimizer import HostOptimizer, _page_aligned, gradient_holders
+from tightrope.training.optimizer import load_optimizer_state
+from tightrope.training.train_config import ConfigError
+from tightrope.training.trainer import train
+
+CPU = torch.device("cpu")
+OFFLOADED = dict(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all")
+
+
+def _adamw(params: dict) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)  # the loop implementation
+
+
+def _steps(model, optimizer, params, steps=3, micro=3, clip=0.5, during_backward=None):
+    """`steps` steps of `micro` micro-batches each, gradients clipped: the trainer's order of calls."""
+    losses = []
+    for step in range(steps):
+        for k in range(micro):
+            inputs, target = make_batch(seed=100 + 10 * step + k)
+            loss = F.mse_loss(model(**inputs), target) / micro
+            loss.backward()
+            losses.append(loss.item())
+        grads = gradient_holders(optimizer, params)
+        torch.nn.utils.clip_grad_norm_(list(grads.values()), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _lora(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_it_steps_exactly_as_the_device_optimizer_with_micro_batches_and_clipping():
+    plain_model, host_model = make_lora_model(), make_lora_model()
+    plain_params, host_params = _lora(plain_model), _lora(host_model)
+    plain = _steps(plain_model, _adamw(plain_params), plain_params)
+    optimizer = HostOptimizer(host_params, _adamw, CPU)
+    offloaded = _steps(host_model, optimizer, host_params)
+    assert offloaded == plain  # the same implementation on the same numbers: bit for bit
+    for name, p in host_params.items():
+        assert torch.equal(p, plain_params[name]), name
+        assert torch.equal(optimizer.host[name], p), name  # the copy back
+        assert optimizer.host[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    state = optimizer.state_dict()["state"]
+    assert len(state) == len(host_params) and all(v["exp_avg"].device == CPU for v in state.values())
+    nbytes = sum(p.numel() * p.element_size() for p in host_params.values())
+    assert optimizer.d2h_bytes == 3 * 3 * nbytes  # every micro-batch's gradients, once each
+    optimizer.close()
+
+
+def test_a_gradient_lives_on_the_device_only_until_its_hook_copies_it_out():
+    """The lifetime that saves the memory: whenever autograd completes a LoRA gradient, no other one is on the
+    device (the device optimizer's run has them all by the end of backward: the check fails there)."""
+    model = make_lora_model()
+    params = _lora(model)
+    on_device = []
+    for p in params.values():  # registered first: runs before the optimizer's own hook, sees its gradient arrive
+        p.register_post_accumulate_grad_hook(lambda _: on_device.append(sum(q.grad is not None
+                                                                             for q in params.values())))
+    optimizer = HostOptimizer(params, _adamw, CPU)
+    _steps(model, optimizer, params, steps=2, micro=2)
+    assert len(on_device) == 2 * 2 * len(params) and max(on_device) == 1
+    assert all(p.grad is None for p in params.values())
+    optimizer.close()
+    on_device.clear()
+    inputs, target = make_batch(seed=7)
+    F.mse_loss(model(**inputs), target).backward()  # closed: the hooks are gone, gradients stay on the device
+    assert max(on_device) == len(params)
+
+
+def test_host_buffers_are_page_locked_whole_and_no_copy_straddles_them():
+    fake = FakeCudart()
+    model = make_lora_model()
+    params = _lora(model)
+    optimizer = HostOptimizer(params, _adamw, CPU, cudart=fake)
+    registered = sorted(fake.live.items())
+    buffers = list(optimizer.host.values()) + optimizer._grads
+    for t in buffers:  # each weight's and gradient's bytes lie wholly inside a registered range
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        assert any(s <= a and a + n <= s + size for s, size in registered)
+    with StraddleCheck(fake) as check:
+        _steps(model, optimizer, params, steps=2, micro=2)
+    assert fake.live  # the staging buffer of the second micro-batch is registered too
+    assert check.blocking_pinned_copies == 0  # the copies back read page-locked memory, asynchronously
+    assert check.pinned_copies >= 2 * len(params)
+    optimizer.close()
+    assert not fake.live  # released at the end of the run
+
+
+def test_page_aligned_buffers_own_the_pages_they_lie_in():
+    page = mmap.PAGESIZE
+    for numel in (1, 1000, page // 4 + 3):
+        t = _page_aligned(numel, torch.float32)
+        (start, nbytes), = interior_ranges(storage_spans([t]))
+        assert t.data_ptr() == start and t.data_ptr() + t.nbytes <= start + nbytes
+
+
+def test_a_run_with_optimizer_offload_trains_as_one_without(tmp_path):
+    """The host step uses the fused CPU AdamW (the device one, on this CPU "device", the loop): the two differ in
+    rounding only, ~1 ulp of each update. 1e-4 of the training's own change leaves orders of magnitude above that
+    and below any real defect (a lost micro-batch or a stale weight changes updates by their own size)."""
+    base = train(demo_session(tmp_path, strategy=Strategy.of(**OFFLOADED), grad_accumulation=2), 3, device=CPU)
+    offloaded = train(demo_session(tmp_path, strategy=Strategy.of(**OFFLOADED, optimizer_offload=True),
+                                   grad_accumulation=2), 3, device=CPU)
+    change = max(v.abs().max().item() for k, v in base.lora_state.items() if "lora_B" in k)  # B starts at 0
+    assert change > 1e-3
+    for k, v in base.lora_state.items():
+        assert (offloaded.lora_state[k] - v).abs().max().item() <= 1e-4 * change, k
+    assert offloaded.losses == pytest.approx(base.losses, rel=1e-5)
+
+
+def test_a_session_goes_on_with_optimizer_offload_switched_on_or_off(tmp_path):
+    on, off = Strategy.of(**OFFLOADED, optimizer_offload=True), Strategy.of(**OFFLOADED)
+    whole = train(demo_session(tmp_path, strategy=on), 4, device=CPU)
+    halves = train(train(demo_session(tmp_path, strategy=on), 2, device=CPU), 2, device=CPU)
+    assert halves.losses == whole.losses  # exact resume with the offload on
+    for k, v in whole.lora_state.items():
+        assert torch.equal(v, halves.lora_state[k]), k
+    first = train(demo_session(tmp_path, strategy=on), 2, device=CPU)
+    switched = train(first.advanced(strategy=off), 2, device=CPU)  # the host state goes on on the device
+    assert switched.losses[:2] == whole.losses[:2] and switched.losses[2:] == pytest.approx(whole.losses[2:], rel=1e-5)
+    back = train(switched.advanced(strategy=on), 1, device=CPU)  # and back
+    assert back.step == 5 and all(torch.isfinite(torch.tensor(back.losses)))
+
+
+def test_a_state_keeps_the_loading_optimizers_implementation():
+    """A state saved by the fused host AdamW, loaded into the loop one, leaves it the loop one (torch's load would
+    make it fused), with its step count where the loop keeps it (CPU); and the reverse."""
+    host = torch.nn.Parameter(torch.ones(4))
+    fused = torch.optim.AdamW([host], lr=0.1, fused=True)
+    host.grad = torch.ones(4)
+    fused.step()
+    loop = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1)
+    load_optimizer_state(loop, fused.state_dict(), ["w"], 0.0)
+    assert not loop.param_groups[0]["fused"] and loop.state[loop.param_groups[0]["params"][0]]["step"].device == CPU
+    again = torch.optim.AdamW([torch.nn.Parameter(torch.ones(4))], lr=0.1, fused=True)
+    load_optimizer_state(again, loop.state_dict(), ["w"], 0.0)
+    assert again.param_groups[0]["fused"]
+
+
+def test_fp16_loss_scaling_unscales_the_host_gradients(tmp_path):
+    fp16 = dict(OFFLOADED, compute_dtype="fp16")
+    base = train(demo_session(tmp_path, strategy=Strategy.of(**fp16)), 2, device=CPU)
+    offloaded = train(demo_session(tmp_path, strategy=Strategy.of(**fp16, optimizer_offload=True)), 2, device=CPU)
+    assert offloaded.losses == pytest.approx(base.losses, rel=1e-4)
+    for k, v in base.lora_state.items():  # unscaled: a missed unscale would step by the scale (2**16) times more
+        torch.testing.assert_close(offloaded.lora_state[k], v, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw_schedulefree", "adamw8bit"])
+def test_an_optimizer_that_cannot_step_on_the_host_is_refused_before_training(tmp_path, name):
+    session = demo_session(tmp_path, strategy=Strategy.of(**OFFLOADED, optimizer_offload=True), optimizer=name)
+    with pytest.raises(ConfigError, match=rf"optimizer='{name}' does not work with optimizer_offload=True .*"
+                                          r"choose optimizer='adamw'.* or set optimizer_offload=False"):
+        train(session, 1, device=CPU)
+
+
+def test_optimizer_offload_and_fsdp_are_refused_together():
+    with pytest.raises(StrategyError, match=r"optimizer_offload=True does not work with shard='fsdp'"):
+        Strategy.of(optimizer_offload=True, shard="fsdp")
