@@ -12,14 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..training.models.training_only import TrainingOnly
+
 
 def _seed_from(text: str) -> int:
     """A stable 63-bit seed (Python's hash() is salted per process, so it can't be used)."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
-class DemoLatentCodec:
-    """The demo's stand-in for a VAE; not a real model.
+class DemoLatentCodec(TrainingOnly):
+    """The demo's stand-in for a VAE; not a real model (ComfyUI's VAE nodes cannot use it: TrainingOnly).
 
     encode: pixel-unshuffle by 2 (3 -> 12 channels at half resolution), append 4 zero channels, then mix
     the 16 channels with a fixed seeded orthogonal matrix so every latent channel carries signal.
@@ -28,6 +30,7 @@ class DemoLatentCodec:
 
     downscale = 2
     latent_channels = 16
+    WHAT, REAL_ONE = "VAE", "a real VAE (Load VAE)"
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -55,14 +58,17 @@ class DemoLatentCodec:
         return F.pixel_shuffle(x[:, :12], 2).to(latents.dtype)
 
 
-class DemoCaptionEmbedder:
-    """The demo's stand-in for text encoders (Flux's T5 + CLIP); not a real model.
+class DemoCaptionEmbedder(TrainingOnly):
+    """The demo's stand-in for text encoders (Flux's T5 + CLIP); not a real model (ComfyUI's text nodes cannot use it:
+    TrainingOnly).
 
     Each lower-cased word maps to a fixed random vector seeded by its blake2b digest, so the same
     caption gives the same embedding in every process. context: one row per word (truncated or padded
     to max_tokens with a fixed padding row); pooled: the mean of the words' pooled parts. The empty
     caption (caption dropout's "unconditional") gets its own fixed embedding.
     """
+
+    WHAT, REAL_ONE = "text encoder", "real text encoders (DualCLIPLoader) to encode prompts"
 
     def __init__(self, context_dim: int = 64, pooled_dim: int = 32, max_tokens: int = 16, seed: int = 0):
         self.context_dim, self.pooled_dim, self.max_tokens, self.seed = context_dim, pooled_dim, max_tokens, seed

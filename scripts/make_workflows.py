@@ -136,7 +136,8 @@ TRAIN.update(ema_decay=0.0, loss="mse", huber_delta=1.0, validation_fraction=0.0
 STRATEGY = {"mode": "manual", "vram_budget_gb": 0.0, "offload_fraction": 0.5, "offload_policy": "spread",
             "prefetch_depth": 1, "activation_offload": False, "checkpoint": "every_n", "checkpoint_every": 2,
             "compile": "off", "activation_memory_budget": 1.0, "compile_mode": "default", "compute_dtype": "fp32",
-            "weight_dtype": "auto", "pin_memory": True, "host_ram_budget_gb": 0.0, "token_chunks": 1}
+            "weight_dtype": "auto", "pin_memory": True, "host_ram_budget_gb": 0.0, "token_chunks": 1,
+            "optimizer_offload": False}
 
 
 def demo() -> dict:

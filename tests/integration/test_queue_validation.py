@@ -27,3 +27,32 @@ def test_a_bad_chain_is_refused_at_queue_time(comfy_server):
     assert "input 'learning_rate' is nan, not a finite number: use a value in 1e-07..1.0" in second_says
     assert "filename_prefix='../escape' contains '..'" in json.dumps(errors[save])
     assert not (comfy_server.base / "output" / "it_queue_check").exists()  # nothing ran
+
+
+def test_the_demo_stand_ins_in_comfyuis_own_nodes_say_they_are_training_only(comfy_server):
+    """The demo Flux and encoders travel on MODEL / CLIP wires (so Tightrope's nodes take them like loaded ones) but
+    are no ModelPatcher or CLIP: in ComfyUI's own nodes the error names that and the fix, not a bare missing
+    attribute from ComfyUI's code. (CLIPTextEncode runs before the KSampler that needs it; ModelSamplingFlux clones
+    its model first thing.)"""
+    g = Graph()
+    text = g.add("CLIPTextEncode", clip=[g.add("TightropeDemoEncoders", seed=0), 1], text="a red circle")
+    latent = g.add("EmptyLatentImage", width=64, height=64, batch_size=1)
+    g.sample([g.add("TightropeDemoModel", seed=0), 0], text, latent, prefix="it_demo_sampler")
+    assert _error(comfy_server, g) == ("CLIPTextEncode", "DemoCaptionEmbedder has no 'tokenize': it is Tightrope's "
+                                       "training-only text encoder, not a ComfyUI text encoder, so ComfyUI's own nodes "
+                                       "cannot use it; wire it to Tightrope's nodes only, or load real text encoders "
+                                       "(DualCLIPLoader) to encode prompts")
+    g = Graph()
+    patched = g.add("ModelSamplingFlux", model=[g.add("TightropeDemoModel", seed=0), 0], max_shift=1.15,
+                    base_shift=0.5, width=64, height=64)
+    g.add("TightropeSaveLora", session=[g.add("TightropeTrain", steps=1, model=[patched, 0]), 0])
+    node, message = _error(comfy_server, g)
+    assert node == "ModelSamplingFlux" and "ReferenceFluxModel has no 'clone': it is Tightrope's training-only " \
+        "model" in message and message.endswith("load a real model (Load Diffusion Model) to sample")
+
+
+def _error(server, graph: Graph) -> tuple[str, str]:
+    entry = server.wait(server.queue(graph.nodes), timeout=300, expect="error")
+    (error,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert error["exception_type"] == "AttributeError", error
+    return error["node_type"], error["exception_message"].strip()

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
 from .reference_flux import Flux
+from .training_only import TrainingOnly
 
 
 @runtime_checkable
@@ -41,9 +42,10 @@ class ModelAdapter(Protocol):
         """The MODEL with a trained LoRA applied at `strength`, as a new object: this one is left as it is."""
 
 
-class ReferenceFluxModel:
+class ReferenceFluxModel(TrainingOnly):
     """The embedded default's MODEL: our plain-PyTorch Flux (see reference_flux.py)."""
     family = "flux"
+    WHAT, REAL_ONE = "model", "a real model (Load Diffusion Model) to sample"
 
     def __init__(self, flux: Flux, base_name: str = "tightrope-reference-flux", *,
                  lora: tuple[LoraSpec, dict[str, torch.Tensor], float] | None = None):
