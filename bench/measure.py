@@ -80,6 +80,7 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
         peak_reserved_bytes=max(d["peak_reserved"] for d in steady),
         device_used_bytes=max(d["device_used"] for d in steady),
         h2d_bytes=med("h2d_bytes"), h2d_fwd_bytes=med("h2d_fwd_bytes"), d2h_bytes=med("d2h_bytes"),
+        grad_d2h_bytes=med("grad_d2h_bytes"),
         transfer_wait_s=med("wait_s"),
         compile_s=max(0.0, steps_data[0]["step_s"] - step_s),
         graphs_first_step=int(steps_data[0]["recompiles"]),
@@ -132,13 +133,19 @@ def _optimizer(model, strategy, device: torch.device):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not strategy.optimizer.enabled:
         return torch.optim.AdamW(list(params.values()), lr=1e-5)
-    return HostOptimizer(params, lambda host: torch.optim.AdamW(list(host.values()), lr=1e-5, fused=True), device,
-                         pin=strategy.offload.pin_memory)
+    return HostOptimizer(params, _host_adamw, device, pin=strategy.offload.pin_memory)
+
+
+def _host_adamw(host: dict) -> torch.optim.Optimizer:
+    try:
+        return torch.optim.AdamW(list(host.values()), lr=1e-5, fused=True)
+    except (RuntimeError, TypeError):  # a torch without the fused CPU kernel
+        return torch.optim.AdamW(list(host.values()), lr=1e-5)
 
 
 def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:
     rt.start_step()  # synchronises and resets CUDA peak stats
-    h2d_before = rt.counters()["h2d_bytes"]
+    h2d_before, grads_before = rt.counters()["h2d_bytes"], getattr(opt, "d2h_bytes", 0)
     t0 = time.perf_counter()
     with rt.autocast():
         out = model(**inputs)
@@ -157,6 +164,7 @@ def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str
             "peak_allocated": stats.peak_allocated_bytes, "peak_reserved": stats.peak_reserved_bytes,
             "device_used": stats.device_used_bytes,
             "h2d_bytes": stats.h2d_bytes, "h2d_fwd_bytes": h2d_fwd, "d2h_bytes": stats.d2h_bytes,
+            "grad_d2h_bytes": getattr(opt, "d2h_bytes", 0) - grads_before,  # optimizer offload's gradients
             "wait_s": stats.transfer_wait_s, "recompiles": stats.recompiles, "loss": float(loss.detach())}
 
 

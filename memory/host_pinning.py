@@ -56,7 +56,9 @@ class PinnedRanges:
         self.refused_bytes = 0
         self.unregister_failures: list[str] = []
 
-    def register(self, tensors: Iterable[torch.Tensor]) -> None:
+    def register(self, tensors: Iterable[torch.Tensor], *, read_only_ok: bool = True) -> None:
+        """Page-lock the tensors' storages' interior pages. read_only_ok=False: never fall back to a read-only
+        registration (for buffers the device writes into: gradients copied to the host)."""
         tensors = [t for t in tensors if not t.is_pinned()]
         if not tensors:
             return
@@ -68,7 +70,8 @@ class PinnedRanges:
         refused, reason = 0, ""
         for start, nbytes in interior_ranges(storage_spans(tensors)):
             code = self._try(cudart, start, nbytes, 0)
-            if code not in (0, ALREADY_REGISTERED) and self._try(cudart, start, nbytes, READ_ONLY) == 0:
+            if code not in (0, ALREADY_REGISTERED) and read_only_ok and \
+                    self._try(cudart, start, nbytes, READ_ONLY) == 0:
                 code = 0  # a read-only mapping: the device only reads it
             if code == 0:
                 self.registered.append((start, nbytes))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import warnings
 from typing import Callable
 
 import torch
@@ -54,17 +55,21 @@ def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + numel * dtype.itemsize].view(dtype)
 
 
-def _flat_like(tensors: list[torch.Tensor], pinned: PinnedRanges | None) -> list[torch.Tensor]:
-    """Host tensors shaped like `tensors`, views into one flat buffer per dtype (page-locked when `pinned`)."""
+def _flat_like(tensors: list[torch.Tensor], pinned: PinnedRanges | None) -> tuple[list[torch.Tensor], bool]:
+    """Host tensors shaped like `tensors`, views into one flat buffer per dtype, page-locked when `pinned` (never
+    read-only: the device writes into some); and whether all of them are page-locked."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    locked = pinned is not None
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = _page_aligned(sum(tensors[i].numel() for i in index), dtype)
         if pinned is not None:
-            pinned.register([flat])
+            refused = pinned.refused_bytes
+            pinned.register([flat], read_only_ok=False)
+            locked = locked and pinned.refused_bytes == refused
         for i, view in zip(index, flat.split([tensors[i].numel() for i in index])):
             out[i] = view.view(tensors[i].shape)
-    return out
+    return out, locked
 
 
 class HostOptimizer:
@@ -74,7 +79,9 @@ class HostOptimizer:
     removes the hooks and unpins (MemoryRuntime-style: the trainer calls it in `finally`)."""
 
     def __init__(self, params: dict[str, nn.Parameter], make: Callable[[dict], torch.optim.Optimizer],
-                 device: torch.device, *, pin: bool = True, cudart=None):
+                 device: torch.device, *, pin: bool = True, micro_batches: int = 1, cudart=None):
+        """micro_batches: per step (gradient accumulation): more than 1 allocates the staging buffer now, not in
+        the middle of the first backward that needs it."""
         self.params = params
         self.device = device
         cuda = device.type == "cuda"
@@ -82,21 +89,33 @@ class HostOptimizer:
         self._pinned = PinnedRanges(device, cudart=cudart) if pin and (cuda or cudart is not None) else None
         self._stream = torch.cuda.Stream(device) if cuda else None
         weights = list(params.values())
-        with torch.no_grad():
-            host = _flat_like(weights, self._pinned)
-            for h, p in zip(host, weights):
-                h.copy_(p.detach())
-        self.host = {name: nn.Parameter(h) for name, h in zip(params, host)}
+        try:
+            with warnings.catch_warnings(record=True) as refusals:
+                warnings.simplefilter("always")
+                host, self._weights_locked = _flat_like(weights, self._pinned)
+                self._grads, grads_locked = _flat_like(weights, self._pinned)
+                self._staging = None  # for micro-batches after the first
+                if micro_batches > 1:
+                    self._staging, staging_locked = _flat_like(weights, self._pinned)
+                    grads_locked = grads_locked and staging_locked
+            if (cuda or self._pinned is not None) and not (self._weights_locked and grads_locked):
+                _warn_pageable(refusals)
+            with torch.no_grad():
+                for h, p in zip(host, weights):
+                    h.copy_(p.detach())
+            self.host = {name: nn.Parameter(h) for name, h in zip(params, host)}
+            self.inner = make(self.host)
+        except BaseException:
+            if self._pinned is not None:
+                self._pinned.release()  # else freed memory stays registered: a later buffer there copies wrongly
+            raise
         self._host_list = list(self.host.values())
-        self._grads = _flat_like(weights, self._pinned)
-        self._staging: list[torch.Tensor] | None = None  # for micro-batches after the first (gradient accumulation)
         self._index = {p: i for i, p in enumerate(weights)}
         self._count = [0] * len(weights)   # gradients of this step received per weight
         self._copied: list[torch.cuda.Event | None] = [None] * len(weights)   # its gradient's copy into _grads
         self._to_add: list[torch.cuda.Event | None] = [None] * len(weights)   # a copy into _staging not added yet
         self._copied_back: torch.cuda.Event | None = None  # the last step's weights copied to the device
         self.d2h_bytes = 0  # gradient bytes copied to the host (all steps)
-        self.inner = make(self.host)
         self._hooks = [p.register_post_accumulate_grad_hook(self._offload_gradient) for p in weights]
 
     # -- what the trainer sees of an optimizer -----------------------------------------------------------------------
@@ -135,7 +154,7 @@ class HostOptimizer:
         if self._copied_back is not None:
             self._copied_back.synchronize()  # the last copy back has read the host weights the step overwrites
         self.inner.step()
-        non_blocking = self._pinned is not None and not self._pinned.refused_bytes
+        non_blocking = self._weights_locked  # from page-locked memory: queued, the host goes on
         for p, h in zip(self.params.values(), self._host_list):
             p.copy_(h, non_blocking=non_blocking)  # on the compute stream: before the next forward
         if self._stream is not None:
@@ -167,8 +186,8 @@ class HostOptimizer:
             return
         if self._count[i]:  # a later micro-batch: into the staging buffer, added once it has landed
             self._settle(i)  # the previous micro-batch's copy (long done: a whole forward ran since)
-            if self._staging is None:
-                self._staging = _flat_like(list(self.params.values()), self._pinned)
+            if self._staging is None:  # not told of micro-batches (HostOptimizer(micro_batches=...))
+                self._staging = _flat_like(list(self.params.values()), self._pinned)[0]
             target = self._staging[i]
         else:
             target = self._grads[i]
@@ -207,6 +226,14 @@ class HostOptimizer:
             self._pinned.release()
 
 
+def _warn_pageable(refusals: list) -> None:
+    reason = next((str(w.message) for w in refusals if "page-lock" in str(w.message)), "pin_memory=False")
+    warnings.warn(f"tightrope: optimizer offload's host buffers are not page-locked ({reason[:200]}): each LoRA "
+                  "gradient's copy to the host then waits for the GPU, which stalls backward; set pin_memory=True "
+                  "(and raise `ulimit -l` if pinning is refused), or optimizer_offload=False", RuntimeWarning,
+                  stacklevel=3)
+
+
 class _Done:
     """A copy that ran synchronously (CPU): nothing to wait for."""
 
@@ -225,7 +252,26 @@ def optimizer_for(params: dict[str, nn.Parameter], config, strategy, device: tor
         return make_optimizer(params, config, device)
     check_offloadable(config.optimizer)
     return HostOptimizer(params, lambda host: make_optimizer(host, config, torch.device("cpu"), on_host=True), device,
-                         pin=strategy.offload.pin_memory)
+                         pin=strategy.offload.pin_memory, micro_batches=config.grad_accumulation)
+
+
+def grad_scaler(optimizer, device_type: str, enabled: bool):
+    """The fp16 loss scaler for `optimizer`: torch's, or under optimizer offload one that unscales host gradients
+    with a scale read back from the device before the CPU reads it (HostGradScaler)."""
+    if isinstance(optimizer, HostOptimizer) and enabled:
+        return HostGradScaler(device_type, enabled=True)
+    return torch.amp.GradScaler(device_type, enabled=enabled)
+
+
+class HostGradScaler(torch.amp.GradScaler):
+    """GradScaler for gradients in host memory. torch's copies its device scale (and its inf flag) to each gradient's
+    device with `non_blocking=True` (`_MultiDeviceReplicator`): to the CPU that returns before the copy lands, and
+    the CPU unscale kernel then reads a stale scale and its found-inf flag can be overwritten by the late copy (the
+    bug pytorch PR #176429 fixed for FSDP's CPU offload). Here both are copied to the CPU first, blocking; the saved
+    state is torch's."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale.cpu(), found_inf.cpu(), allow_fp16)
 
 
 def updated_weights(optimizer, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

@@ -33,7 +33,7 @@ from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
-from .host_optimizer import gradient_holders, optimizer_for, updated_weights
+from .host_optimizer import grad_scaler, gradient_holders, optimizer_for, updated_weights
 from .optimizer import learning_rate_at, load_optimizer_state
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
@@ -171,7 +171,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     cfg = session.config
     adapter, model, runtime, optimizer, save = parts.adapter, parts.model, parts.runtime, parts.optimizer, parts.save
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
-    scaler = torch.amp.GradScaler(runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
+    scaler = grad_scaler(optimizer, runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
     if scaler.is_enabled() and GRAD_SCALER in (session.optimizer_state or {}):  # resumed or continued: its scale
         scaler.load_state_dict(session.optimizer_state[GRAD_SCALER])
     run.scaler = scaler

@@ -17,7 +17,7 @@ from two_stream import make_batch, make_lora_model
 
 from tightrope.memory.host_pinning import interior_ranges, storage_spans
 from tightrope.memory.strategy import Strategy, StrategyError
-from tightrope.training.host_optimizer import HostOptimizer, _page_aligned, gradient_holders
+from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer, _page_aligned, gradient_holders
 from tightrope.training.optimizer import load_optimizer_state
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import train
@@ -107,6 +107,65 @@ def test_host_buffers_are_page_locked_whole_and_no_copy_straddles_them():
     assert not fake.live  # released at the end of the run
 
 
+def test_with_micro_batches_every_buffer_is_pinned_before_the_first_backward():
+    """cudaHostRegister of a LoRA-sized buffer inside a hook would stall autograd's device thread mid-backward."""
+    fake = FakeCudart()
+    model = make_lora_model()
+    params = _lora(model)
+    optimizer = HostOptimizer(params, _adamw, CPU, micro_batches=2, cudart=fake)
+    before = list(fake.registered)
+    assert len(before) == 3  # weights, gradients, staging
+    _steps(model, optimizer, params, steps=2, micro=2)
+    assert fake.registered == before
+    optimizer.close()
+
+
+def test_refused_pinning_is_one_warning_and_never_read_only():
+    """The device writes into these buffers (gradients; the weights at the start): a read-only registration, which
+    the offloaded weights' pinning falls back to, would make those copies fail."""
+    fake = FakeCudart(refuse=2, refuse_first=1)  # the first call out of memory (`ulimit -l`), the retry would pass
+    model = make_lora_model()
+    params = _lora(model)
+    with pytest.warns(RuntimeWarning, match=r"optimizer offload's host buffers are not page-locked \(.*out of "
+                                            r"memory, error 2.*stalls backward; set pin_memory=True"):
+        optimizer = HostOptimizer(params, _adamw, CPU, cudart=fake)
+    assert len(fake.live) == 1 and 8 not in fake.flags.values()  # the gradients' buffer, registered writable
+    with StraddleCheck(fake) as check:
+        _steps(model, optimizer, params, steps=1, micro=1)
+    assert check.pinned_copies == 0
+    optimizer.close()
+
+
+def test_the_weights_go_back_asynchronously_when_their_own_buffer_is_pinned(monkeypatch):
+    """Only the weights' buffer decides: a refused gradient buffer must not make every copy back blocking."""
+    fake = FakeCudart()
+    real, calls = fake.cudaHostRegister, []
+
+    def second_refused(ptr, nbytes, flags):
+        calls.append(ptr)
+        return 2 if len(calls) == 2 else real(ptr, nbytes, flags)
+    monkeypatch.setattr(fake, "cudaHostRegister", second_refused)
+    model = make_lora_model()
+    params = _lora(model)
+    with pytest.warns(RuntimeWarning, match="not page-locked"):
+        optimizer = HostOptimizer(params, _adamw, CPU, cudart=fake)
+    with StraddleCheck(fake) as check:
+        _steps(model, optimizer, params, steps=1, micro=1)
+    assert check.pinned_copies == len(params) and check.blocking_pinned_copies == 0
+    optimizer.close()
+
+
+def test_a_failure_while_setting_up_unpins_what_it_pinned():
+    """Else the freed buffers stay registered, and a later allocation at their address copies through stale pages."""
+    fake = FakeCudart()
+
+    def broken(host):
+        raise RuntimeError("no such optimizer")
+    with pytest.raises(RuntimeError, match="no such optimizer"):
+        HostOptimizer(_lora(make_lora_model()), broken, CPU, cudart=fake)
+    assert fake.registered and not fake.live
+
+
 def test_page_aligned_buffers_own_the_pages_they_lie_in():
     page = mmap.PAGESIZE
     for numel in (1, 1000, page // 4 + 3):
@@ -158,13 +217,23 @@ def test_a_state_keeps_the_loading_optimizers_implementation():
     assert again.param_groups[0]["fused"]
 
 
-def test_fp16_loss_scaling_unscales_the_host_gradients(tmp_path):
+def test_fp16_loss_scaling_unscales_the_host_gradients(tmp_path, monkeypatch):
+    """torch's GradScaler copies its device scale to the CPU gradients non-blocking and reads it at once (stale on
+    CUDA): the host one copies it first. On the CPU only the wiring shows: the scale reaches the unscale on the CPU."""
+    seen = []
+    real = HostGradScaler._unscale_grads_
+
+    def unscale(self, optimizer, inv_scale, found_inf, allow_fp16):
+        seen.append((inv_scale.device, found_inf.device))
+        return real(self, optimizer, inv_scale, found_inf, allow_fp16)
+    monkeypatch.setattr(HostGradScaler, "_unscale_grads_", unscale)
     fp16 = dict(OFFLOADED, compute_dtype="fp16")
     base = train(demo_session(tmp_path, strategy=Strategy.of(**fp16)), 2, device=CPU)
     offloaded = train(demo_session(tmp_path, strategy=Strategy.of(**fp16, optimizer_offload=True)), 2, device=CPU)
     assert offloaded.losses == pytest.approx(base.losses, rel=1e-4)
     for k, v in base.lora_state.items():  # unscaled: a missed unscale would step by the scale (2**16) times more
         torch.testing.assert_close(offloaded.lora_state[k], v, rtol=1e-3, atol=1e-6)
+    assert seen and all(devices == (CPU, CPU) for devices in seen)  # only the offloaded run uses it
 
 
 @pytest.mark.parametrize("name", ["adamw_schedulefree", "adamw8bit"])
