@@ -202,14 +202,17 @@ def _compare(losses, grads, reference, rtol: float, atol: float) -> float:
 
 
 def run_leak_test(device_type: str, folder: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """The test suite's CUDA tests (the leak tests, weights streamed from a read-only mapping, the chunked Flux) in a
+    """The test suite's CUDA tests (the leak tests, weights streamed from a read-only mapping, the chunked Flux, the
+    optimizer on the host: its copies, and fp16 loss scaling with it) in a
     fresh process (on the CPU dry run: the leak tests' baseline test). It passes only if every test ran and passed (a
     skip is a failure here); pytest's junit XML says which."""
     tests = [str(ROOT / "tests" / part) for part in ("reliability/test_leaks.py", "memory/test_host_pinning.py",
-                                                     "training/test_reference_flux_chunks.py")]
+                                                     "training/test_reference_flux_chunks.py",
+                                                     "training/test_host_optimizer.py")]
     select = "ten_runs_keep_cuda_memory_flat or pinned_host_memory_back or read_only_mapping_page_locked or " \
-        "chunked_run_on_cuda" if device_type == "cuda" else "baseline_is_taken_after_the_warmup"
-    expected = 5 if device_type == "cuda" else 1  # on CUDA: 3 tests, and the chunked Flux run in 2 strategies
+        "chunked_run_on_cuda or on_cuda_host_optimizer or on_cuda_fp16_overflow" if device_type == "cuda" \
+        else "baseline_is_taken_after_the_warmup"
+    expected = 7 if device_type == "cuda" else 1  # on CUDA: 5 tests, and the chunked Flux run in 2 strategies
     report = (folder / "leak-test.xml").resolve()  # the test runs from the checkout's root
     cmd = [sys.executable, "-m", "pytest", *tests, "-k", select, "-p", "no:cacheprovider", f"--junitxml={report}"]
     t0 = time.perf_counter()

@@ -30,12 +30,13 @@ def _adamw(params: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(list(params.values()), lr=1e-2, weight_decay=0.1)  # the loop implementation
 
 
-def _steps(model, optimizer, params, steps=3, micro=3, clip=0.5, during_backward=None):
-    """`steps` steps of `micro` micro-batches each, gradients clipped: the trainer's order of calls."""
+def _steps(model, optimizer, params, steps=3, micro=3, clip=0.5, batch=lambda b: b):
+    """`steps` steps of `micro` micro-batches each, gradients clipped: the trainer's order of calls. batch: moves a
+    batch to the model's device."""
     losses = []
     for step in range(steps):
         for k in range(micro):
-            inputs, target = make_batch(seed=100 + 10 * step + k)
+            inputs, target = batch(make_batch(seed=100 + 10 * step + k))
             loss = F.mse_loss(model(**inputs), target) / micro
             loss.backward()
             losses.append(loss.item())
@@ -247,3 +248,73 @@ def test_an_optimizer_that_cannot_step_on_the_host_is_refused_before_training(tm
 def test_optimizer_offload_and_fsdp_are_refused_together():
     with pytest.raises(StrategyError, match=r"optimizer_offload=True does not work with shard='fsdp'"):
         Strategy.of(optimizer_offload=True, shard="fsdp")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams, events and page-locking need CUDA")
+
+
+@needs_cuda
+def test_on_cuda_host_optimizer_steps_as_the_device_optimizer():
+    """The GPU path (side-stream copies out in the hooks, page-locked buffers, async copies back) against the device
+    optimizer, fp32 with TF32 off: gradients are computed by the same kernels, so only AdamW's rounding (CUDA foreach
+    vs the CPU loop, a few ulps of each update) differs; 1e-4 of the change training made is far above that and far
+    below a stale or missing gradient. gpu-check runs this (bench/cuda_checks.py) and the matrix row with sleeps."""
+    from tightrope.bench.cuda_checks import exact_fp32
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with exact_fp32():
+        plain_model, host_model = make_lora_model().to(dev), make_lora_model().to(dev)
+        start = {n: p.detach().clone() for n, p in _lora(plain_model).items()}
+        plain_params, host_params = _lora(plain_model), _lora(host_model)
+        inputs_to = _on(dev)
+        plain = _steps(plain_model, torch.optim.AdamW(list(plain_params.values()), lr=1e-2, weight_decay=0.1),
+                       plain_params, batch=inputs_to)
+        optimizer = HostOptimizer(host_params, _adamw, dev, micro_batches=3)
+        assert optimizer._weights_locked
+        offloaded = _steps(host_model, optimizer, host_params, batch=inputs_to)
+        optimizer.close()
+    assert offloaded == pytest.approx(plain, rel=1e-5)
+    change = max((p - start[n]).abs().max().item() for n, p in plain_params.items())
+    for name, p in host_params.items():
+        assert p.grad is None and (p - plain_params[name]).abs().max().item() <= 1e-4 * change, name
+
+
+@needs_cuda
+def test_on_cuda_fp16_overflow_is_skipped_and_the_scale_backs_off():
+    """fp16 under optimizer offload: a first scale so large that the gradients overflow must be found (the host
+    unscale reads the device's scale) and backed off from exactly as torch's scaler does with the device optimizer;
+    the steps after it unscale by the right scale (the weights agree with the device optimizer's, as above)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scales, weights, start = {}, {}, None
+    for offloaded in (False, True):
+        model = make_lora_model().to(dev)
+        params = _lora(model)
+        start = {n: p.detach().clone() for n, p in params.items()}
+        kw = {"init_scale": 2.0 ** 24, "backoff_factor": 2.0 ** -8}  # fp16 overflows at ~2**16 x these gradients
+        optimizer = HostOptimizer(params, _adamw, dev) if offloaded else _adamw(params)
+        scaler = HostGradScaler("cuda", **kw) if offloaded else torch.amp.GradScaler("cuda", **kw)
+        scales[offloaded] = []
+        for step in range(3):
+            inputs, target = _on(dev)(make_batch(seed=100 + step))
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = F.mse_loss(model(**inputs).float(), target)
+            scaler.scale(loss).backward()
+            gradient_holders(optimizer, params)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scales[offloaded].append(scaler.get_scale())
+        if offloaded:
+            optimizer.close()
+        weights[offloaded] = {n: p.detach().clone() for n, p in params.items()}
+    assert scales[True] == scales[False] == [2.0 ** 16] * 3  # step 1 skipped, steps 2 and 3 taken
+    change = max((w - start[n]).abs().max().item() for n, w in weights[False].items())
+    assert change > 0
+    for n, w in weights[False].items():
+        assert (weights[True][n] - w).abs().max().item() <= 1e-4 * change, n
+
+
+def _on(dev):
+    def move(batch):
+        inputs, target = batch
+        return {k: v.to(dev) for k, v in inputs.items()}, target.to(dev)
+    return move
