@@ -17,6 +17,9 @@ every tensor storage's birth and death sent to the allocator model in the order 
   block's output gradient; LoRA gradients live until the step ends;
 - the optimizer step: at the first, AdamW's two moments per LoRA tensor (they stay); at each, the one temporary
   list torch's foreach AdamW makes (the denominators, one tensor per LoRA tensor); then the gradients are freed.
+  Under optimizer offload (training/host_optimizer.py) none of that is on the device: each block's LoRA gradients
+  go to the host as backward completes them, and are taken here as freed once the next block's backward has run
+  (their copy is done by then: a block's LoRA gradients take well under a millisecond over PCIe, its backward tens).
 Two steps are run (the second finds the cache as the first left it; more steps change nothing); peaks are over both.
 
 Left out, so the prediction is low by them: other kernels' workspaces (cuBLAS ~32 MiB), the embedders' few small
@@ -251,7 +254,7 @@ def replay_step(strategy: Strategy, model_name: str = "flux-dev", resolution: in
                          model.flux.final_layer, full)
         moments: list[torch.Tensor] = []
         for _ in range(steps):
-            _step(runner, n_img, n_txt, h, trainable, moments)
+            _step(runner, n_img, n_txt, h, trainable, moments, strategy.optimizer.enabled)
     return ReplayResult(expandable_segments, chunks, alloc.peak_allocated, alloc.peak_reserved, persistent_bytes)
 
 
@@ -284,7 +287,8 @@ def _final_layer(final_layer: nn.Module, xs: tuple, vec: torch.Tensor, n_txt: in
     return (x.grad,)
 
 
-def _step(blocks: _Blocks, n_img: int, n_txt: int, h: int, trainable: list, moments: list) -> None:
+def _step(blocks: _Blocks, n_img: int, n_txt: int, h: int, trainable: list, moments: list,
+          optimizer_offload: bool = False) -> None:
     kinds, n = blocks.kinds, len(blocks.kinds)
     # forward: the embedders' output enters the first block; each block's input goes to the host once it has run
     xs = _inputs(kinds[0], n_img, n_txt, h)
@@ -304,7 +308,14 @@ def _step(blocks: _Blocks, n_img: int, n_txt: int, h: int, trainable: list, mome
         blocks.backward(i, xs, grads)
         grads = tuple(x.grad for x in xs)
         del xs
+        if optimizer_offload and i + 1 < n:
+            for p in blocks.params[i + 1]:
+                p.grad = None  # copied to the host while block i ran backward
     del grads
+    if optimizer_offload:
+        for p in trainable:
+            p.grad = None
+        return
     if not moments:  # AdamW's state, made at the first optimizer step, exp_avg and exp_avg_sq per tensor
         moments.extend(torch.empty_like(p) for p in trainable for _ in range(2))
     denominators = [torch.empty_like(p) for p in trainable]  # foreach AdamW: torch._foreach_sqrt(exp_avg_sqs)

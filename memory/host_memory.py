@@ -2,9 +2,10 @@
 
 A run's host memory is the model's own weights (already loaded: offloaded blocks stream from them, see
 layer_offload) plus what the strategy adds: a host copy of each offloaded block whose weights cannot stream in place
-(a weight_dtype other than the model's, weights on the device, non-contiguous ones) and the activations offloaded to
-the host. The budget is host RAM the run may occupy, the model included; by default what is available now plus the
-model's own anonymous bytes, minus a margin. Weights in a file mapping (ComfyUI's dynamic VRAM maps the model file)
+(a weight_dtype other than the model's, weights on the device, non-contiguous ones), the activations offloaded to
+the host, and under optimizer offload the LoRA's host copy, its gradients and the optimizer's state (plan_cost).
+The budget is host RAM the run may occupy, the model included; by default what is available now plus the model's
+own anonymous bytes, minus a margin. Weights in a file mapping (ComfyUI's dynamic VRAM maps the model file)
 are not added: the kernel counts their cached pages as available already, and the run page-locks them, so they come
 out of what is available.
 """
@@ -165,6 +166,11 @@ def _activations(p: Prediction) -> int:
     return p.breakdown.get("host_activations_pinned", p.breakdown.get("host_activations", 0))
 
 
+def _optimizer(p: Prediction) -> int:
+    """Host bytes of p's optimizer offload: the LoRA's host copy, its gradients, the optimizer state (plan_cost)."""
+    return p.breakdown.get("host_optimizer", 0)
+
+
 @dataclass(frozen=True)
 class HostNeeds:
     budget_bytes: int
@@ -213,7 +219,7 @@ class HostNeeds:
         return cls(budget, model_bytes, model_8bit, copies, tuple(changes))
 
     def need(self, p: Prediction) -> int:
-        return self.model_bytes + self._copies(p) + _activations(p)
+        return self.model_bytes + self._copies(p) + _activations(p) + _optimizer(p)
 
     def _copies(self, p: Prediction) -> int:
         return sum(self.copy_bytes[i] for i in p.offloaded)
@@ -238,7 +244,8 @@ class HostNeeds:
             head = (f"no strategy that fits the VRAM budget fits the {budget}: the one needing the least host memory "
                     f"needs {_gib(self.need(least))} (the model's {_gib(self.model_bytes)} + "
                     f"{_gib(self._copies(least))} of converted weight copies + {_gib(_activations(least))} of "
-                    "offloaded activations)")
+                    "offloaded activations" + (f" + {_gib(_optimizer(least))} of the LoRA's optimizer state, gradients "
+                                               "and weights (optimizer offload)" if _optimizer(least) else "") + ")")
         fixes = []
         for change, needs in self.changes:
             need = min(needs.need(p) for p in fitting)
@@ -248,8 +255,10 @@ class HostNeeds:
         if roomier:
             p = min(roomier, key=lambda p: p.peak_bytes)
             k = len(p.offloaded)
+            what = [f"{k or 'no'} block{'s' * (k > 1)}"] + ["the activations"] * bool(_activations(p)) + \
+                ["the optimizer"] * bool(_optimizer(p))
             fixes.append(f"raise the VRAM budget (vram_budget_gb) to {_gib(p.peak_bytes, up=True)} for a plan "
-                         f"offloading {k or 'no'} block{'s' * (k > 1)}{' and the activations' * bool(_activations(p))}"
+                         f"offloading {', '.join(what[:-1]) + ' and ' + what[-1] if len(what) > 1 else what[0]}"
                          f": {_gib(self.need(p))} of host RAM")
         least_ram = f"raise host_ram_budget_gb to at least {_gib(self.need(least), up=True)}"
         if fixes:
@@ -260,8 +269,9 @@ class HostNeeds:
         copies = self._copies(p)
         extra = (f"+ {_gib(copies)} of host copies of offloaded weights in another dtype" if copies else
                  "offloaded blocks stream from those weights, no copy")
+        opt = f", {_gib(_optimizer(p))} of the LoRA's optimizer state, gradients and weights" if _optimizer(p) else ""
         return (f"Host RAM: {_gib(self.need(p))} of your {_gib(self.budget_bytes)} (the model's "
-                f"{_gib(self.model_bytes)}, {extra}, {_gib(_activations(p))} of offloaded activations).")
+                f"{_gib(self.model_bytes)}, {extra}, {_gib(_activations(p))} of offloaded activations{opt}).")
 
 
 def host_needs(model: nn.Module, strategy: Strategy, budget_gb: float = 0.0) -> HostNeeds:

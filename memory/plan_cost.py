@@ -2,12 +2,13 @@
 
 Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resident blocks + offload slots +
   everything outside the blocks, LoRA included) + LoRA gradients + AdamW state (two fp32 moments per trainable
-  element) + activations kept for backward (per block: all it saves, only its inputs when checkpointed, or what the
-  compiler keeps under an activation budget; activation offload moves the kept bytes of checkpointed blocks to host
-  memory except a two-block window) + inputs shared by all blocks + saves outside the blocks + the largest block's
-  transient working set + the allocator's fragmentation + a margin. The transient is the block's peak over its forward + backward as the probe
-  measured it on CUDA (everything the allocator held above the block's inputs: activations, autocast and LoRA
-  casts, gradients, workspaces) less what is already counted as kept; without that measurement (CPU) it is
+  element; neither under optimizer offload, below, but the gradients in flight) + activations kept for backward (per
+  block: all it saves, only its inputs when checkpointed, or what the compiler keeps under an activation budget;
+  activation offload moves the kept bytes of checkpointed blocks to host memory except a two-block window) + inputs
+  shared by all blocks + saves outside the blocks + the largest block's transient working set + the allocator's
+  fragmentation + a margin. The transient is the block's peak over its forward + backward as the probe measured it
+  on CUDA (everything the allocator held above the block's inputs: activations, autocast and LoRA casts,
+  gradients, workspaces) less what is already counted as kept; without that measurement (CPU) it is
   estimated as the block's recomputed activations plus the gradients of its input and output. A budget limits what
   the CUDA caching allocator reserves, not what tensors occupy: the probe's own checkpoint-all step measures the gap
   (peak reserved - peak allocated), and the prediction adds it (scaled with the batch). On the first H100 run
@@ -32,6 +33,20 @@ with C_bwd including the recompute forward of checkpointed blocks and X the offl
 With depth-1 prefetch and every block offloaded the pipeline is close to sum_i max(C_i, X_i) per pass.
 On CPU the runtime's copies are synchronous memcpys, and on CUDA so are copies from pageable (unpinned) host
 memory: there the transfers add to compute instead of hiding.
+
+Optimizer offload (Strategy.optimizer, training/host_optimizer.HostOptimizer) keeps the LoRA weights on the device but
+moves each LoRA gradient to host memory as soon as backward completes it (freed on the device once copied) and steps
+the optimizer on the CPU over host copies. The device then holds no optimizer state and, of the gradients, only those
+in flight: about the LoRA gradients of the block whose backward runs and of the block before it (its copy may still
+be under way), 2 x max(block_trainable), plus the trainable bytes outside the blocks. The step loses the device
+optimizer step (optimizer_s) and gains the CPU step (Profile.host_optimizer_s, HOST_ADAMW_S_PER_ELEMENT per element
+where the profile did not measure it; never less than optimizer_s: host_step_s) and the copy of the updated LoRA
+back to the device (trainable_bytes over the H2D bandwidth, on the compute stream). The gradients' device-to-host
+copies run on a side stream during backward on CUDA from pinned memory; elsewhere (CPU, pageable) they add
+trainable_bytes / bandwidth. Host memory (breakdown
+"host_optimizer", what host_memory.HostNeeds counts): the host copy of the LoRA, its gradients (each trainable_bytes:
+flat buffers page-locked in place, so not rounded up to a power of two) and the optimizer state (optimizer_bytes per
+element), and with grad_accumulation > 1 a third flat buffer of trainable_bytes where micro-batches' gradients add.
 """
 from __future__ import annotations
 
@@ -49,6 +64,12 @@ CUDA_MARGIN_BYTES = 256 << 20  # cuBLAS/attention workspaces; the least fragment
 # Host-side cost of one block load or activation fetch (Python bookkeeping, event record/wait), an estimate. It also
 # keeps a hidden transfer from being "free": with time to spare the planner does not offload for nothing.
 LOAD_OVERHEAD_S = 50e-6
+# One fused AdamW step on the CPU per trainable element, for a profile that did not time it (older profiles, shapes
+# only). The step streams 28 bytes per element (reads weight, gradient and two fp32 moments; writes weight and moments)
+# so it is bound by host memory bandwidth: over one flat tensor of 37.6 M fp32 elements (Flux-dev's rank-16 LoRA) it
+# took 53-72 ms on a 2-core VM (1.4-1.9 ns/element) and 2.2 ns/element on one thread there. A workstation moves 20-50
+# GB/s (0.6-1.4 ns/element): 2 ns is the pessimistic side.
+HOST_ADAMW_S_PER_ELEMENT = 2e-9
 
 
 @dataclass(frozen=True)
@@ -94,10 +115,12 @@ def fragmentation_bytes(profile: Profile) -> float:
 
 def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, margin_fraction: float = 0.05,
             margin_bytes: int | None = None, offloaded: list[int] | None = None, timed: bool = True,
-            optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT) -> Prediction:
+            optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT, grad_accumulation: int = 1) -> Prediction:
     """Peak memory and step time of `strategy` on `profile`. timed=False skips the copy/compute pipelines (most of
     the cost): step_s is then NaN, and bound_s (never more than step_s) is what a caller can rule a candidate out
-    by. optimizer_bytes: the optimizer's state per trainable element (AdamW's two fp32 moments unless told)."""
+    by. optimizer_bytes: the optimizer's state per trainable element (AdamW's two fp32 moments unless told), on the
+    device, or in host memory under optimizer offload; grad_accumulation: micro-batches per optimizer step (above 1,
+    optimizer offload keeps one more host buffer of the LoRA's size)."""
     n, s = profile.n_blocks, batch_scale
     off = sorted(offloaded if offloaded is not None else select_offloaded(profile.block_frozen, strategy.offload))
     compiled = strategy.compiler.per_block
@@ -144,31 +167,42 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
                          block_peak[i] - kept[i]) for i in range(n)), default=0.0)
     weights = predict_resident_weight_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
     slots = predict_slot_bytes(profile.sizes(), off, strategy.offload.prefetch_depth)
-    grads = profile.trainable_bytes
-    optimizer = optimizer_bytes * profile.trainable_numel
+    host_optimizer = 0.0
+    if strategy.optimizer.enabled:  # gradients in flight only, the state in host memory (the module's docstring)
+        outside = max(0, profile.trainable_bytes - sum(profile.block_trainable))
+        grads = min(profile.trainable_bytes, 2 * max(profile.block_trainable, default=0) + outside)
+        optimizer = 0.0
+        host_optimizer = ((3 if grad_accumulation > 1 else 2) * profile.trainable_bytes
+                          + optimizer_bytes * profile.trainable_numel)
+    else:
+        grads = profile.trainable_bytes
+        optimizer = optimizer_bytes * profile.trainable_numel
     subtotal = weights + grads + optimizer + activations + transient
     if margin_bytes is None:
         margin_bytes = max(CUDA_MARGIN_BYTES, fragmentation_bytes(profile) * s) if profile.device == "cuda" else 0
     margin = margin_fraction * subtotal + margin_bytes
     breakdown = {"weights": int(weights), "slots": int(slots), "gradients": int(grads), "optimizer": int(optimizer),
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),
-                 "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host))}
+                 "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host)),
+                 "host_optimizer": int(host_optimizer)}
     # what the host buffers take: pinned ones come from torch's caching host allocator, a power of two each
     pinned = profile.device == "cuda" and strategy.offload.pin_memory
     breakdown["host_activations_pinned"] = sum(_pinned_activation_bytes(profile, i, act_host[i], s, inputs_only[i])
                                                for i in range(n) if act_host[i]) if pinned else int(sum(act_host))
-    other = profile.other_s * s + profile.optimizer_s
+    other = profile.other_s * s + (host_step_s(profile) if strategy.optimizer.enabled else profile.optimizer_s)
     compute = sum(c_fwd) + sum(c_bwd) + other
     bw = max(profile.h2d_bytes_per_s, 1.0)
+    grads_d2h = profile.trainable_bytes / bw if strategy.optimizer.enabled else 0.0  # the gradients to the host
     offset = set(off)
     x_fwd = [profile.block_packed[i] / bw if i in offset else 0.0 for i in range(n)]
     still_loaded = loaded_at_turnaround(profile.block_packed, off, strategy.offload.prefetch_depth)
     x_bwd = [(0.0 if i in still_loaded else x_fwd[i]) + act_host[i] / bw for i in range(n)]
     d2h = sum(act_host) / bw  # activations leave on their own stream during the forward
     overlap = profile.device == "cuda" and profile.h2d_pinned
-    if overlap:
-        bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd)) + other
+    if overlap:  # the gradients leave on a side stream during backward (device-to-host: a copy engine of its own)
+        bound = max(sum(c_fwd), sum(x_fwd), d2h) + max(sum(c_bwd), sum(x_bwd), grads_d2h) + other
     else:
+        d2h += grads_d2h
         bound = compute + sum(x_fwd) + sum(x_bwd) + d2h
     if not timed:
         return Prediction(peak_bytes=int(subtotal + margin), step_s=math.nan, bound_s=bound, compute_s=compute,
@@ -182,9 +216,24 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
     t_fwd = _pipeline(list(range(n)), c_fwd, x_fwd, window, overlap)
     t_bwd = _pipeline(list(range(n - 1, -1, -1)), c_bwd, x_bwd, window, overlap)
     t_fwd = max(t_fwd, d2h) if overlap else t_fwd + d2h
+    t_bwd = max(t_bwd, grads_d2h) if overlap else t_bwd
     return Prediction(peak_bytes=int(subtotal + margin), step_s=t_fwd + t_bwd + other, bound_s=bound,
                       compute_s=compute, compile_s=sum(compile_s.values()), offloaded=tuple(off),
                       breakdown=breakdown)
+
+
+def host_step_s(profile: Profile) -> float:
+    """What optimizer offload's step takes in place of the device's optimizer step: the CPU step (measured, else
+    estimated from HOST_ADAMW_S_PER_ELEMENT) and the copy of the updated LoRA back to the device. The CPU step is
+    taken as never faster than the device's own (optimizer_s): on CUDA it is the slower by far anyway (a GPU steps
+    AdamW over a LoRA in about a millisecond); a CPU profile times both on the same cores, where what differs is
+    only the implementation (fused on the host, the default on the device) and the noise of a shared machine, no
+    reason to plan an offload that moves bytes within the same memory. So optimizer offload never makes a step
+    faster by itself, only through the device memory it frees (planner._memory_first counts on it)."""
+    cpu = profile.host_optimizer_s
+    if cpu is None:
+        cpu = HOST_ADAMW_S_PER_ELEMENT * profile.trainable_numel
+    return max(cpu, profile.optimizer_s) + profile.trainable_bytes / max(profile.h2d_bytes_per_s, 1.0)
 
 
 def pinned_host_bytes(nbytes: float) -> int:

@@ -6,9 +6,10 @@ fits; small blocks still prefetch; each depth more costs a cell, so the budget b
 per offloaded block add nothing, see `prefetch_depths`),
 checkpointing off / every 2nd block / all, activation offload on/off, and, when the profile measured it, per-block
 compile at activation budgets 1.0 and 0.5, and token chunks at the count the profile measured them at (probe.py
-says why that count)), predicts each one's peak memory and step time from a measured Profile
-(plan_cost.predict), and picks the fastest that fits; equal times go to the one using less memory. A larger budget
-can therefore never give a slower plan: it only adds candidates.
+says why that count), and, where the caller allows it, optimizer offload off/on), predicts each one's peak memory and
+step time from a measured Profile (plan_cost.predict), and picks the fastest that fits; equal times go to the one
+using less memory. A larger budget can therefore never give a slower plan: it only adds candidates (the one it
+drops, an optimizer-offload twin once its twin without fits, is slower than that twin: `_memory_first`).
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import torch
 
 from .host_memory import HostNeeds
 from .offload_selection import select_offloaded
-from .plan_cost import ADAMW_BYTES_PER_ELEMENT, Prediction, predict
+from .plan_cost import ADAMW_BYTES_PER_ELEMENT, Prediction, host_step_s, predict
 from .profile import Profile
-from .strategy import MAX_PREFETCH_DEPTH, Keep, ShardingConfig, Strategy, StrategyError
+from .strategy import (MAX_PREFETCH_DEPTH, ActivationOffloadConfig, Keep, OptimizerOffloadConfig, ShardingConfig,
+                       Strategy, StrategyError)
 
 OFFLOAD_GRID = tuple(round(0.05 * k, 2) for k in range(21))
 AUTO_MARGIN_BYTES = 512 << 20  # left free by budget="auto": other processes, the display, allocator growth
@@ -69,8 +71,11 @@ def auto_budget(device: torch.device | str, margin_bytes: int = AUTO_MARGIN_BYTE
 
 
 def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: bool = True,
-                         compile_time_budget_s: float | None = None) -> list[tuple[Strategy, list[int]]]:
-    """Distinct candidates with their offloaded blocks (offload fractions that pick the same blocks count once)."""
+                         compile_time_budget_s: float | None = None,
+                         optimizer_offload: bool = True) -> list[tuple[Strategy, list[int]]]:
+    """Distinct candidates with their offloaded blocks (offload fractions that pick the same blocks count once).
+    optimizer_offload: each candidate also with optimizer offload, right after its twin without (not with sharding,
+    which the Strategy refuses it with); False gives only candidates without."""
     offload_sets: dict[tuple[int, ...], float] = {}
     for f in (0.0,) if base.sharding.active else OFFLOAD_GRID:  # sharded blocks are not also offloaded
         chosen = tuple(select_offloaded(profile.block_frozen, base.replace(offload_fraction=f,
@@ -83,6 +88,7 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
             if compile_time_budget_s is None or seconds <= compile_time_budget_s:
                 compiles.append(("per_block", b))
     chunk_counts = (1, profile.token_chunks) if profile.chunked and profile.token_chunks > 1 else (1,)
+    optimizer = (False, True) if optimizer_offload and not base.sharding.active else (False,)
     out, seen = [], set()
     for chosen, f in offload_sets.items():
         for depth in (prefetch_depths(len(chosen)) if chosen else (base.offload.prefetch_depth,)):
@@ -97,11 +103,14 @@ def candidate_strategies(profile: Profile, base: Strategy, *, allow_compile: boo
                         # blocks, compiled blocks in token chunks)
                     # activation offload only moves what blocks keep at less than everything
                     compact = any(s.keeps(i) is not Keep.ALL for i in range(profile.n_blocks))
-                    for act_offload in ((False, True) if compact else (False,)):
-                        key = (chosen, depth, ckpt, compile_mode, budget, chunks, act_offload)
+                    for act_offload, opt_offload in itertools.product((False, True) if compact else (False,),
+                                                                      optimizer):
+                        key = (chosen, depth, ckpt, compile_mode, budget, chunks, act_offload, opt_offload)
                         if key not in seen:
                             seen.add(key)
-                            out.append((s.replace(activation_offload=act_offload), list(chosen)))
+                            # by parts: the flat form's round trip would cost most of the planner's time
+                            out.append((s.replace(activations=ActivationOffloadConfig(enabled=act_offload),
+                                                  optimizer=OptimizerOffloadConfig(enabled=opt_offload)), list(chosen)))
     return out
 
 
@@ -120,12 +129,15 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
          compile_time_budget_s: float | None = None, base: Strategy | None = None, margin_fraction: float = 0.05,
          margin_bytes: int | None = None, device: torch.device | str | None = None,
          host: HostNeeds | None = None, sharding: ShardingConfig | None = None,
-         optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT) -> Plan:
+         optimizer_bytes: float = ADAMW_BYTES_PER_ELEMENT, optimizer_offload: bool = True,
+         grad_accumulation: int = 1) -> Plan:
     """The fastest strategy predicted to fit `budget_bytes` (or 'auto': free CUDA memory minus a margin), and, given
     `host`, its host-RAM budget too. `sharding` (the launch's, e.g. --fsdp) is taken as given: a sharded run
     considers no layer offload, and its weights are predicted whole (per-rank bytes are not modelled yet: an
     overestimate for a model of many blocks, whose rank holds about 1/N of them plus two whole blocks).
-    optimizer_bytes: the optimizer's device state per trainable element (AdamW's 8 unless told)."""
+    optimizer_bytes: the optimizer's state per trainable element (AdamW's 8 unless told). optimizer_offload: whether
+    candidates may keep the optimizer in host memory (False where the session's optimizer cannot step there);
+    grad_accumulation: the run's micro-batches per step (optimizer offload's host buffers depend on it)."""
     if budget_bytes == "auto":
         budget_bytes = auto_budget(device or profile.device)
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
@@ -135,9 +147,9 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
     if sharding is not None:
         base = base.replace(sharding=sharding)
     candidates = candidate_strategies(profile, base, allow_compile=allow_compile,
-                                      compile_time_budget_s=compile_time_budget_s)
+                                      compile_time_budget_s=compile_time_budget_s, optimizer_offload=optimizer_offload)
     kw = {"batch_scale": batch_scale, "margin_fraction": margin_fraction, "margin_bytes": margin_bytes,
-          "optimizer_bytes": optimizer_bytes}
+          "optimizer_bytes": optimizer_bytes, "grad_accumulation": grad_accumulation}
     # memory first, for every candidate; step times (most of the cost) only for the ones that fit
     scored = _memory_first(profile, candidates, budget_bytes, kw)
     fitting = [(p, s) for p, s in scored if p.peak_bytes <= budget_bytes]
@@ -159,16 +171,25 @@ def plan(profile: Profile, budget_bytes: int | str, *, batch_scale: float = 1.0,
 def _memory_first(profile: Profile, candidates: list[tuple[Strategy, list[int]]], budget: float,
                   kw: dict) -> list[tuple[Prediction, Strategy]]:
     """Each candidate's memory, except a deeper prefetch of a candidate that already did not fit: a depth more
-    adds a cell or nothing (candidate_strategies lists the depths of a candidate in increasing order)."""
-    scored, too_big = [], set()
+    adds a cell or nothing (candidate_strategies lists the depths of a candidate in increasing order); and except an
+    optimizer-offload candidate whose twin without (listed just before it) fits. The two differ only in the step's
+    last part (plan_cost.predict): the device's optimizer step (optimizer_s) gives way to host_step_s, never less
+    than optimizer_s plus the LoRA's copy back, and the gradients' copies to the host add to backward (or to the
+    step, where copies are synchronous); the passes' pipelines are the same. So the twin is the faster by at least
+    the copy back (the same, with the same peak, for a model with nothing to train: then the earlier one wins), and
+    needs less host RAM: the candidate could not be chosen. A budget that grows drops such a candidate only for its
+    faster twin: a larger budget still never gives a slower plan."""
+    scored, too_big, twins_fit = [], set(), set()
     for s, off in candidates:
         variant = (tuple(off), s.checkpointing.mode, s.activations.enabled, s.compiler.scope,
-                   s.compiler.activation_memory_budget, s.checkpointing.token_chunks)
-        if variant in too_big:
+                   s.compiler.activation_memory_budget, s.checkpointing.token_chunks, s.optimizer.enabled)
+        if variant in too_big or (variant[:-1], s.offload.prefetch_depth) in twins_fit:
             continue
         p = predict(profile, s, offloaded=off, timed=False, **kw)
         if p.peak_bytes > budget:
             too_big.add(variant)
+        elif not s.optimizer.enabled:
+            twins_fit.add((variant[:-1], s.offload.prefetch_depth))
         scored.append((p, s))
     return scored
 
@@ -204,6 +225,8 @@ def _describe(s: Strategy, p: Prediction, profile: Profile) -> str:
         parts.append(f"{s.checkpointing.token_chunks} token chunks")
     if s.compiler.per_block:
         parts.append(f"per-block compile at activation budget {s.compiler.activation_memory_budget:g}")
+    if s.optimizer.enabled:
+        parts.append("optimizer offload")
     return ", ".join(parts)
 
 
@@ -239,8 +262,12 @@ def explain(profile: Profile, s: Strategy, p: Prediction, budget: int, considere
         else ")"
     if s.compiler.per_block:
         second += f"; compiling takes about {p.compile_s:.0f} s once"
+    if s.optimizer.enabled:
+        second += ("; the LoRA's optimizer state and gradients wait in host memory "
+                   f"({format_bytes(b['host_optimizer'])}, a CPU optimizer step and the LoRA's copy back take "
+                   f"~{host_step_s(profile):.2g} s/step)")
     exposed = p.step_s - p.compute_s
-    if not p.offloaded and not s.activations.enabled:
+    if not p.offloaded and not s.activations.enabled and not s.optimizer.enabled:
         third = "nothing is transferred"
     elif profile.device != "cuda":
         third = f"on {profile.device} the copies are synchronous and add ~{exposed:.2g} s/step"

@@ -23,6 +23,8 @@ recompute plus backward (the unchunked transient / chunks); both grow with the t
 reaches attention's floor does not depend on the resolution. Measured on Flux-dev's blocks (bench headline-plan,
 fake tensors): the peak falls from 31-34 H (H = tokens x hidden x 2 bytes) unchunked to 12.5/14.5 H at 4 chunks and
 11.2/13.0 H at 8, and stays at 11.0/13.0 H at 16 and 32 (double/single block).
+Last, one AdamW step over copies of the trainable parameters is timed on the device (`optimizer_s`) and one fused
+AdamW step on the CPU over fp32 host copies (`host_optimizer_s`: the step optimizer offload takes instead).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
             else base.offload.pin_memory and device.type == "cuda"
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_s = _time_optimizer(trainable, clock)
+        host_optimizer_s = _time_host_optimizer(trainable)
         # inside the runtime: its undo then gives back the pinned buffer this takes from torch's host cache
         h2d_bytes_per_s = measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned)
     for p in model.parameters():
@@ -126,8 +129,8 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
         trainable_numel=sum(p.numel() for p in trainable), act_full=act_full, act_ckpt=[sum(a) for a in act_allocs],
         act_shared=act_shared, act_other=act_other, fwd_s=fwd_s, bwd_s=bwd_s,
         other_s=max(0.0, step["other_fwd_s"]) * 3.0,  # backward outside the blocks taken as twice its forward
-        h2d_bytes_per_s=h2d_bytes_per_s, h2d_pinned=pinned,
-        optimizer_s=optimizer_s, act_full_alloc=act_alloc if device.type == "cuda" else None,
+        h2d_bytes_per_s=h2d_bytes_per_s, h2d_pinned=pinned, optimizer_s=optimizer_s, host_optimizer_s=host_optimizer_s,
+        act_full_alloc=act_alloc if device.type == "cuda" else None,
         block_peak_alloc=peak if device.type == "cuda" else None, compile=compile_factors,
         token_chunks=chunks if chunked else 1, chunked=chunked,
         measured={k: v for k, v in step.items() if k != "other_fwd_s"}, strategy_base=base.to_dict(),
@@ -230,6 +233,34 @@ def _time_optimizer(params: list[torch.Tensor], clock: Clock, repeats: int = 3) 
         a = clock.mark()
         opt.step()
         times.append(clock.seconds(a, clock.mark()))
+    return statistics.median(times)
+
+
+def _time_host_optimizer(params: list[torch.Tensor], repeats: int = 3) -> float:
+    """Median step of fused AdamW on the CPU (the default implementation where this torch has no fused CPU one) over
+    fp32 host copies of the trainable parameters, views of one flat buffer as optimizer offload keeps them
+    (training/host_optimizer.py): what a step of optimizer offload spends on the CPU. The user's own parameters are
+    never stepped; the gradients are constants (the step's cost does not depend on their values)."""
+    if not params:
+        return 0.0
+    numels = [p.numel() for p in params]
+    flat, grads = torch.zeros(sum(numels)), torch.full((sum(numels),), 1e-3)
+    copies = []
+    for c, g, p in zip(flat.split(numels), grads.split(numels), params):
+        c.copy_(p.detach().reshape(-1))
+        copies.append(nn.Parameter(c.view(p.shape)))
+        copies[-1].grad = g.view(p.shape)
+    try:
+        opt = torch.optim.AdamW(copies, lr=1e-5, fused=True)
+        opt.step()  # the first step allocates the moments
+    except (RuntimeError, ValueError):  # this torch has no fused AdamW on the CPU
+        opt = torch.optim.AdamW(copies, lr=1e-5)
+        opt.step()
+    times = []
+    for _ in range(repeats):
+        a = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - a)
     return statistics.median(times)
 
 

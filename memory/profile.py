@@ -72,6 +72,8 @@ class Profile(ConfigBase):
     strategy_base: dict[str, Any] = field(default_factory=dict)  # the Strategy fields the probe ran with
     act_ckpt_allocs: list[list[int]] | None = None  # per block, each storage in act_ckpt (bytes): one host buffer
     #                                                 apiece under activation offload; None: not measured (old profiles)
+    host_optimizer_s: float | None = None  # one optimizer step on the CPU over fp32 host copies of the trainable
+    #                                        parameters (optimizer offload); None: not measured (older profiles)
 
     def __post_init__(self) -> None:
         n = len(self.block_names)

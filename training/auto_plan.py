@@ -1,8 +1,10 @@
 """The Memory Strategy node's `auto` mode: probe the session's model on its largest real batch, then plan.
 
 The planner (memory/planner.py) picks the fastest strategy predicted to fit the VRAM budget; this module only
-supplies what it measures: the model with its LoRA, and a batch shaped like training's. Under torchrun every rank
-probes its own device, rank 0 plans for the smallest budget among the ranks, and every rank trains that plan.
+supplies what it measures: the model with its LoRA, and a batch shaped like training's, and what the session's
+optimizer allows: its state's bytes, and optimizer offload only where it can step on the CPU
+(host_optimizer.offloadable). Under torchrun every rank probes its own device, rank 0 plans for the smallest budget
+among the ranks, and every rank trains that plan.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from ..memory.probe import probe_model
 from ..memory.strategy import Strategy, StrategyError
 from . import distributed, seeding
 from .flow_loss import flow_matching_loss, noised
+from .host_optimizer import offloadable
 from .lora.layers import inject_lora, remove_lora
 from .models import adapter_for
 from .optimizer import CHOICES
@@ -49,21 +52,24 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
         raise StrategyError(f"vram_budget_gb=0 plans for the free GPU memory, but the device is '{device}', which "
                             "cannot say what is free: set vram_budget_gb to the memory to plan for, or set the "
                             "strategy yourself (mode manual)")
-    optimizer_bytes = CHOICES[session.config.optimizer].state_bytes
+    cfg = session.config
+    optimizer_bytes = CHOICES[cfg.optimizer].state_bytes
     profile, host, budget = distributed.on_every_rank(lambda: _measure(session, choice, device))
     budgets = distributed.from_every_rank((budget, host.budget_bytes))
     smallest = min(vram for vram, _ in budgets), min(ram for _, ram in budgets)
 
     def planned() -> tuple[Strategy, str]:
         chosen = plan(profile, smallest[0], device=device, host=dataclasses.replace(host, budget_bytes=smallest[1]),
-                      sharding=distributed.launch_sharding(), optimizer_bytes=optimizer_bytes)  # --fsdp
+                      sharding=distributed.launch_sharding(), optimizer_bytes=optimizer_bytes,  # --fsdp
+                      optimizer_offload=offloadable(cfg.optimizer), grad_accumulation=cfg.grad_accumulation)
         return chosen.strategy, chosen.explanation
 
     strategy, explanation = distributed.on_main_rank(planned)
     par = distributed.current()
     if not par.distributed:
         return strategy, explanation
-    distributed.on_every_rank(lambda: _check_fits(strategy, profile, host, budget, device, optimizer_bytes))
+    distributed.on_every_rank(lambda: _check_fits(strategy, profile, host, budget, device, optimizer_bytes,
+                                                  cfg.grad_accumulation))
     return strategy, f"{explanation} Planned by rank 0 for all {par.world_size} ranks, for the smallest budget."
 
 
@@ -107,9 +113,9 @@ def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.devic
 
 
 def _check_fits(strategy: Strategy, profile, host: HostNeeds, budget: int, device: torch.device,
-                optimizer_bytes: float) -> None:
+                optimizer_bytes: float, grad_accumulation: int) -> None:
     """The plan rank 0 chose, predicted on this rank's own probe, fits this rank's VRAM and host-RAM budgets."""
-    need = predict(profile, strategy, timed=False, optimizer_bytes=optimizer_bytes)
+    need = predict(profile, strategy, timed=False, optimizer_bytes=optimizer_bytes, grad_accumulation=grad_accumulation)
     rank = distributed.current().rank
     if need.peak_bytes > budget:
         raise StrategyError(f"rank {rank}: the plan rank 0 chose for every rank needs {format_bytes(need.peak_bytes)} "

@@ -12,7 +12,7 @@ GiB = 2 ** 30
 
 def test_gpu_check_measures_the_planners_least_peak_configuration():
     profile, shapes = headline_profile()
-    strategy, prediction = least_peak(profile)
+    strategy, prediction = least_peak(profile, optimizer_offload=False)
     assert strategy in [c.strategy for c in headline_configs("cuda", 2048, 1)]
     assert (strategy.offload.fraction, strategy.offload.prefetch_depth, strategy.checkpointing.mode,
             strategy.activations.enabled, strategy.checkpointing.token_chunks) == \
@@ -38,6 +38,14 @@ def test_gpu_check_measures_the_planners_least_peak_configuration():
     # attention is not counted on fake tensors), a quarter of the chunked forward
     for c in profile.chunked:
         assert 0.22 * c.fwd_s < c.recompute_s < 0.3 * c.fwd_s
+    # with optimizer offload among the candidates the least peak is the same configuration with it: the LoRA's
+    # gradients (all but two blocks' in flight; the LoRA is in the blocks alone) and AdamW's two moments leave the
+    # device, margin included
+    offloaded, least = least_peak(profile)
+    assert offloaded == strategy.replace(optimizer_offload=True)
+    assert sum(profile.block_trainable) == profile.trainable_bytes
+    saved = profile.trainable_bytes - 2 * max(profile.block_trainable) + 8 * profile.trainable_numel
+    assert abs(prediction.peak_bytes - least.peak_bytes - 1.05 * saved) <= 8
 
 
 def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
@@ -52,8 +60,12 @@ def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
                  "| 24 GB | "):
         assert what in text
     # the planner finds a plan at 4 GB (predicted from shapes; the allocator's gap is a GPU's to measure), in token
-    # chunks, and gpu-check measures it
+    # chunks, and gpu-check measures it; with optimizer offload allowed it takes it, faster by the model (the
+    # device memory it frees buys a deeper prefetch), and the breakdown shows its host memory
     assert "No plan" not in text
-    planned = Strategy.from_json(text.split("Strategy: `")[1].split("`")[0])
-    assert planned.checkpointing.token_chunks == TOKEN_CHUNKS
-    assert planned in [c.strategy for c in headline_configs("cuda", 2048, 1)]
+    off, allowed = (Strategy.from_json(part.split("`")[0]) for part in text.split("Strategy: `")[1:3])
+    assert off.checkpointing.token_chunks == TOKEN_CHUNKS and not off.optimizer.enabled
+    assert off in [c.strategy for c in headline_configs("cuda", 2048, 1)]
+    assert allowed.optimizer.enabled and "optimizer offload allowed" in text
+    assert "the LoRA's optimizer state and gradients wait in host memory" in text
+    assert "| host memory: the LoRA, its gradients and AdamW state (optimizer offload) |" in text

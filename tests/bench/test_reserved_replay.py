@@ -67,6 +67,17 @@ def test_the_replay_counts_what_exists_before_the_step_and_peaks_above_it():
     assert result.peak_reserved >= result.peak_allocated
 
 
+def test_optimizer_offload_replays_without_the_adamw_state_on_the_device():
+    """Under optimizer offload the step makes the same allocations in the same order less AdamW's moments and
+    denominators, and frees each LoRA gradient no later: at every point of the second step (the first's moments are
+    alive throughout it without offload) it holds at most what the step without holds, less the two moments."""
+    off = replay_step(BASE, "tiny", 256)
+    on = replay_step(BASE.replace(optimizer_offload=True), "tiny", 256)
+    model = _meta_model("tiny", torch.bfloat16)
+    moments = 2 * sum(-(-p.numel() * 4 // 512) * 512 for p in model.parameters() if p.requires_grad)  # fp32, 512 B
+    assert on.persistent == off.persistent and on.peak_allocated <= off.peak_allocated - moments
+
+
 def test_chunks_lower_the_replayed_peak_of_the_flux_dev_shape():
     """The headline shape at 1024 px (the ops are those of 2048 px; only sizes scale): token chunks cut
     the block's working set, so the replayed allocated and reserved peaks fall."""

@@ -58,7 +58,8 @@ def test_the_flat_form_of_version_0_1_still_loads():
     assert s.compiler == CompileConfig(scope="per_block", backend="aot_eager")
     assert (s.precision.compute_dtype, s.precision.weight_dtype) == ("bf16", "bf16")
     assert s.block_lists == ("double_blocks", "single_blocks")
-    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4], "shard": "off", "token_chunks": 1}  # maps back
+    assert s.to_flat() == {**FLAT_0_1, "offload_blocks": [2, 4], "shard": "off", "token_chunks": 1,
+                            "optimizer_offload": False}  # maps back
     assert Strategy.from_dict({"checkpoint": "all"}) == Strategy.of(checkpoint="all")  # partial flat dicts too
 
 
