@@ -65,7 +65,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert [(r["strategy"]["offload_fraction"], r["strategy"]["prefetch_depth"], r["strategy"]["token_chunks"],
              r["strategy"]["optimizer_offload"]) for r in headline] == [
         (0.9, 1, 1, False), (1.0, 1, 1, False), (1.0, 0, 1, False), (1.0, 1, 8, False), (1.0, 0, 8, False),
-        (1.0, 0, 8, True), (0.0, 1, 1, False), (0.0, 1, 8, False), (0.0, 1, 8, True)]
+        (1.0, 0, 8, True), (1.0, 1, 8, True), (0.0, 1, 1, False), (0.0, 1, 8, False), (0.0, 1, 8, True)]
     assert headline[5]["opt_s"] > 0 and "optoff" in headline[5]["label"]
     assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
     assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
@@ -123,7 +123,8 @@ def test_a_configuration_that_crashes_is_a_failed_row_and_the_rest_still_run(tmp
 
     def runtime(model, strategy, device):
         flat = strategy.to_flat()
-        if (flat["token_chunks"], flat["prefetch_depth"], flat["offload_fraction"]) == (8, 1, 1.0):
+        if (flat["token_chunks"], flat["prefetch_depth"], flat["offload_fraction"], flat["optimizer_offload"]) == \
+                (8, 1, 1.0, False):
             raise ValueError("chunked block: shapes do not match (simulated)")
         return real(model, strategy, device)
 
@@ -133,7 +134,7 @@ def test_a_configuration_that_crashes_is_a_failed_row_and_the_rest_still_run(tmp
     gpu_check._summarise_headline(run, headline)
     rows = headline["configs"]
     crashed = [r for r in rows if r.get("failed")]
-    assert len(rows) == 9 and [r["strategy"]["token_chunks"] for r in crashed] == [8]
+    assert len(rows) == 10 and [r["strategy"]["token_chunks"] for r in crashed] == [8]
     assert crashed[0]["error"] == "ValueError: chunked block: shapes do not match (simulated)"
     assert "Traceback" in crashed[0]["traceback"] and not measure.skipped(rows[-1])  # the twin after it ran
     assert all(r["bound_s"] > 0 for r in rows if not r.get("failed") and r["strategy"]["offload_fraction"] > 0)

@@ -67,5 +67,6 @@ def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
     assert off.checkpointing.token_chunks == TOKEN_CHUNKS and not off.optimizer.enabled
     assert off in [c.strategy for c in headline_configs("cuda", 2048, 1)]
     assert allowed.optimizer.enabled and "optimizer offload allowed" in text
+    assert allowed in [c.strategy for c in headline_configs("cuda", 2048, 1)]
     assert "the LoRA's optimizer state and gradients wait in host memory" in text
     assert "| host memory: the LoRA, its gradients and AdamW state (optimizer offload) |" in text
