@@ -7,6 +7,7 @@ import math
 import torch
 
 from .finite_check import all_finite
+from .host_optimizer import offloadable
 from .session import TrainingSession
 
 
@@ -51,7 +52,9 @@ def oom_message(session: TrainingSession, run, device, detail: str, save) -> str
     s, cfg = session.strategy, session.config
     lighter = (["offload_fraction=1.0"] if s.offload.fraction < 1.0 or s.offload.blocks is not None else []) \
         + (["checkpoint='all'"] if s.checkpointing.mode != "all" else []) \
-        + (["activation_offload=True"] if not s.activations.enabled else [])
+        + (["activation_offload=True"] if not s.activations.enabled else []) \
+        + (["optimizer_offload=True"] if not s.optimizer.enabled and offloadable(cfg.optimizer)
+           and not s.sharding.active else [])
     fix = (f"in the Memory Strategy node set {', '.join(lighter)} (or mode='auto' with your GPU's vram_budget_gb "
            "so the planner picks a strategy that fits)" if lighter else "the strategy already needs the least memory")
     fix += f", or lower batch_size to {cfg.batch_size // 2}" if cfg.batch_size > 1 else ", or lower the resolution"
