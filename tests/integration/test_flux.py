@@ -114,3 +114,24 @@ def test_interrupt_keeps_server_and_last_lora(comfy_server, checkpoint):
     latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
     out = g.sample([loader, 0], cond, latent, "it/flux_after_interrupt", steps=1)
     assert torch.isfinite(saved_latent(comfy_server, comfy_server.run(g.nodes), out)).all()
+
+
+def test_optimizer_offload_trains_the_same_lora_in_comfyui(comfy_server, checkpoint):
+    """A ComfyUI MODEL (ModelPatcher, node code under inference_mode) with the optimizer on the host: the LoRA its
+    run saves is the device optimizer's run's, up to the fused CPU AdamW's rounding (see
+    tests/training/test_host_optimizer.py for the bound: 1e-4 of the change training made)."""
+    name, weight_dtype = checkpoint("flux")
+    saved = {}
+    for offloaded in (False, True):
+        g = Graph()
+        strategy = g.add("TightropeMemoryStrategy", offload_fraction=1.0, checkpoint="all", compute_dtype="fp32",
+                         optimizer_offload=offloaded)
+        ids = g.train_flux((name, weight_dtype), prefix=f"tightrope/it_optoff_{offloaded}", images="it_optoff_images",
+                           steps=3, learning_rate=0.01, strategy=[strategy, 0])
+        entry = comfy_server.run(g.nodes)
+        saved[offloaded] = read_lora_file(entry["outputs"][ids["save"]]["text"][0])[0]
+    assert saved[True].keys() == saved[False].keys()
+    change = max(t.abs().max().item() for k, t in saved[False].items() if "lora_B" in k)  # B starts at 0
+    assert change > 1e-4
+    for k, t in saved[False].items():
+        assert (saved[True][k].float() - t.float()).abs().max().item() <= 1e-4 * change, k
