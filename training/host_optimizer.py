@@ -245,9 +245,9 @@ class _Done:
 _DONE = _Done()
 
 
-def optimizer_for(params: dict[str, nn.Parameter], config, strategy, device: torch.device):
-    """The run's optimizer over `params`: on the device, or a HostOptimizer under strategy.optimizer (offload)."""
-    from .optimizer import make_optimizer
+def optimizer_for(params: dict[str, nn.Parameter], config, strategy, device: torch.device, make_optimizer: Callable):
+    """The run's optimizer over `params`: make_optimizer's (training/optimizer.py) on the device, or a HostOptimizer
+    over its host one under strategy.optimizer (offload)."""
     if not strategy.optimizer.enabled:
         return make_optimizer(params, config, device)
     check_offloadable(config.optimizer)

@@ -34,7 +34,7 @@ from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
 from .host_optimizer import grad_scaler, gradient_holders, optimizer_for, updated_weights
-from .optimizer import learning_rate_at, load_optimizer_state
+from .optimizer import learning_rate_at, load_optimizer_state, make_optimizer
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
 from .run_monitor import RunMonitor
@@ -123,7 +123,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 run.host_weight = runtime.host_weight  # DoRA files read base weights (lora/dora_scale.py)
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
-                optimizer = optimizer_for(params, cfg, strategy, device)  # on the host under optimizer offload
+                optimizer = optimizer_for(params, cfg, strategy, device, make_optimizer)  # host: optimizer offload
                 if hasattr(optimizer, "close"):
                     ending.callback(optimizer.close)
                 if session.optimizer_state is not None:
