@@ -52,6 +52,15 @@ def test_optimizer_offload(device):
     assert_equivalent(run_managed(s, device=device))
 
 
+@pytest.mark.parametrize("variant", list(COMPILED))
+def test_optimizer_offload_under_per_block_compile(variant):
+    """The gradients the optimizer's hooks copy out come from compiled backwards too (a compiled graph's LoRA
+    gradients still reach the leaves' AccumulateGrad, where the hooks run)."""
+    s = Strategy.of(offload_fraction=0.5, activation_offload=True, compute_dtype="fp32", compile="per_block",
+                    compile_backend="aot_eager_decomp_partition", optimizer_offload=True, **COMPILED[variant])
+    assert_equivalent(run_managed(s), rtol=1e-5, atol=1e-6)
+
+
 def test_prefetch_depths_and_policies():
     for kw in ({"prefetch_depth": 0}, {"prefetch_depth": 3}, {"offload_policy": "first"},
                {"offload_policy": "last"}, {"offload_blocks": (1, 4)}):
