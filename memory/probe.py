@@ -53,7 +53,7 @@ TOKEN_CHUNKS = 8  # the chunk count chunked blocks are measured (and planned) at
 InputsMaker = Callable[[], tuple[dict[str, Any], Callable[[Any], torch.Tensor]]]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _BlockProbe:
     """What measuring one block alone needs, the same for every block of a probe."""
     rt: MemoryRuntime   # the runtime the probe runs under (its device, layer offload and autocast)
@@ -62,6 +62,9 @@ class _BlockProbe:
     weights: set[int]   # storages of the weights: not activations, never counted
     clock: Clock
     repeats: int        # timed calls per block (the median is kept); 0: one call, no warm-up
+    progress: Callable[[int, int], None] | None = None  # told (blocks measured, of total) as each one is
+    total: int = 0      # the block measurements the probe makes: eager, and chunked (twice) where it can
+    done: int = 0
 
 
 def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -70,8 +73,10 @@ def _to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device | str,
                 strategy_base: Strategy | None = None, *, batch: int | None = None, repeats: int = 3,
-                measure_compile: bool = False, h2d_nbytes: int | None = None) -> Profile:
+                measure_compile: bool = False, h2d_nbytes: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> Profile:
     """Measure `model` on the inputs `make_inputs()` returns ((kwargs for model, loss_fn(output) -> loss)).
+    progress: told (block measurements done, of all) after each one (minutes on a large model).
 
     strategy_base supplies dtypes, pinning, block lists and (for a model larger than the device) the weight and
     activation offload used while probing; checkpointing and compile are set by the probe itself."""
@@ -80,47 +85,51 @@ def probe_model(model: nn.Module, make_inputs: InputsMaker, device: torch.device
     strategy = base.replace(checkpoint="all", compile="off")
     originals = {id(m): m.__dict__.get("forward") for m in model.modules()}
     clock = Clock(device)
-    with MemoryRuntime(model, strategy, device) as rt:
-        blocks = [b.module for b in rt.blocks]
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        weights |= rt.offload.device_storage_ptrs() if rt.offload else set()
-        inputs, loss_fn = make_inputs()
-        inputs = _to_device(inputs, device)
-        first = next((v for v in inputs.values() if isinstance(v, torch.Tensor)), None)
-        batch = batch or (int(first.shape[0]) if first is not None and first.ndim else 1)
+    try:
+        with MemoryRuntime(model, strategy, device) as rt:
+            blocks = [b.module for b in rt.blocks]
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            weights |= rt.offload.device_storage_ptrs() if rt.offload else set()
+            inputs, loss_fn = make_inputs()
+            inputs = _to_device(inputs, device)
+            first = next((v for v in inputs.values() if isinstance(v, torch.Tensor)), None)
+            batch = batch or (int(first.shape[0]) if first is not None and first.ndim else 1)
 
-        boundary, captured, step = _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock)
-        shared = {p for p, (_, owners, _) in boundary.by_ptr.items() if len({o for o in owners if o is not None}) > 1}
-        act_allocs: list[list[int]] = [[] for _ in blocks]
-        act_shared = act_other = 0
-        for ptr, (n, owners, _) in boundary.by_ptr.items():
-            inside = {o for o in owners if o is not None}
-            if ptr in shared:
-                act_shared += n
-            elif inside:
-                act_allocs[min(inside)].append(n)
-            else:
-                act_other += n
+            boundary, captured, step = _whole_step(model, rt, blocks, inputs, loss_fn, weights, clock)
+            shared = {p for p, (_, owners, _) in boundary.by_ptr.items()
+                      if len({o for o in owners if o is not None}) > 1}
+            act_allocs: list[list[int]] = [[] for _ in blocks]
+            act_shared = act_other = 0
+            for ptr, (n, owners, _) in boundary.by_ptr.items():
+                inside = {o for o in owners if o is not None}
+                if ptr in shared:
+                    act_shared += n
+                elif inside:
+                    act_allocs[min(inside)].append(n)
+                else:
+                    act_other += n
 
-        probe = _BlockProbe(rt, captured, shared, weights, clock, repeats)
-        forwards = [originals.get(id(m)) or type(m).forward.__get__(m) for m in blocks]  # unwrapped: no checkpoint
-        eager = [_probe_block(probe, i, forward) for i, forward in enumerate(forwards)]
-        act_full, act_alloc, peak, fwd_s, bwd_s = ([r[k] for r in eager] for k in ("saved", "alloc", "peak", "fwd_s",
-                                                                                  "bwd_s"))
-        compile_factors = _probe_compile(probe, blocks, forwards, eager) if measure_compile else None
-        chunks = base.checkpointing.token_chunks if base.checkpointing.token_chunks > 1 else TOKEN_CHUNKS
-        chunked = _probe_chunked(probe, blocks, forwards, chunks, cuda=device.type == "cuda")
-        sizes = rt.sizes
-        # pageable host memory makes non_blocking copies synchronous: measure (and plan) the copies the runtime makes
-        pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
-            else base.offload.pin_memory and device.type == "cuda"
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer_s = _time_optimizer(trainable, clock)
-        host_optimizer_s = _time_host_optimizer(trainable)
-        # inside the runtime: its undo then gives back the pinned buffer this takes from torch's host cache
-        h2d_bytes_per_s = measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned)
-    for p in model.parameters():
-        p.grad = None  # the probe's gradients are not the user's
+            probe = _BlockProbe(rt, captured, shared, weights, clock, repeats, progress,
+                                len(blocks) + 2 * sum(chunked_forward_for(m) is not None for m in blocks))
+            forwards = [originals.get(id(m)) or type(m).forward.__get__(m) for m in blocks]  # unwrapped: no checkpoint
+            eager = [_probe_block(probe, i, forward) for i, forward in enumerate(forwards)]
+            act_full, act_alloc, peak, fwd_s, bwd_s = ([r[k] for r in eager]
+                                                       for k in ("saved", "alloc", "peak", "fwd_s", "bwd_s"))
+            compile_factors = _probe_compile(probe, blocks, forwards, eager) if measure_compile else None
+            chunks = base.checkpointing.token_chunks if base.checkpointing.token_chunks > 1 else TOKEN_CHUNKS
+            chunked = _probe_chunked(probe, blocks, forwards, chunks, cuda=device.type == "cuda")
+            sizes = rt.sizes
+            # pageable host memory makes non_blocking copies synchronous: measure (and plan) the runtime's copies
+            pinned = rt.host_memory_pinned() if rt.offload is not None or rt.acts is not None \
+                else base.offload.pin_memory and device.type == "cuda"
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer_s = _time_optimizer(trainable, clock)
+            host_optimizer_s = _time_host_optimizer(trainable)
+            # inside the runtime: its undo then gives back the pinned buffer this takes from torch's host cache
+            h2d_bytes_per_s = measure_h2d_bandwidth(device, h2d_nbytes, pinned=pinned)
+    finally:
+        for p in model.parameters():
+            p.grad = None  # the probe's gradients are not the user's (also when it fails or is interrupted)
     return Profile(
         device=device.type, batch=batch, block_names=[b.name for b in rt.blocks],
         block_types=[type(m).__name__ for m in blocks], block_frozen=list(sizes.block_frozen),
@@ -320,6 +329,9 @@ def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = N
             fwd_t.append(clock.seconds(a, b))
             bwd_t.append(clock.seconds(c, d) if outs else 0.0)
         del out, outs, grads, args, kwargs
+    probe.done += 1
+    if probe.progress is not None:  # may raise (an interrupt in ComfyUI): between blocks, nothing half-done
+        probe.progress(min(probe.done, probe.total), probe.total)
     return {"saved": saved, "alloc": alloc, "peak": peak, "fwd_s": statistics.median(fwd_t),
             "bwd_s": statistics.median(bwd_t)}
 

@@ -136,9 +136,10 @@ def progress_reporter(total: int) -> Callable[[int, int, float], None]:
     return report
 
 
-def work_progress(what: str) -> Callable[[int, int], None]:
-    """progress(done, total) for work before training (encoding a dataset): ComfyUI's progress bar, which also ends
-    the work when the user interrupts (ComfyUI's own interrupt exception); a tqdm bar headless (rank 0)."""
+def work_progress(what: str, unit: str = "image") -> Callable[[int, int], None]:
+    """progress(done, total) for work before training (encoding a dataset, an `auto` strategy's probe): ComfyUI's
+    progress bar, which also ends the work when the user interrupts (ComfyUI's own interrupt exception); a tqdm bar
+    headless (rank 0)."""
     bars: dict = {}
     if in_comfyui():
         import comfy.model_management
@@ -156,7 +157,7 @@ def work_progress(what: str) -> Callable[[int, int], None]:
 
     def report_tqdm(done: int, total: int) -> None:
         if "bar" not in bars:
-            bars["bar"] = tqdm(total=total, desc=what, unit="image", dynamic_ncols=True)
+            bars["bar"] = tqdm(total=total, desc=what, unit=unit, dynamic_ncols=True)
         bars["bar"].n = done
         bars["bar"].refresh()
         if done >= total:

@@ -108,7 +108,8 @@ class TightropeTrain:
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
             resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
-            validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir))
+            validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir),
+            probe_progress=host.work_progress("probing the model (auto strategy)", unit="block"))
         if result.interrupted:
             new = result.saved[len(session.saved) if session is not None else 0:]
             host.notify(f"Train node {unique_id} interrupted at step {result.step}: "

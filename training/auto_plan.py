@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from typing import Callable
 
 import torch
 from torch import nn
@@ -41,20 +42,22 @@ class _Predictor(nn.Module):
         return self.adapter.predict(self.module, x_t, t, context, pooled, self.guidance)
 
 
-def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[Strategy, str]:
+def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: torch.device,
+                     progress: Callable[[int, int], None] | None = None) -> tuple[Strategy, str]:
     """The strategy `choice` plans for this session on `device`, and its explanation. Under torchrun the ranks must
     train one plan: its FSDP wrapping and its compile, chunks and offload change numerics and collectives, and a
     plan's text is reported as the run's. Planning on every rank with the smallest budget would not do: the planner
     picks the fastest candidate by the probe's timings, which differ from rank to rank. So rank 0 plans, for the
     smallest VRAM and host-RAM budgets among the ranks, and sends the plan; each rank checks it on its own probe and
-    budget (a GPU another program fills, or a larger probe there, stops every rank with one line)."""
+    budget (a GPU another program fills, or a larger probe there, stops every rank with one line). progress: told
+    (blocks measured, of all) while the probe runs."""
     if choice.vram_budget_gb == 0 and not planner.reads_free_memory(device):  # before the probe: it takes a while
         raise StrategyError(f"vram_budget_gb=0 plans for the free GPU memory, but the device is '{device}', which "
                             "cannot say what is free: set vram_budget_gb to the memory to plan for, or set the "
                             "strategy yourself (mode manual)")
     cfg = session.config
     optimizer_bytes = CHOICES[cfg.optimizer].state_bytes
-    profile, host, budget = distributed.on_every_rank(lambda: _measure(session, choice, device))
+    profile, host, budget = distributed.on_every_rank(lambda: _measure(session, choice, device, progress))
     budgets = distributed.from_every_rank((budget, host.budget_bytes))
     smallest = min(vram for vram, _ in budgets), min(ram for _, ram in budgets)
 
@@ -73,7 +76,8 @@ def plan_for_session(session: TrainingSession, choice: AutoStrategy, device: tor
     return strategy, f"{explanation} Planned by rank 0 for all {par.world_size} ranks, for the smallest budget."
 
 
-def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.device) -> tuple[object, HostNeeds, int]:
+def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.device,
+             progress: Callable[[int, int], None] | None = None) -> tuple[object, HostNeeds, int]:
     """This rank's probe of the session on `device`, its host-RAM needs and budget, and its VRAM budget in bytes."""
     cfg = session.config
     adapter = adapter_for(session.model)
@@ -102,7 +106,7 @@ def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.devic
         inject_lora(module, session.lora, adapter.family)
         try:
             profile = probe_model(_Predictor(adapter, module, cfg.guidance), make_inputs, device, base,
-                                  batch=latents.shape[0], repeats=1)
+                                  batch=latents.shape[0], repeats=1, progress=progress)
         finally:
             remove_lora(module)
     if cuda:

@@ -28,12 +28,14 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                       save_every: int, progress: Callable | None, should_stop: Callable[[], bool] | None,
                       resume: bool = False, state_dir: Path | None = None, node_id: str | None = None,
                       notify: Callable[[str], None] | None = None, validation_dataset: Any = None,
-                      log_dir: str | Path | None = None) -> tuple[TrainingSession, Any, str]:
+                      log_dir: str | Path | None = None,
+                      probe_progress: Callable[[int, int], None] | None = None) -> tuple[TrainingSession, Any, str]:
     """One Train node. Its training state file is `state_dir` (default save_dir)/`filename_prefix`, keyed by
     `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's
     of this run (`tightrope run --resume`), training only the steps this node has left; a node that had finished
     returns its saved outputs again, untrained (notify says so). validation_dataset: scored for the validation loss
-(a continued session keeps its own unless given one); log_dir: TensorBoard's folder (None: no TensorBoard)."""
+(a continued session keeps its own unless given one); log_dir: TensorBoard's folder (None: no TensorBoard);
+probe_progress: told (blocks measured, of all) while an `auto` strategy's probe runs."""
     dev = resolve_device(device)
     safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -75,7 +77,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
             # other rounding: token chunks, compile), so the resumed run equals an uninterrupted one
             explanation = resumed[1].info["owner"].get("note", "")
         elif strategy is not None:
-            chosen, explanation = resolve_strategy(strategy, session, dev)
+            chosen, explanation = resolve_strategy(strategy, session, dev, probe_progress)
             session = session.advanced(strategy=chosen)
         save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation, plan))
@@ -111,12 +113,13 @@ def plan_key(choice: AutoStrategy, device) -> str:
     return f"{json.dumps(dataclasses.asdict(choice), sort_keys=True)} on {name}"
 
 
-def resolve_strategy(choice: Any, session: TrainingSession, device) -> tuple[Strategy, str]:
+def resolve_strategy(choice: Any, session: TrainingSession, device,
+                     progress: Callable[[int, int], None] | None = None) -> tuple[Strategy, str]:
     if isinstance(choice, Strategy):
         return choice, ""
     if isinstance(choice, AutoStrategy):
         from .auto_plan import plan_for_session
-        return plan_for_session(session, choice, device)
+        return plan_for_session(session, choice, device, progress)
     raise ConfigError(f"the strategy input is a {type(choice).__name__}: connect a Memory Strategy node")
 
 

@@ -11,7 +11,9 @@ def test_every_node_is_listed(comfy_server):
 
 
 def test_no_import_error(comfy_server):
-    log = comfy_server.log()
+    """At start-up (the log before the server says where its GUI is): later prompts of the session may fail on
+    purpose, and ComfyUI logs their tracebacks."""
+    log = comfy_server.log().split("To see the GUI go to")[0]
     lines = [ln for ln in log.splitlines() if "tightrope" in ln.lower()]
     assert not [ln for ln in lines if "IMPORT FAILED" in ln or "Cannot import" in ln], "\n".join(lines)
     assert "Traceback" not in log, log[-3000:]

@@ -5,7 +5,9 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_flux import tiny_flux
+from two_stream import make_batch, make_lora_model
 
 from tightrope.memory.plan_cost import predict
 from tightrope.memory.planner import candidate_strategies, plan
@@ -108,3 +110,34 @@ def test_the_probe_measures_blocks_with_a_chunked_forward_chunked():
         assert 0 < c.saved < prof.act_full[i] and c.peak == 0 and c.fwd_s > 0 and c.bwd_s > 0  # CPU: no peak
         assert c.recompute_s > 0  # timed; how it compares with fwd_s is the headline plan's FLOP count (no noise)
     assert Profile.from_json(prof.to_json()) == prof
+
+
+def _inputs():
+    inputs, target = make_batch()
+    return inputs, lambda out: F.mse_loss(out, target)
+
+
+def test_the_probe_reports_its_progress_block_by_block():
+    """An `auto` strategy's probe takes minutes on a large model: the Train node shows a bar (nodes/host.py
+    work_progress), told after every block measurement: each block alone, then each chunkable one chunked (and its
+    checkpoint's rerun), ending at the total; an exception from the callback (ComfyUI's interrupt) ends the probe
+    and leaves the model as it was."""
+    seen = []
+    model = make_lora_model()
+    probe_model(model, _inputs, "cpu", Strategy.of(compute_dtype="fp32"), repeats=0,
+                progress=lambda done, total: seen.append((done, total)))
+    n = 6  # the test model's 3 double + 3 single blocks, all with chunked forwards (two_stream.py)
+    assert seen == [(k, 3 * n) for k in range(1, 3 * n + 1)]
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(done, total):
+        if done == 2:
+            raise Interrupted
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(Interrupted):
+        probe_model(model, _inputs, "cpu", Strategy.of(compute_dtype="fp32"), repeats=0, progress=interrupt)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())

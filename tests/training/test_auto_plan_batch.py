@@ -32,7 +32,7 @@ def test_auto_probes_the_largest_batch_whatever_the_seed(tmp_path, monkeypatch, 
     session = session.advanced(dataset=two_buckets(*session.dataset.text(0)))
     probed = []
 
-    def probe(model, make_inputs, device, base, *, batch, repeats):
+    def probe(model, make_inputs, device, base, *, batch, repeats, progress=None):
         probed.append((tuple(make_inputs()[0]["x_t"].shape), batch))
         raise StopIteration  # the plan itself is not what is tested
     monkeypatch.setattr(auto_plan, "probe_model", probe)
