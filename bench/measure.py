@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..memory.runtime import MemoryRuntime
 from ..training.host_optimizer import HostOptimizer
+from ..training.optimizer import host_adamw
 from . import allocator_trace
 from .grid import BenchConfig
 from .models import BenchModel
@@ -133,14 +134,8 @@ def _optimizer(model, strategy, device: torch.device):
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not strategy.optimizer.enabled:
         return torch.optim.AdamW(list(params.values()), lr=1e-5)
-    return HostOptimizer(params, _host_adamw, device, pin=strategy.offload.pin_memory)
-
-
-def _host_adamw(host: dict) -> torch.optim.Optimizer:
-    try:
-        return torch.optim.AdamW(list(host.values()), lr=1e-5, fused=True)
-    except (RuntimeError, TypeError):  # a torch without the fused CPU kernel
-        return torch.optim.AdamW(list(host.values()), lr=1e-5)
+    return HostOptimizer(params, lambda host: host_adamw(list(host.values()), lr=1e-5), device,
+                         pin=strategy.offload.pin_memory)
 
 
 def _one_step(model, rt: MemoryRuntime, opt, inputs, target, device) -> dict[str, float]:

@@ -90,11 +90,16 @@ def make_optimizer(params: dict[str, nn.Parameter], config: TrainConfig, device:
         # (LoRA weights have RMS < 1), as Adafactor(scale_parameter=False) does in kohya's and HF's LoRA recipes.
         extra = {"eps": (None, 1.0)}
     if on_host and config.optimizer == "adamw":
-        try:
-            return cls(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay, fused=True)
-        except (RuntimeError, TypeError):
-            pass  # a torch without the CPU kernel: the default implementation
+        return host_adamw(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay)
     return cls(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
+
+
+def host_adamw(params, **options) -> torch.optim.AdamW:
+    """AdamW over host tensors: the fused CPU kernel where this torch has it, else the default implementation."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **options)
+    except (RuntimeError, TypeError):  # a torch without the fused CPU kernel
+        return torch.optim.AdamW(params, **options)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict, names: list[str],

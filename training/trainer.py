@@ -33,7 +33,7 @@ from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
-from .host_optimizer import grad_scaler, gradient_holders, optimizer_for, updated_weights
+from .host_optimizer import HostOptimizer, grad_scaler, gradient_holders, optimizer_for, updated_weights
 from .optimizer import learning_rate_at, load_optimizer_state, make_optimizer
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
@@ -124,8 +124,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                 params = lora_parameters(module)
                 distributed.broadcast_parameters(params.values())  # every rank starts from rank 0's LoRA
                 optimizer = optimizer_for(params, cfg, strategy, device, make_optimizer)  # host: optimizer offload
-                if hasattr(optimizer, "close"):
-                    ending.callback(optimizer.close)
+                if isinstance(optimizer, HostOptimizer):
+                    ending.callback(optimizer.close)  # its hooks and page-locked buffers
                 if session.optimizer_state is not None:
                     load_optimizer_state(optimizer, clone_state(session.optimizer_state), list(params),
                                          cfg.weight_decay)
