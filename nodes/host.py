@@ -54,8 +54,12 @@ def is_main() -> bool:
     return current().is_main
 
 
-def resume_requested() -> bool:
-    return _headless is not None and _headless.resume
+def resume_mode(widget: bool = True) -> str:
+    """How a Train node goes on from its training state file (training_run.run_training_node's `resume`): headless,
+    "asked" with --resume, else "off"; in ComfyUI, "same run" while the node's `resume` widget is on."""
+    if _headless is not None:
+        return "asked" if _headless.resume else "off"
+    return "same run" if widget and in_comfyui() else "off"
 
 
 def tensorboard_dir(node_log_dir: str) -> Path | None:

@@ -39,9 +39,9 @@ _VALIDATION_AND_LOSS_INPUTS = {
 
 class TightropeTrain:
     DESCRIPTION = ("Trains the LoRA for N steps under the memory strategy, with a progress bar; interrupting saves "
-                   "the LoRA of the last completed step (and its training state, which `tightrope run --resume` "
-                   "continues from when the workflow runs headless). Wire its session into another Train node to go "
-                   "on.")
+                   "the LoRA of the last completed step and its training state: queue the workflow again and the "
+                   "node goes on from there (`tightrope run --resume` headless). Wire its session into another Train "
+                   "node to go on.")
     CATEGORY = "Tightrope/train"
     RETURN_TYPES = ("TIGHTROPE_SESSION", "MODEL", "STRING")
     RETURN_NAMES = ("session", "model", "report")
@@ -99,15 +99,22 @@ class TightropeTrain:
                                                "diffusers does (decay min(this, (1+n)/(10+n)) at update n); Save "
                                                "LoRA writes it as a second file ending in _ema."}),
             **_VALIDATION_AND_LOSS_INPUTS,
+            "resume": ("BOOLEAN", {"default": True,
+                                   "tooltip": "Interrupted (or the server stopped)? Queue the same workflow again: "
+                                              "this node goes on from its last completed step (saved at every "
+                                              "save_every and at the interrupt), to the very LoRA an uninterrupted "
+                                              "run gives; a finished node returns its result untrained. Only from "
+                                              "the same run: another input, setting or step count trains anew. "
+                                              "Off: always train anew. Headless: `tightrope run --resume` decides."}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
-              strategy=None, unique_id=None, validation_dataset=None, log_dir="", **config):
+              strategy=None, unique_id=None, validation_dataset=None, log_dir="", resume=True, **config):
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
-            resume=host.resume_requested(), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
+            resume=host.resume_mode(resume), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
             validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir),
             probe_progress=host.work_progress("probing the model (auto strategy)", unit="block"))
         if result.interrupted:

@@ -12,7 +12,7 @@ from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
 from .state.atomic_write import safe_output_path
 from .models.model_with_lora import model_with_lora
-from .state.resume import StateOwner, resume_agreed, session_digest, state_path
+from .state.resume import NotThisRun, StateOwner, resume_agreed, session_digest, state_path
 from .session import TrainingSession
 from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
@@ -22,18 +22,23 @@ from .input_checks import check_run_inputs
 from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
 
+RESUME_MODES = ("off", "asked", "same run")
+
 
 def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
                       dataset: Any, lora: Any, strategy: Any, device: str, save_dir: Path, filename_prefix: str,
                       save_every: int, progress: Callable | None, should_stop: Callable[[], bool] | None,
-                      resume: bool = False, state_dir: Path | None = None, node_id: str | None = None,
+                      resume: str = "off", state_dir: Path | None = None, node_id: str | None = None,
                       notify: Callable[[str], None] | None = None, validation_dataset: Any = None,
                       log_dir: str | Path | None = None,
                       probe_progress: Callable[[int, int], None] | None = None) -> tuple[TrainingSession, Any, str]:
     """One Train node. Its training state file is `state_dir` (default save_dir)/`filename_prefix`, keyed by
-    `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's
-    of this run (`tightrope run --resume`), training only the steps this node has left; a node that had finished
-    returns its saved outputs again, untrained (notify says so). validation_dataset: scored for the validation loss
+    `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's,
+    training only the steps this node has left; a node that had finished returns its saved outputs again, untrained
+    (notify says so). "asked" (`tightrope run --resume`): if it is of this node's input session, warning about
+    changed settings and refusing what cannot go on; "same run" (ComfyUI's `resume` widget): only if the inputs,
+    settings and steps are the same as now (so the result is the uninterrupted run's), else notify why and train
+    anew; "off": train anew. validation_dataset: scored for the validation loss
 (a continued session keeps its own unless given one); log_dir: TensorBoard's folder (None: no TensorBoard);
 probe_progress: told (blocks measured, of all) while an `auto` strategy's probe runs."""
     dev = resolve_device(device)
@@ -58,16 +63,21 @@ probe_progress: told (blocks measured, of all) while an `auto` strategy's probe 
                               f"optimizer to {session.config.optimizer!r} to continue, or start a new session")
         session = session.advanced(config=config, dataset=dataset or session.dataset, interrupted=False,
                                    validation_dataset=validation_dataset or _inherited_validation(session, config))
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume={resume!r}: one of {RESUME_MODES}")
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
         run_start, left = None, steps
-        resumed = resume_agreed(state_file, session, owner=owner, steps=steps) if resume else None  # rank 0's
+        resumed = _resumed(state_file, session, owner, steps, resume, notify)  # rank 0's
         if resumed is not None:
             session, state = resumed
             run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
             if left < 1:
                 return _finished(session, state, state_file, steps, progress, notify)
+            if notify is not None:
+                notify(f"Train node{_named(node_id)} goes on from step {session.step} of its run (steps "
+                       f"{state.run_start}-{state.run_start + steps}), saved in '{state_file}'")
         explanation = ""
         check_run_inputs(session, left, dev)  # before an auto strategy's probe loads and runs the model
         plan = plan_key(strategy, dev) if isinstance(strategy, AutoStrategy) else ""
@@ -88,13 +98,30 @@ probe_progress: told (blocks measured, of all) while an `auto` strategy's probe 
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)
 
 
+def _resumed(state_file: Path, session: TrainingSession, owner: StateOwner, steps: int, mode: str,
+             notify: Callable[[str], None] | None) -> tuple[TrainingSession, Any] | None:
+    """The session and state to go on from, or None to train anew (see run_training_node's `resume`)."""
+    if mode == "off":
+        return None
+    try:
+        return resume_agreed(state_file, session, owner=owner, steps=steps, same_run=mode == "same run")
+    except NotThisRun as e:
+        if notify is not None:
+            notify(f"Train node{_named(owner.node)} trains from its input, not from its saved state: {e}; the file "
+                   "is replaced")
+        return None
+
+
+def _named(node_id: str | None) -> str:
+    return "" if node_id is None else f" {node_id}"
+
+
 def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int, progress: Callable | None,
               notify: Callable[[str], None] | None) -> tuple[TrainingSession, Any, str]:
     """A node that had finished, resumed: the outputs and report it returned then, untrained."""
     owner = state.info.get("owner") or {}
     if notify is not None:
-        node = "" if owner.get("node") is None else f" {owner['node']}"
-        notify(f"Train node{node} had finished (step {session.step} in '{state_file}'): nothing to do, its saved "
+        notify(f"Train node{_named(owner.get('node'))} had finished (step {session.step} in '{state_file}'): nothing to do, its saved "
                "outputs are used")
     if progress is not None and session.losses:
         progress(steps, steps, session.losses[-1])  # its progress bar shows it done

@@ -41,11 +41,11 @@ def state_files(demo, tmp_path_factory):
     """The node's state file after its step 1 (stopped there) and after step 2 (finished), and a damaged one."""
     folder = tmp_path_factory.mktemp("states")
     run, done = folder / "run", []
-    node(demo, run, resume=False, progress=lambda d, t, loss: done.append(d), should_stop=lambda: len(done) >= 1)
+    node(demo, run, resume="off", progress=lambda d, t, loss: done.append(d), should_stop=lambda: len(done) >= 1)
     files = {"step 1": folder / "step1.safetensors", "step 2": folder / "step2.safetensors",
              "damaged": folder / "damaged.safetensors"}
     shutil.copy(state_path(run, "x", "7"), files["step 1"])
-    node(demo, run, resume=True)
+    node(demo, run, resume="asked")
     shutil.copy(state_path(run, "x", "7"), files["step 2"])
     files["damaged"].write_bytes(files["step 2"].read_bytes()[:300])
     assert (load_state(files["step 1"]).step, load_state(files["step 2"]).step) == (1, 2)
@@ -75,7 +75,7 @@ def resume_on_two_ranks(monkeypatch, tmp_path, demo, state_files, files):
             state_path(folder, "x", "7").parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(state_files[name], state_path(folder, "x", "7"))
     models = [demo_model() for _ in dirs]  # a model each: the ranks must not patch one module at once
-    return run_ranks(monkeypatch, 2, lambda rank: node(demo, dirs[rank], resume=True, model=models[rank]))
+    return run_ranks(monkeypatch, 2, lambda rank: node(demo, dirs[rank], resume="asked", model=models[rank]))
 
 
 def test_ranks_with_the_same_file_resume_the_same_step(monkeypatch, tmp_path, demo, state_files):

@@ -150,7 +150,7 @@ def test_run_gives_the_nodes_the_real_host_for_the_run_only(tmp_path, api_workfl
     real_run = executor.run_workflow
 
     def run(*args, **kwargs):
-        seen.append((host.output_dir(), host.run_dir(), host.resume_requested(), host.in_comfyui()))
+        seen.append((host.output_dir(), host.run_dir(), host.resume_mode(), host.in_comfyui()))
         if len(seen) == 2:
             raise KeyboardInterrupt
         return real_run(*args, **kwargs)
@@ -159,13 +159,13 @@ def test_run_gives_the_nodes_the_real_host_for_the_run_only(tmp_path, api_workfl
     monkeypatch.delenv("COMFYUI_DIR", raising=False)  # core nodes stay unknown: no ComfyUI is loaded
     path = _write(tmp_path, api_workflow)
     assert cli.main(["run", path, "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
-    assert seen == [(tmp_path / "o", tmp_path / "o", True, False)]
+    assert seen == [(tmp_path / "o", tmp_path / "o", "asked", False)]
     # after the run (and after one ended by Ctrl-C) nothing is left set: a later run or ComfyUI in this process
     # gets its own folders and no --resume it did not ask for
-    assert host.output_dir() == Path("output") and not host.resume_requested()
+    assert host.output_dir() == Path("output") and host.resume_mode() == "off"
     assert cli.main(["run", path, "--output-dir", str(tmp_path / "p")]) == 130
-    assert seen[1] == (tmp_path / "p", tmp_path / "p", False, False)
-    assert host.output_dir() == Path("output") and not host.resume_requested()
+    assert seen[1] == (tmp_path / "p", tmp_path / "p", "off", False)
+    assert host.output_dir() == Path("output") and host.resume_mode() == "off"
 
 
 def test_headless_blocks_nest_and_restore_the_host_however_they_end(tmp_path, monkeypatch):
@@ -174,13 +174,14 @@ def test_headless_blocks_nest_and_restore_the_host_however_they_end(tmp_path, mo
     assert host.in_comfyui()
     with pytest.raises(RuntimeError, match="node failed"):
         with host.headless(tmp_path / "a"):
-            assert host.output_dir() == tmp_path / "a" and not host.in_comfyui() and not host.resume_requested()
+            assert host.output_dir() == tmp_path / "a" and not host.in_comfyui() and host.resume_mode() == "off"
             with host.headless(tmp_path / "b", run_dir=tmp_path / "a", resume=True):
-                assert (host.output_dir(), host.run_dir(), host.resume_requested()) == (tmp_path / "b",
-                                                                                       tmp_path / "a", True)
-            assert host.output_dir() == tmp_path / "a" and not host.resume_requested()
+                assert (host.output_dir(), host.run_dir(), host.resume_mode()) == (tmp_path / "b", tmp_path / "a",
+                                                                                  "asked")
+            assert host.output_dir() == tmp_path / "a" and host.resume_mode() == "off"
             raise RuntimeError("node failed")
-    assert host.in_comfyui() and not host.resume_requested()
+    # in ComfyUI the Train node's resume widget decides: go on only from the very same run, or train anew
+    assert host.in_comfyui() and host.resume_mode() == "same run" and host.resume_mode(False) == "off"
 
 
 def test_python_dash_m_tightrope_help():

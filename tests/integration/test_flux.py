@@ -2,6 +2,7 @@
 LoraLoaderModelOnly applying it (no key left over) with the same samples as the Train node's MODEL output, and
 /interrupt during a long run."""
 import math
+import re
 import time
 import uuid
 
@@ -114,6 +115,41 @@ def test_interrupt_keeps_server_and_last_lora(comfy_server, checkpoint):
     latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
     out = g.sample([loader, 0], cond, latent, "it/flux_after_interrupt", steps=1)
     assert torch.isfinite(saved_latent(comfy_server, comfy_server.run(g.nodes), out)).all()
+
+
+def test_queued_again_after_an_interrupt_the_train_node_goes_on_to_the_uninterrupted_lora(comfy_server, checkpoint):
+    """The Train node's `resume` widget (on by default) in a real server: /interrupt mid-run, queue the same prompt
+    again, and the node trains only the steps it had left; its final LoRA is bit for bit the one an uninterrupted
+    run of the same graph saves (same CPU, fp32 LoRA, every draw a function of (seed, step))."""
+    name, weight_dtype = checkpoint("flux")
+    steps, saved = 30, {}
+    for prefix in ("tightrope/it_resume_whole", "tightrope/it_resume_cut"):
+        g = Graph()
+        ids = g.train_flux((name, weight_dtype), prefix=prefix, images="it_resume_images", steps=steps,
+                           learning_rate=0.01, schedule="cosine")
+        if prefix.endswith("cut"):
+            client = uuid.uuid4().hex
+            ws = WebSocket(comfy_server, client)
+            try:
+                prompt_id = comfy_server.queue(g.nodes, client)
+                deadline = time.time() + 300
+                while not [m for m in ws.of_type("progress", prompt_id) if m["node"] == ids["train"]
+                           and m["value"] >= 3]:
+                    assert time.time() < deadline, "no training progress within 300 s"
+                    time.sleep(0.05)
+                comfy_server.post("/interrupt", {})
+                comfy_server.wait(prompt_id, expect="error")
+            finally:
+                ws.close()
+        entry = comfy_server.run(g.nodes)
+        saved[prefix] = read_lora_file(entry["outputs"][ids["save"]]["text"][0])
+    log = comfy_server.log()
+    went_on = re.findall(r"Train node \S+ goes on from step (\d+) of its run \(steps 0-30\)", log)
+    print(f"\ninterrupted at step {went_on[-1] if went_on else None} of {steps}")
+    assert went_on and 3 <= int(went_on[-1]) < steps, log[-3000:]
+    (whole, whole_meta), (cut, cut_meta) = saved.values()
+    assert whole_meta["tightrope.steps"] == cut_meta["tightrope.steps"] == str(steps)
+    assert whole.keys() == cut.keys() and all(torch.equal(cut[k], t) for k, t in whole.items())
 
 
 def test_optimizer_offload_trains_the_same_lora_in_comfyui(comfy_server, checkpoint):

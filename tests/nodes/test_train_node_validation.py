@@ -14,7 +14,7 @@ from tightrope.nodes.demo_nodes import TightropeDemoEncoders, TightropeDemoImage
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.train_node import TightropeTrain
 
-NEW = ["loss", "huber_delta", "validation_fraction", "validation_every", "log_dir"]
+NEW = ["loss", "huber_delta", "validation_fraction", "validation_every", "log_dir", "resume"]
 DEMO = Path(__file__).resolve().parents[1] / "workflows" / "data" / "demo_0_1.json"  # demo.json as 0.1 saved it
 
 

@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 
 from tightrope.cli import main
+from tightrope.headless.ui_format import widget_values_by_name
+from tightrope.nodes.train_node import TightropeTrain
 from tightrope.training.lora.files import read_lora_file
 
 WORKFLOW = Path(__file__).resolve().parents[2] / "workflows" / "demo_features.json"
@@ -34,8 +36,13 @@ def test_the_workflow_turns_the_features_on():
     """What the other tests rely on is in the file: masks drawn and read, LoKr, validation, EMA, EMA saved."""
     assert _widgets("TightropeDemoImages")[-1] is True and _widgets("TightropeLoadDataset")[-1] == "mask_files"
     assert _widgets("TightropeLoraSetup")[-1] == "lokr" and _widgets("TightropeSaveLora")[1] is True  # save_ema
-    train = _widgets("TightropeTrain")  # steps first; ema_decay, loss, huber_delta, validation_fraction/every last
-    assert train[0] == 40 and train[-6:-1] == [0.9, "mse", 1.0, 0.25, 10]
+    node = next(n for n in json.loads(WORKFLOW.read_text())["nodes"] if n["type"] == "TightropeTrain")
+    problems = []
+    train = widget_values_by_name(node, TightropeTrain, str(node["id"]), problems)
+    assert not problems
+    assert {k: train[k] for k in ("steps", "ema_decay", "loss", "huber_delta", "validation_fraction",
+                                  "validation_every")} == dict(steps=40, ema_decay=0.9, loss="mse", huber_delta=1.0,
+                                                                validation_fraction=0.25, validation_every=10)
 
 
 def test_runs_and_reports_validation_losses(run):

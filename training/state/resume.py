@@ -44,6 +44,10 @@ class ResumeError(ValueError):
     """A training state file cannot be resumed here; the message names the file and the fix."""
 
 
+class NotThisRun(ResumeError):
+    """resume_session(same_run=True): the state file is not of this very run; the message says what differs."""
+
+
 @dataclass(frozen=True)
 class TrainingState:
     step: int
@@ -186,44 +190,59 @@ def load_state(path: str | os.PathLike) -> TrainingState:
 
 
 # ------------------------------------------------------------------------------------------------ resume
-def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
-                   steps: int | None = None) -> tuple[Any, TrainingState] | None:
+def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None, steps: int | None = None,
+                   same_run: bool = False) -> tuple[Any, TrainingState] | None:
     """`session` (built from the node's inputs) advanced to the state in `path`, checked against its owner, model
     and LoRA settings, and the state; restores the strategy the state was trained with.
     owner: this node (None: not checked); a state of another node is refused, one of another run of this node
-    (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed)."""
+    (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed).
+    same_run (ComfyUI's `resume` widget): go on only from this very run, whose end equals an uninterrupted run's:
+    another input, model, dataset, setting or step count raises NotThisRun naming it (the caller trains anew)."""
     from ..models import adapter_for
-    state = load_state(path)
+    try:
+        state = load_state(path)
+    except ResumeError as e:
+        if same_run:  # a damaged file: this run starts anew and replaces it
+            raise NotThisRun(str(e)) from None
+        raise
     info = state.info
-    if owner is not None and _other_run(path, info.get("owner"), owner):
+    if owner is not None and _other_run(path, info.get("owner"), owner, quiet=same_run):
+        if same_run:
+            raise NotThisRun(f"training state file '{path}' is of another run of this node (it went on from "
+                             "another input session)")
         return None
     adapter = adapter_for(session.model)
     with torch.inference_mode(False), adapter.training_module() as module:
         problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
-    if problem:
-        raise ResumeError(f"training state file '{path}' belongs to another model ({problem}): connect the model it "
-                          "was trained on, or use another filename_prefix (or delete the file) to train this model "
-                          "from the start")
-    distributed.check_resume(info.get("layout", {}), session.config.batch_size)  # world size may change
     spec = _as_saved(session.lora.to_dict())
     saved = {**_LORA_BEFORE, **info["lora"]}
-    changed = [f"{k}={saved[k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if saved[k] != spec[k]]
-    if changed:
-        raise LoraError(f"training state file '{path}' was trained with LoRA {', '.join(changed)}: set the LoRA Setup "
-                        "back to those values to resume, or use another filename_prefix to start a new LoRA")
     optimizer = info["config"].get("optimizer", session.config.optimizer)
-    if optimizer != session.config.optimizer:
-        raise ResumeError(f"training state file '{path}' was trained with optimizer={optimizer!r} (now "
-                          f"{session.config.optimizer!r}), whose state cannot go on in another optimizer: set "
-                          f"optimizer back to {optimizer!r} to resume, or use another filename_prefix to start anew")
-    if info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset)):
-        warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
-                      "will not match an uninterrupted run", stacklevel=2)
     now = _as_saved(session.config.to_dict())
     diff = [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in info["config"].items() if now.get(k) != v]
     diff += [f"LoRA {k}: {v!r} -> {spec.get(k)!r}" for k, v in info["lora"].items() if spec.get(k) != v]
     if steps is not None and steps != state.run_end - state.run_start:
         diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
+    other_data = info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset))
+    if same_run and (problem or other_data or diff):
+        what = [f"another model ({problem})"] if problem else []
+        what += ["another dataset"] if other_data else []
+        raise NotThisRun(f"training state file '{path}' is of a run with {'; '.join(what + diff)}")
+    if problem:
+        raise ResumeError(f"training state file '{path}' belongs to another model ({problem}): connect the model it "
+                          "was trained on, or use another filename_prefix (or delete the file) to train this model "
+                          "from the start")
+    distributed.check_resume(info.get("layout", {}), session.config.batch_size)  # world size may change
+    changed = [f"{k}={saved[k]!r} (now {spec[k]!r})" for k in LORA_SHAPING if saved[k] != spec[k]]
+    if changed:
+        raise LoraError(f"training state file '{path}' was trained with LoRA {', '.join(changed)}: set the LoRA Setup "
+                        "back to those values to resume, or use another filename_prefix to start a new LoRA")
+    if optimizer != session.config.optimizer:
+        raise ResumeError(f"training state file '{path}' was trained with optimizer={optimizer!r} (now "
+                          f"{session.config.optimizer!r}), whose state cannot go on in another optimizer: set "
+                          f"optimizer back to {optimizer!r} to resume, or use another filename_prefix to start anew")
+    if other_data:
+        warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
+                      "will not match an uninterrupted run", stacklevel=2)
     if diff:
         warnings.warn(f"resuming '{path}' with changed training settings ({'; '.join(diff)}): the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
@@ -236,19 +255,20 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     return resumed, state
 
 
-def resume_agreed(path: Path, session: Any, *, owner: StateOwner | None = None,
-                  steps: int | None = None) -> tuple[Any, TrainingState] | None:
+def resume_agreed(path: Path, session: Any, *, owner: StateOwner | None = None, steps: int | None = None,
+                  same_run: bool = False) -> tuple[Any, TrainingState] | None:
     """resume_session from `path` if it exists, the same on every rank under torchrun. Each rank reads `path` in its
     own --output-dir, which another machine may not share, see late or hold an older copy of: so rank 0 decides
     (whether to resume, and from which state), the others load that same state or every rank stops (one line each),
     never some ranks at step k and others at 0, whose collectives would hang or mix."""
     par = distributed.current()
     if not par.distributed:
-        return resume_session(path, session, owner=owner, steps=steps) if path.is_file() else None
+        return resume_session(path, session, owner=owner, steps=steps, same_run=same_run) if path.is_file() else None
     mine: list = [None]
 
     def decide() -> tuple[int, str] | None:  # rank 0: a refusal there is every rank's (on_main_rank)
-        mine[0] = resume_session(path, session, owner=owner, steps=steps) if path.is_file() else None
+        mine[0] = resume_session(path, session, owner=owner, steps=steps, same_run=same_run) if path.is_file() \
+            else None
         return None if mine[0] is None else _identity(mine[0][1])
 
     chosen = distributed.on_main_rank(decide)
@@ -281,14 +301,16 @@ def _follow(path: Path, session: Any, owner: StateOwner | None, steps: int | Non
     return resumed
 
 
-def _other_run(path: Path, saved: dict | None, owner: StateOwner) -> bool:
-    """True (with a warning) if the state at `path` was written by this node in another run; raises if it was
-    written by another node (a renamed or copied file)."""
+def _other_run(path: Path, saved: dict | None, owner: StateOwner, quiet: bool = False) -> bool:
+    """True (with a warning unless quiet) if the state at `path` was written by this node in another run; raises if
+    it was written by another node (a renamed or copied file; NotThisRun when quiet)."""
     if saved is not None and saved["node"] != owner.node:
-        raise ResumeError(f"training state file '{path}' belongs to node {saved['node']}, not to this node "
+        raise (NotThisRun if quiet else ResumeError)(f"training state file '{path}' belongs to node {saved['node']}, not to this node "
                           f"{owner.node}: it must not be resumed here; delete it (or give it back its own name)")
     if saved is not None and saved["input"] == owner.input:
         return False
+    if quiet:
+        return True
     was = "a session it does not name" if saved is None else \
         f"a session of step {saved['input_step']} with other LoRA weights"
     warnings.warn(f"training state file '{path}' was saved by another run of this node: it went on from {was}, not "
@@ -306,5 +328,5 @@ def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
     return {"model": model_fingerprint(module, family), "dataset": dataset_fingerprint(dataset)}
 
 
-__all__ = ["STATE_SUFFIX", "ResumeError", "StateOwner", "TrainingState", "state_path", "session_digest", "save_state",
+__all__ = ["STATE_SUFFIX", "ResumeError", "NotThisRun", "StateOwner", "TrainingState", "state_path", "session_digest", "save_state",
            "load_state", "resume_session", "resume_agreed", "fingerprints", "model_fingerprint", "dataset_fingerprint"]

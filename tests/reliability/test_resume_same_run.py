@@ -1,0 +1,109 @@
+"""ComfyUI's Train node `resume` widget: queue the workflow again after an interrupt and the node goes on from its
+last completed step to the uninterrupted run's LoRA, bit for bit; from nothing but the very same run (another input,
+setting, step count, model or a damaged file: it trains anew and says why); a finished node returns its result
+untrained; the widget off always trains anew."""
+import pytest
+import torch
+from reliability_kit import lora, train_node, world
+
+from tightrope.nodes import host
+from tightrope.nodes.demo_nodes import TightropeDemoModel
+from tightrope.training import trainer
+from tightrope.training.state.resume import load_state, state_path
+
+KW = dict(steps=6, save_every=2, schedule="cosine")
+
+
+@pytest.fixture
+def comfy(out, monkeypatch):
+    """The node as inside ComfyUI (host.resume_mode's ComfyUI branch, tested in tests/headless/test_cli.py), its
+    notes and progress recorded; `stop_at` interrupts after that step."""
+    monkeypatch.setattr(host, "resume_mode", lambda widget=True: "same run" if widget else "off")
+    rec = {"notes": [], "calls": [], "stop_at": None}
+    monkeypatch.setattr(host, "notify", rec["notes"].append)
+    monkeypatch.setattr(host, "progress_reporter", lambda total: lambda d, t, loss: rec["calls"].append(d))
+    monkeypatch.setattr(host, "interrupt_requested",
+                        lambda: rec["stop_at"] is not None and len(rec["calls"]) >= rec["stop_at"])
+    return rec
+
+
+def _interrupted(rec, *inputs, at=3, **kw):
+    rec["calls"].clear()
+    rec["stop_at"] = at
+    with pytest.raises(KeyboardInterrupt):  # ComfyUI ends the prompt as interrupted
+        train_node(*inputs, **KW | kw)
+    rec["stop_at"] = None
+    rec["calls"].clear()
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], v) for k, v in b.items())
+
+
+def test_queued_again_after_an_interrupt_the_node_goes_on_to_the_uninterrupted_lora(out, comfy):
+    inputs = world(out)
+    with torch.inference_mode():  # as ComfyUI calls nodes
+        whole, _, _ = train_node(*inputs, **KW, filename_prefix="rt/whole")
+        _interrupted(comfy, *inputs)
+        resumed, _, report = train_node(*inputs, **KW)
+    assert comfy["calls"] == [4, 5, 6]  # only the steps the node had left
+    assert "goes on from step 3 of its run (steps 0-6)" in comfy["notes"][-1]
+    assert resumed.step == 6 and resumed.losses == whole.losses and "step 6" in report
+    assert _same(resumed.lora_state, whole.lora_state)
+    for k, v in whole.optimizer_state["state"].items():
+        assert all(torch.equal(resumed.optimizer_state["state"][k][n], t) for n, t in v.items())
+
+
+def test_a_finished_node_queued_again_returns_its_result_untrained(out, comfy, monkeypatch):
+    """After a server restart ComfyUI runs every node again: a finished Train node must not train again."""
+    inputs = world(out)
+    first, _, _ = train_node(*inputs, **KW)
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("a finished node trained again"))
+    again, _, _ = train_node(*inputs, **KW)
+    assert again.step == 6 and again.losses == first.losses and _same(again.lora_state, first.lora_state)
+    assert "had finished" in comfy["notes"][-1]
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(learning_rate=2e-3), "learning_rate: 0.001 -> 0.002"),
+    (dict(steps=8), "steps: 6 -> 8"),  # the cosine schedule spans the run: 3 more steps would not give 8 steps' LoRA
+    (dict(seed=1), "seed: 0 -> 1"),
+])
+def test_another_setting_trains_anew_and_says_which(out, comfy, change, named):
+    inputs = world(out)
+    _interrupted(comfy, *inputs)
+    fresh, _, _ = train_node(*inputs, **KW | change, filename_prefix="rt/fresh")
+    again, _, _ = train_node(*inputs, **KW | change)
+    assert comfy["calls"][-again.step:] == list(range(1, again.step + 1))  # from step 1
+    assert any("trains from its input, not from its saved state" in n and named in n for n in comfy["notes"])
+    assert again.losses == fresh.losses and _same(again.lora_state, fresh.lora_state)
+    assert load_state(state_path(host.state_dir(), "rt/lora", None)).step == again.step  # the file is replaced
+
+
+def test_another_model_or_lora_trains_anew(out, comfy):
+    model, dataset, spec, strat = world(out)
+    _interrupted(comfy, model, dataset, spec, strat)
+    other = TightropeDemoModel().load(1)[0]
+    again, _, _ = train_node(other, dataset, spec, strat, **KW)
+    assert again.step == 6 and "another model (same architecture, different base weights)" in comfy["notes"][-1]
+    _interrupted(comfy, model, dataset, spec, strat)
+    again, _, _ = train_node(model, dataset, lora(rank=8, alpha=4.0), strat, **KW)
+    assert again.step == 6 and "LoRA rank: 4 -> 8" in comfy["notes"][-1]  # refused headless; here a new run
+
+
+def test_a_damaged_state_file_trains_anew(out, comfy):
+    inputs = world(out)
+    _interrupted(comfy, *inputs)
+    path = state_path(host.state_dir(), "rt/lora", None)
+    path.write_bytes(path.read_bytes()[:300])
+    again, _, _ = train_node(*inputs, **KW)
+    assert again.step == 6 and "could not be read" in comfy["notes"][-1]
+    assert load_state(path).step == 6
+
+
+def test_the_widget_off_always_trains_anew(out, comfy):
+    inputs = world(out)
+    _interrupted(comfy, *inputs)
+    again, _, _ = train_node(*inputs, **KW, resume=False)
+    assert comfy["calls"][:1] == [1] and again.step == 6
+    assert not any("goes on from step" in n for n in comfy["notes"])
