@@ -12,7 +12,7 @@ import gc
 import hashlib
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -175,8 +175,8 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     if scaler.is_enabled() and GRAD_SCALER in (session.optimizer_state or {}):  # resumed or continued: its scale
         scaler.load_state_dict(session.optimizer_state[GRAD_SCALER])
     run.scaler = scaler
-    batches = run.data.batches(cfg.batch_size, cfg.seed, start_step=session.step * cfg.grad_accumulation,
-                               shard=distributed.current().shard)
+    batches = run.data.planned_batches(cfg.batch_size, cfg.seed, start_step=session.step * cfg.grad_accumulation,
+                                       shard=distributed.current().shard)
     run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # the run's first step (or one a stop left unscored)
     while run.step < run.end:
         if parts.should_stop is not None and parts.should_stop():
@@ -231,16 +231,17 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
         raise NonFiniteWeightsError(nonfinite_weights_message(run, loss))
 
 
-def _step_batches(batches, count: int) -> list[tuple[dict, float]]:
-    """The step's `count` micro-batches (the dataset iterator's next ones: a resumed run's starts at its step), each
-    with its share of the step's images. A step trains as one batch of all their images would, every image weighing
+def _step_batches(batches, count: int) -> Iterator[tuple[dict, float]]:
+    """The step's `count` micro-batches (the dataset's next PlannedBatches: a resumed run's start at its step), each
+    read when its turn comes (one in host memory at a time), with its share of the step's images. A step trains as one batch of all their images would, every image weighing
     the same: a bucket's last batch can be smaller than batch_size, and dividing each micro-batch's mean loss by
     grad_accumulation gave its images more weight. Under torchrun these are shares of the global batches (each rank
     loads its part, `batch["shard"]`) and each rank weights its part by its share of that (this_rank_part), so the
     ranks sum to what one process computes. The step's loss is the same image-weighted mean."""
     step = [next(batches) for _ in range(count)]
-    sizes = [distributed.global_batch_size(batch) for batch in step]
-    return [(batch, n / sum(sizes)) for batch, n in zip(step, sizes)]
+    total = sum(planned.size for planned in step)
+    for planned in step:
+        yield planned.load(), planned.size / total
 
 
 def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, share: float) -> float:

@@ -1,5 +1,8 @@
 """What one optimizer step averages: grad_accumulation micro-batches of unequal size train like one batch of all
 their images (every image weighs the same), and the EMA of a schedule-free run averages the weights it saves (x)."""
+import gc
+import weakref
+
 import pytest
 import torch
 from demo_setup import demo_session
@@ -8,6 +11,7 @@ from tightrope.memory.ema import ema_weights
 from tightrope.demo.data import make_demo_dataset
 from tightrope.demo.model import demo_encoders
 from tightrope.training import distributed, trainer
+from tightrope.training.data.batching import PlannedBatch
 from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.flow_loss import flow_matching_loss
 from tightrope.training.lora.files import lora_file_tensors, read_lora_file
@@ -91,7 +95,7 @@ def test_each_micro_batch_weighs_its_share_of_the_steps_global_batches():
     process's share, whatever the world size, empty parts included (global batches of 4 and 1 over 3 ranks)."""
     def micro_batch(n, shard=None):
         batch = {"latents": torch.zeros(n if shard is None else max(shard[1] - shard[0], 1), 1)}
-        return batch if shard is None else batch | {"shard": shard}
+        return PlannedBatch(n, lambda: batch if shard is None else batch | {"shard": shard})
 
     whole = trainer._step_batches(iter([micro_batch(4), micro_batch(1)]), 2)
     assert [share for _, share in whole] == [0.8, 0.2]
@@ -133,3 +137,27 @@ def test_a_schedule_free_runs_ema_averages_the_weights_it_saves(tmp_path):
     assert any(not torch.equal(y, result.lora_state[k]) for y, k in zip(train_weights, result.lora_state))
     assert result.losses == plain.losses
     assert all(torch.equal(v, plain.lora_state[k]) for k, v in result.lora_state.items())
+
+
+def test_a_step_reads_its_micro_batches_one_at_a_time(tmp_path, monkeypatch):
+    """A step with grad_accumulation=3 knows its micro-batches' sizes (their shares) before reading any, and holds
+    one read micro-batch at a time: when a micro-step starts, the batches of the step's earlier micro-steps are
+    freed (host RAM: a step is not grad_accumulation batches of latents and text embeddings)."""
+    session = demo_session(tmp_path, grad_accumulation=3)
+    loaded, live_at_micro_step = [], []
+    collate = TrainingDataset._collate
+
+    def reading(self, batch):
+        stacked = collate(self, batch)
+        loaded.append(weakref.ref(stacked["latents"]))
+        return stacked
+
+    def micro_step(parts, batch, *args, **kwargs):
+        gc.collect()
+        live_at_micro_step.append(sum(ref() is not None for ref in loaded))
+        return real_micro_step(parts, batch, *args, **kwargs)
+    real_micro_step = trainer._micro_step
+    monkeypatch.setattr(TrainingDataset, "_collate", reading)
+    monkeypatch.setattr(trainer, "_micro_step", micro_step)
+    train(session, 2, device=torch.device("cpu"))
+    assert len(live_at_micro_step) == 6 and live_at_micro_step == [1] * 6

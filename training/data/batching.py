@@ -10,12 +10,20 @@ is still dropped with the set probability.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .image_folder import DatasetError
 from .keys import epoch_stream_seed
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """A batch not yet read: its global size (all ranks' samples), and the call that reads and stacks it."""
+    size: int
+    load: Callable[[], dict]
 
 
 class EpochBatches:
@@ -70,6 +78,12 @@ class EpochBatches:
 
     def batches(self, batch_size: int, seed: int, start_step: int = 0,
                 shard: tuple[int, int] | None = None) -> Iterator[dict]:
+        return (planned.load() for planned in self.planned_batches(batch_size, seed, start_step, shard))
+
+    def planned_batches(self, batch_size: int, seed: int, start_step: int = 0,
+                        shard: tuple[int, int] | None = None) -> Iterator[PlannedBatch]:
+        """batches(), each read only when its load() is called: a step knows its micro-batches' sizes first, and
+        holds one read micro-batch at a time."""
         """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}, plus "mask"
         (B,1,h,w) for a dataset with loss masks; one bucket per batch. start_step resumes: step S is the same batch a
         run from step 0 would see at S.
@@ -84,7 +98,8 @@ class EpochBatches:
         epoch, offset = divmod(start_step, steps)
         while True:
             for batch in self.epoch_plan(batch_size, seed, epoch)[offset:]:
-                yield self._collate(batch) if shard is None else self._collate_part(batch, *shard)
+                yield PlannedBatch(len(batch), (lambda b=batch: self._collate(b)) if shard is None
+                                   else (lambda b=batch: self._collate_part(b, *shard)))
             epoch, offset = epoch + 1, 0
 
     def _collate_part(self, batch: list[tuple[int, bool]], rank: int, world: int) -> dict:
