@@ -211,9 +211,6 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
             raise NotThisRun(f"training state file '{path}' is of another run of this node (it went on from "
                              "another input session)")
         return None
-    adapter = adapter_for(session.model)
-    with torch.inference_mode(False), adapter.training_module() as module:
-        problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
     spec = _as_saved(session.lora.to_dict())
     saved = {**_LORA_BEFORE, **info["lora"]}
     optimizer = info["config"].get("optimizer", session.config.optimizer)
@@ -223,10 +220,14 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     if steps is not None and steps != state.run_end - state.run_start:
         diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
     other_data = info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset))
-    if same_run and (problem or other_data or diff):
-        what = [f"another model ({problem})"] if problem else []
-        what += ["another dataset"] if other_data else []
-        raise NotThisRun(f"training state file '{path}' is of a run with {'; '.join(what + diff)}")
+    if same_run and (other_data or diff):  # before the model's fingerprint (a ComfyUI model is unloaded for it)
+        raise NotThisRun(f"training state file '{path}' is of a run with "
+                         f"{'; '.join(['another dataset'] * other_data + diff)}")
+    adapter = adapter_for(session.model)
+    with torch.inference_mode(False), adapter.training_module() as module:
+        problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
+    if same_run and problem:
+        raise NotThisRun(f"training state file '{path}' is of a run with another model ({problem})")
     if problem:
         raise ResumeError(f"training state file '{path}' belongs to another model ({problem}): connect the model it "
                           "was trained on, or use another filename_prefix (or delete the file) to train this model "
