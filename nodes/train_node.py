@@ -110,17 +110,19 @@ class TightropeTrain:
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
               strategy=None, unique_id=None, validation_dataset=None, log_dir="", resume=True, **config):
+        mode = host.resume_mode(resume)
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
-            resume=host.resume_mode(resume), state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
+            resume=mode, state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
             validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir),
             probe_progress=host.work_progress("probing the model (auto strategy)", unit="block"))
         if result.interrupted:
             new = result.saved[len(session.saved) if session is not None else 0:]
             host.notify(f"Train node {unique_id} interrupted at step {result.step}: "
-                        + (f"its LoRA is saved in '{new[-1]}'" if new else "no step of this run had completed"))
+                        + (f"its LoRA is saved in '{new[-1]}'" if new else "no step of this run had completed")
+                        + ("; queue the workflow again to go on from there" if mode == "same run" else ""))
             host.raise_interrupt()
         return (result, model_out, report)
 

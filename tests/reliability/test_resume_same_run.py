@@ -46,6 +46,7 @@ def test_queued_again_after_an_interrupt_the_node_goes_on_to_the_uninterrupted_l
         whole, _, _ = train_node(*inputs, **KW, filename_prefix="rt/whole")
         _interrupted(comfy, *inputs)
         resumed, _, report = train_node(*inputs, **KW)
+    assert any(n.endswith("; queue the workflow again to go on from there") for n in comfy["notes"])
     assert comfy["calls"] == [4, 5, 6]  # only the steps the node had left
     assert "goes on from step 3 of its run (steps 0-6)" in comfy["notes"][-1]
     assert resumed.step == 6 and resumed.losses == whole.losses and "step 6" in report
