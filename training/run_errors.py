@@ -64,4 +64,5 @@ def oom_message(session: TrainingSession, run, device, detail: str, save) -> str
             else f"step {run.step + 1}'s update was cut short, so nothing new was saved" if run.updating
             else "no step was completed in this run, so nothing new was saved")
     return (f"out of memory on {device} in step {run.step + 1} ({detail}); memory was freed and {kept}. Use less "
-            f"memory: {fix}; then run again (it continues from the saved step: in ComfyUI queue it again, headless add `--resume`)")
+            f"memory: {fix}; then run again: it continues from the saved step (in ComfyUI queue the workflow again; "
+            "headless add `--resume`)")

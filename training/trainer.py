@@ -233,8 +233,8 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
 
 def _step_batches(batches, count: int) -> Iterator[tuple[dict, float]]:
     """The step's `count` micro-batches (the dataset's next PlannedBatches: a resumed run's start at its step), each
-    read when its turn comes (one in host memory at a time), with its share of the step's images. A step trains as one batch of all their images would, every image weighing
-    the same: a bucket's last batch can be smaller than batch_size, and dividing each micro-batch's mean loss by
+    read when its turn comes (one in host memory at a time), with its share of the step's images. A step trains as
+    one batch of all their images would, every image weighing the same: a bucket's last batch can be smaller than batch_size, and dividing each micro-batch's mean loss by
     grad_accumulation gave its images more weight. Under torchrun these are shares of the global batches (each rank
     loads its part, `batch["shard"]`) and each rank weights its part by its share of that (this_rank_part), so the
     ranks sum to what one process computes. The step's loss is the same image-weighted mean."""

@@ -121,8 +121,8 @@ def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int
     """A node that had finished, resumed: the outputs and report it returned then, untrained."""
     owner = state.info.get("owner") or {}
     if notify is not None:
-        notify(f"Train node{_named(owner.get('node'))} had finished (step {session.step} in '{state_file}'): nothing to do, its saved "
-               "outputs are used")
+        notify(f"Train node{_named(owner.get('node'))} had finished (step {session.step} in '{state_file}'): "
+               "nothing to do, its saved outputs are used")
     if progress is not None and session.losses:
         progress(steps, steps, session.losses[-1])  # its progress bar shows it done
     return session, model_with_lora(session), report(session, session.step - state.run_start, owner.get("note", ""))

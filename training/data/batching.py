@@ -78,17 +78,17 @@ class EpochBatches:
 
     def batches(self, batch_size: int, seed: int, start_step: int = 0,
                 shard: tuple[int, int] | None = None) -> Iterator[dict]:
+        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}, plus "mask"
+        (B,1,h,w) for a dataset with loss masks; one bucket per batch. start_step resumes: step S is the same batch a
+        run from step 0 would see at S.
+        shard=(rank, world): each global batch is cut as training/distributed.py says and only this rank's part
+        is loaded, with "shard": (lo, hi, global batch size) added; the plan is the unsharded one."""
         return (planned.load() for planned in self.planned_batches(batch_size, seed, start_step, shard))
 
     def planned_batches(self, batch_size: int, seed: int, start_step: int = 0,
                         shard: tuple[int, int] | None = None) -> Iterator[PlannedBatch]:
         """batches(), each read only when its load() is called: a step knows its micro-batches' sizes first, and
         holds one read micro-batch at a time."""
-        """Endless batches {"latents" (B,C,h,w), "context" (B,T,D), "pooled" (B,P), "captions"}, plus "mask"
-        (B,1,h,w) for a dataset with loss masks; one bucket per batch. start_step resumes: step S is the same batch a
-        run from step 0 would see at S.
-        shard=(rank, world): each global batch is cut as training/distributed.py says and only this rank's part
-        is loaded, with "shard": (lo, hi, global batch size) added; the plan is the unsharded one."""
         if self.caption_dropout > 0 and self._empty_text is None:
             raise DatasetError("caption dropout needs the empty caption's encoding: build the dataset with "
                                "empty_context/empty_pooled, or set caption_dropout=0")

@@ -306,8 +306,9 @@ def _other_run(path: Path, saved: dict | None, owner: StateOwner, quiet: bool = 
     """True (with a warning unless quiet) if the state at `path` was written by this node in another run; raises if
     it was written by another node (a renamed or copied file; NotThisRun when quiet)."""
     if saved is not None and saved["node"] != owner.node:
-        raise (NotThisRun if quiet else ResumeError)(f"training state file '{path}' belongs to node {saved['node']}, not to this node "
-                          f"{owner.node}: it must not be resumed here; delete it (or give it back its own name)")
+        refusal = NotThisRun if quiet else ResumeError
+        raise refusal(f"training state file '{path}' belongs to node {saved['node']}, not to this node {owner.node}: "
+                      "it must not be resumed here; delete it (or give it back its own name)")
     if saved is not None and saved["input"] == owner.input:
         return False
     if quiet:
@@ -329,5 +330,6 @@ def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
     return {"model": model_fingerprint(module, family), "dataset": dataset_fingerprint(dataset)}
 
 
-__all__ = ["STATE_SUFFIX", "ResumeError", "NotThisRun", "StateOwner", "TrainingState", "state_path", "session_digest", "save_state",
-           "load_state", "resume_session", "resume_agreed", "fingerprints", "model_fingerprint", "dataset_fingerprint"]
+__all__ = ["STATE_SUFFIX", "ResumeError", "NotThisRun", "StateOwner", "TrainingState", "state_path", "session_digest",
+           "save_state", "load_state", "resume_session", "resume_agreed", "fingerprints", "model_fingerprint",
+           "dataset_fingerprint"]
