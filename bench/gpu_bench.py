@@ -13,10 +13,9 @@ About 6-8 minutes on one H100. `--tiny`: the tiny model at 64 px, budgets as fra
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from ..memory.probe import measure_h2d_bandwidth, probe_model
 from ..memory.strategy import Strategy, StrategyError
 from .grid import BenchConfig, strategy_label
 from .gpu_run import Run, gib, run_main
-from .measure import fits, run_config, skipped
+from .measure import fits, memory_budget, run_config, skipped
 from .models import build_bench_model
 
 GB = 10 ** 9
@@ -65,24 +64,6 @@ def _why_no_speedup(eager: dict, compiled: dict) -> str:
     failed = [f"{name} crashed: {r['error'][:100]}" for name, r in (("eager", eager), ("compiled", compiled))
               if r.get("failed")]
     return "; ".join(failed) or "a run ran out of memory"
-
-
-@contextlib.contextmanager
-def memory_budget(device: torch.device, budget: int) -> Iterator[None]:
-    """The caching allocator refuses to reserve more than `budget` bytes (a smaller GPU, emulated); lifted after."""
-    if device.type != "cuda":
-        yield
-        return
-    gc.collect()
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def _planner(device: torch.device, spec: dict, log) -> dict[str, Any]:

@@ -11,7 +11,12 @@ In order (a section that crashes is recorded and the next one runs; see bench/gp
      (the planner's 4 GB plan); and their offload-0 twins, whose compute gives the bound
      max(C_fwd, X_fwd) + max(C_bwd, X_bwd) + optimizer of the others. The least-peak row runs one more step, from
      an emptied cache with the allocator's history recorded: allocator_trace.md says what was allocated, waiting
-     and free when reserved memory peaked, and which request made the cache grow (bench/allocator_trace.py).
+     and free when reserved memory peaked, and which request made the cache grow (bench/allocator_trace.py);
+  5. the targets themselves: the least-peak configuration run under a 4 GB and a 3 GB cap, and the planner's 4 GB
+     plan under a 4 GB cap (a smaller GPU emulated, as gpu-bench's budgets are): does it run there, and how much
+     slower than uncapped. Uncapped, reserved memory also holds what the allocator keeps only because nothing asks
+     it to give memory back, and blocks freed while a copy stream still reads them (record_stream); at a cap it
+     first waits for those copies and empties its cache, then retries, and only then runs out of memory.
 About 6-8 minutes on one H100. `--tiny` runs three strategies of the matrix and the headline's on the tiny model
 at 64 px; with `--device cpu` (the dry run) the sleeps are no-ops (no streams) and the devices are spelled "cpu" and
 "cpu:0".
@@ -29,7 +34,7 @@ from ..memory.strategy import Strategy
 from . import allocator_trace, cuda_checks
 from .grid import BenchConfig, with_references
 from .gpu_run import Run, gib, run_main
-from .measure import add_bounds, run_config, skip_word
+from .measure import add_bounds, fits, memory_budget, run_config, skip_word, skipped
 from .models import build_bench_model
 
 HEADLINE = {"model": "flux-dev", "resolution": 2048, "batch": 1, "warmup": 1, "steps": 2}
@@ -45,6 +50,11 @@ RATIO_TARGET = "<= 1.15"
 # and at prefetch depth 1: the planner's plan for 4 GB (faster by the model: the freed memory buys the deeper prefetch).
 WITHOUT_OPTIMIZER_OFFLOAD = {"offload_fraction": 1.0, "prefetch_depth": 0, "token_chunks": TOKEN_CHUNKS}
 LEAST_PEAK = {**WITHOUT_OPTIMIZER_OFFLOAD, "optimizer_offload": True}
+PLAN_4GB = {**LEAST_PEAK, "prefetch_depth": 1}
+# (strategy, cap in bytes, target): the 4 GB target and the 3 GB aim, on reserved memory
+CAPPED = ((LEAST_PEAK, 4 * 10**9, "runs within 4.0 GB (first target)"),
+          (LEAST_PEAK, 3 * 10**9, "runs within 3.0 GB (aim)"),
+          (PLAN_4GB, 4 * 10**9, "the planner's 4 GB plan fits 4 GB"))
 
 
 def headline_configs(device_type: str, resolution: int, batch: int) -> list[BenchConfig]:
@@ -57,7 +67,7 @@ def headline_configs(device_type: str, resolution: int, batch: int) -> list[Benc
                                         resolution),
                             BenchConfig(base.replace(**WITHOUT_OPTIMIZER_OFFLOAD), batch, resolution),
                             BenchConfig(base.replace(**LEAST_PEAK), batch, resolution),
-                            BenchConfig(base.replace(**{**LEAST_PEAK, "prefetch_depth": 1}), batch, resolution)])
+                            BenchConfig(base.replace(**PLAN_4GB), batch, resolution)])
 
 
 def main(argv: list[str] | None = None, log=print) -> int:
@@ -82,6 +92,7 @@ def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
     headline = run.section("headline", lambda: _headline(device, spec, log, run))
     if isinstance(headline, dict) and "configs" in headline:
         _summarise_headline(run, headline)
+        _summarise_capped(run, f"{headline['model']} {headline['resolution']} px", headline["capped"])
     return run.finish()
 
 
@@ -116,13 +127,33 @@ def _headline(device: torch.device, spec: dict, log, run: Run) -> dict[str, Any]
             run.write()
         add_bounds(records, bandwidth)
         run.result["sections"].pop("headline_rows_so_far")
+        capped = _capped(bench, spec, records, device, log, run)
     finally:
         del bench
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"model": spec["model"], "resolution": spec["resolution"], "batch": spec["batch"],
-            "h2d_bytes_per_s": bandwidth, "configs": records}
+            "h2d_bytes_per_s": bandwidth, "configs": records, "capped": capped}
+
+
+def _capped(bench, spec: dict, records: list[dict], device: torch.device, log, run: Run) -> list[dict[str, Any]]:
+    """The CAPPED rows, each under its cap (measure.memory_budget), with the uncapped row's step time beside it."""
+    base = headline_configs(device.type, spec["resolution"], spec["batch"])[0].strategy
+    rows: list[dict[str, Any]] = []
+    for changes, cap, target in CAPPED:
+        cfg = BenchConfig(base.replace(**changes), spec["batch"], spec["resolution"])
+        with memory_budget(device, cap):
+            r = run_config(bench, cfg, device, steps=spec["steps"], warmup=spec["warmup"])
+        uncapped = next((u for u in records if u["strategy"] == r["strategy"] and not skipped(u)), None)
+        r.update(cap_bytes=cap, target=target, fits=fits(r, cap) if device.type == "cuda" else None,
+                 uncapped_step_s=uncapped["step_s"] if uncapped else None)
+        rows.append(r)
+        log(f"  {cfg.name} under a {cap / 1e9:g} GB cap: " + (skip_word(r) or f"{r['step_s']:.3g} s/step"))
+        run.result["sections"]["headline_capped_so_far"] = rows
+        run.write()
+    run.result["sections"].pop("headline_capped_so_far", None)
+    return rows
 
 
 def _least_peak(flat: dict[str, Any]) -> bool:
@@ -163,6 +194,24 @@ def _summarise_headline(run: Run, headline: dict) -> None:
         else:
             run.add(f"{px} {r['label']}: compute (offload-0 twin)", f"{r['step_s']:.3g} s/step (fwd {r['fwd_s']:.3g}"
                     f", bwd {r['bwd_s']:.3g}, optimizer {r['opt_s']:.3g})")
+
+
+def _summarise_capped(run: Run, px: str, rows: list[dict[str, Any]]) -> None:
+    """Whether each capped row ran within its cap: a figure against the target (a miss is not a failed check), but a
+    crash is a bug."""
+    for r in rows:
+        what = f"{px} {r['label']} under a {r['cap_bytes'] / 1e9:g} GB cap"
+        if r.get("failed"):
+            run.add(what, f"crashed: {r['error'][:120]}", "runs", False)
+            continue
+        if r.get("oom"):
+            run.add(what, f"does not fit: out of memory ({r.get('error', '')[:80]})", r["target"])
+            continue
+        slower = f" = {r['step_s'] / r['uncapped_step_s']:.2f}x uncapped" if r.get("uncapped_step_s") else ""
+        used = (f"peak reserved {gib(r['peak_reserved_bytes'])} ({r['peak_reserved_bytes'] / 1e9:.2f} GB), device "
+                f"used {r['device_used_bytes'] / 1e9:.2f} GB; " if r["peak_reserved_bytes"] else "")
+        verdict = {True: "fits", False: "over the cap", None: "no cap on the CPU"}[r["fits"]]
+        run.add(what, f"{verdict}: {used}{r['step_s']:.3g} s/step{slower}", r["target"])
 
 
 def _trace_line(t: dict[str, Any]) -> str:

@@ -1,11 +1,12 @@
 """Measure one benchmark configuration: a few real LoRA training steps (AdamW) under the MemoryRuntime."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
 import traceback
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,24 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
         recompiles=int(sum(d["recompiles"] for d in steps_data[1:])),
         loss=steady[-1]["loss"])
     return record
+
+
+@contextlib.contextmanager
+def memory_budget(device: torch.device, budget: int) -> Iterator[None]:
+    """The caching allocator refuses to reserve more than `budget` bytes (a smaller GPU, emulated); lifted after."""
+    if device.type != "cuda":
+        yield
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def skipped(record: dict[str, Any]) -> bool:

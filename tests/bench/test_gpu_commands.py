@@ -1,6 +1,8 @@
 """`make gpu-check` / `make gpu-bench`: without CUDA one line and exit 0; the CPU dry run (`--device cpu --tiny`)
 runs the same orchestration on tiny models and writes everything the GPU run writes."""
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,6 +71,50 @@ def test_gpu_check_dry_run(tmp_path):
     assert headline[5]["opt_s"] > 0 and "optoff" in headline[5]["label"]
     assert all(not r["oom"] and r["step_s"] > 0 for r in headline)
     assert headline[0]["bound_s"] > 0 and headline[1]["h2d_bytes"] >= headline[0]["h2d_bytes"] > 0
+    # the targets run under their caps: the least-peak configuration at 4 and 3 GB, the planner's 4 GB plan at 4 GB
+    capped = sections["headline"]["capped"]
+    assert [(r["cap_bytes"], r["strategy"]["prefetch_depth"], r["strategy"]["token_chunks"],
+             r["strategy"]["optimizer_offload"]) for r in capped] == [(4e9, 0, 8, True), (3e9, 0, 8, True),
+                                                                     (4e9, 1, 8, True)]
+    assert all(r["fits"] is None and r["step_s"] > 0 for r in capped)  # no cap on the CPU
+    assert [r["uncapped_step_s"] for r in capped] == [headline[5]["step_s"]] * 2 + [headline[6]["step_s"]]
+    assert sum(" GB cap | no cap on the CPU: " in line for line in _table_lines(tmp_path)) == 3
+
+
+def _table_lines(folder):
+    return (folder / "gpu-check.md").read_text().splitlines()
+
+
+def test_a_capped_row_says_whether_it_fits_and_only_a_crash_fails():
+    """The capped rows are the 4 GB target and the 3 GB aim: missing them is a figure, not a failed check."""
+    GiB = 2**30
+    ran = {"label": "off1.00/d0 optoff", "cap_bytes": 4e9, "target": "runs within 4.0 GB", "step_s": 4.6,
+           "uncapped_step_s": 4.0, "peak_reserved_bytes": 3.5 * GiB, "device_used_bytes": 3.6 * GiB}
+    rows = [ran | {"fits": True}, ran | {"fits": False, "peak_reserved_bytes": 3.9 * GiB, "device_used_bytes": 4.2e9},
+            ran | {"oom": True, "fits": False, "error": "CUDA out of memory. Tried to allocate 20.00 MiB"},
+            ran | {"failed": True, "error": "ValueError: shapes"}]
+    run = Run("gpu-check", torch.device("cpu"), True, Path("."), log=lambda line: None)
+    gpu_check._summarise_capped(run, "flux-dev 2048 px", rows)
+    (what, fit, target, passed), over, oom, crash = run.summary
+    assert what == "flux-dev 2048 px off1.00/d0 optoff under a 4 GB cap" and target == "runs within 4.0 GB"
+    assert fit == ("fits: peak reserved 3.50 GiB (3.76 GB), device used 3.87 GB; 4.6 s/step = 1.15x uncapped")
+    assert passed is None and over[1].startswith("over the cap: peak reserved 3.90 GiB") and over[3] is None
+    assert oom[1] == "does not fit: out of memory (CUDA out of memory. Tried to allocate 20.00 MiB)" and oom[3] is None
+    assert crash[1] == "crashed: ValueError: shapes" and crash[3] is False
+
+
+def test_memory_budget_caps_the_allocator_and_lifts_the_cap_after_an_error(monkeypatch):
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    with pytest.raises(torch.cuda.OutOfMemoryError), measure.memory_budget(torch.device("cuda", 0), 4e9):
+        assert fractions == [0.05]
+        raise torch.cuda.OutOfMemoryError("out of memory")
+    assert fractions == [0.05, 1.0]
+    with measure.memory_budget(torch.device("cpu"), 4e9):
+        pass
+    assert fractions == [0.05, 1.0]  # no cap on the CPU
 
 
 def test_gpu_check_fails_on_a_broken_schedule(tmp_path, monkeypatch):
