@@ -143,6 +143,8 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
     try:
         if created:
             torch.distributed.init_process_group(backend=backend())
+        else:
+            _check_cpu_backend()
         scratch = None if rank == 0 else Path(tempfile.mkdtemp(prefix=f"tightrope-rank{rank}-"))
         _current = Parallel(rank=rank, world_size=world, local_rank=local, fsdp=fsdp, scratch_dir=scratch)
         yield _current
@@ -154,6 +156,17 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
             torch.distributed.destroy_process_group()
         if previous_device is not None:
             torch.cuda.set_device(previous_device)
+
+
+def _check_cpu_backend() -> None:
+    """A process group made before tightrope must reduce host tensors too (optimizer offload's gradients, the ranks'
+    agreement on the run): an NCCL-only group refuses them after the first step's backward."""
+    config = torch.distributed.get_backend_config()
+    if "cpu:" not in config:
+        raise DistributedError(f"the process group initialised before tightrope has no backend for CPU tensors "
+                               f"(backend {config!r}); tightrope reduces host tensors too: initialise it with "
+                               f"backend='cpu:gloo,cuda:nccl', or leave it to tightrope (it makes that group under "
+                               "torchrun)")
 
 
 def local_device(device: torch.device) -> torch.device:

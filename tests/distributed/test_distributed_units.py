@@ -171,6 +171,7 @@ def test_launched_sets_this_ranks_gpu_and_gives_the_previous_one_back(monkeypatc
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: current.__setitem__(0, index))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # a group exists: none is created
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda: "cpu:gloo,cuda:nccl")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")  # rank 0: no scratch folder
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -181,6 +182,27 @@ def test_launched_sets_this_ranks_gpu_and_gives_the_previous_one_back(monkeypatc
         assert current == [1]
         raise RuntimeError("node failed")
     assert current == [0]
+
+
+def test_a_group_made_before_tightrope_without_a_cpu_backend_is_refused_before_training(monkeypatch):
+    """An NCCL-only group (stood in for by gloo on CUDA tensors only) refuses host tensors, e.g. the gradients of
+    optimizer offload, after the first step's backward: the launch refuses it, naming the fix."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    torch.distributed.init_process_group("cuda:gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            torch.distributed.all_reduce(torch.ones(3))  # what the first step would meet
+        with pytest.raises(DistributedError, match=r"the process group initialised before tightrope has no backend "
+                           r"for CPU tensors \(backend 'cuda:gloo'\); .*backend='cpu:gloo,cuda:nccl'"), \
+                distributed.launched():
+            pass
+        assert torch.distributed.is_initialized()  # not ours: left as it was
+    finally:
+        torch.distributed.destroy_process_group()
+    with one_rank_group(), distributed.launched() as par:  # a group with a CPU backend is used as it is
+        assert par.world_size == 1
 
 
 def test_a_sharded_dora_run_saves_every_step(tmp_path, monkeypatch):
