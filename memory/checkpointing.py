@@ -3,7 +3,8 @@
 Tensor keyword arguments are passed to torch's checkpoint positionally, so that they too are saved through
 saved-tensor hooks (where activation offload can move them) rather than captured by a closure. Inputs are cloned
 inside the checkpointed region, so blocks that add residuals in place (ComfyUI's Flux does) cannot change the
-tensors the recompute will start from.
+tensors the recompute will start from; `clone_inputs=False` where they are never changed (token-chunked forwards):
+the recompute's copy would otherwise live through the block's backward.
 """
 from __future__ import annotations
 

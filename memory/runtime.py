@@ -186,8 +186,13 @@ class MemoryRuntime:
             cloning = getattr(module, MUTATES_INPUTS, False) and not checkpointed
             inner = compile_block(_cloning_inputs(inner) if cloning else inner, self.strategy.compiler)
         elif chunked is not None:
-            ctx = self._chunk_context(index, inner, own_checkpoint=checkpointed)
+            # the chunked forward never changes its inputs (token_chunks.py), so the checkpoint keeps no copy of them
+            # (one whole-sequence tensor more at the block's backward peak); the block's own forward, which it
+            # falls back to for arguments it does not support, may add residuals in place: that one works on copies
+            plain = _cloning_inputs(inner) if checkpointed else inner
+            ctx = self._chunk_context(index, plain, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
+        clone_inputs = compiled or chunked is None
 
         def body(*args, **kwargs):
             self._enter_block(index)
@@ -200,7 +205,7 @@ class MemoryRuntime:
             try:
                 with hooks():
                     if checkpointed and torch.is_grad_enabled():
-                        return checkpointed_call(body, args, kwargs)
+                        return checkpointed_call(body, args, kwargs, clone_inputs=clone_inputs)
                     return body(*args, **kwargs)
             finally:
                 self._forwarding.discard(index)
@@ -330,7 +335,9 @@ def _cloning_inputs(fn: Callable) -> Callable:
     """fn on copies of its tensor arguments, made inside the compiled graph, for blocks marked MUTATES_INPUTS. The
     partitioner saves a graph input rather than a copy of it (it costs no memory), so a block that adds a residual
     in place to its input (ComfyUI's Flux: `x += ...`) changed a tensor saved for backward (autograd: "modified by an
-    inplace operation"). Only for those blocks: a copy changes what the partitioner saves under a memory budget."""
+    inplace operation"). Only for those blocks: a copy changes what the partitioner saves under a memory budget.
+    Also the fallback of a checkpointed token-chunked block to its own forward (the checkpoint itself clones nothing
+    there)."""
     def cloned(*args, **kwargs):
         return fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
                   **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
