@@ -5,9 +5,10 @@ layer_offload) plus what the strategy adds: a host copy of each offloaded block 
 (a weight_dtype other than the model's, weights on the device, non-contiguous ones), the activations offloaded to
 the host, and under optimizer offload the LoRA's host copy, its gradients and the optimizer's state (plan_cost).
 The budget is host RAM the run may occupy, the model included; by default what is available now plus the model's
-own anonymous bytes, minus a margin. Weights in a file mapping (ComfyUI's dynamic VRAM maps the model file)
-are not added: the kernel counts their cached pages as available already, and the run page-locks them, so they come
-out of what is available.
+own anonymous bytes, minus a margin. Weights in a mapping of a file on disk (ComfyUI's dynamic VRAM maps the model
+file) are not added: the kernel counts their cached pages as available already, and the run page-locks them, so they
+come out of what is available. Weights in shared memory (/dev/shm, shared by the ranks of a machine) are added: the
+kernel does not count them as available.
 """
 from __future__ import annotations
 
@@ -47,19 +48,31 @@ def available_host_bytes() -> int | None:
 
 
 def file_backed_bytes(spans: dict[int, int]) -> int:
-    """Bytes of the (address -> nbytes) spans that lie in a file mapping of this process (/proc/self/maps; 0 where
-    the system has none)."""
-    files = []
+    """Bytes of the (address -> nbytes) spans that lie in a mapping of a file on disk in this process
+    (/proc/self/maps; 0 where the system has none). Files in memory file systems (tmpfs: /dev/shm, where the ranks
+    of a machine share their weights, shared_host) are not page cache: available memory leaves them out already."""
+    files, memory_fs = [], _memory_file_systems()
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 fields = line.split(None, 5)  # range, perms, offset, dev, inode, path
-                if len(fields) == 6 and fields[5].startswith("/"):
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if path.startswith("/") and not any(path.startswith(m) for m in memory_fs):
                     lo, hi = fields[0].split("-")
                     files.append((int(lo, 16), int(hi, 16)))
     except OSError:
         return 0
     return sum(n for a, n in spans.items() if any(lo <= a and a + n <= hi for lo, hi in files))
+
+
+def _memory_file_systems() -> list[str]:
+    """Mount points of tmpfs file systems, each ending in '/' (from /proc/mounts; /dev/shm/ where unreadable)."""
+    try:
+        with open("/proc/mounts") as f:
+            points = [fields[1] for fields in (line.split() for line in f) if len(fields) > 2 and fields[2] == "tmpfs"]
+    except OSError:
+        points = ["/dev/shm"]
+    return [p.rstrip("/") + "/" for p in points]
 
 
 @functools.cache

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -190,6 +191,32 @@ def test_default_host_budget_does_not_add_weights_in_a_file_mapping(monkeypatch,
     assert host_memory.file_backed_bytes({flat.data_ptr(): mapped}) == mapped
     assert needs.budget_bytes == (10 << 30) + needs.model_bytes - mapped - host_memory.AUTO_HOST_MARGIN_BYTES
     assert 0 < needs.model_bytes - mapped < mapped  # the LoRA weights are anonymous, still added
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
+def test_weights_in_shared_memory_are_added_to_the_budget(monkeypatch, tmp_path):
+    """Weights the ranks of a machine share sit in /dev/shm (memory/shared_host.py): tmpfs pages, which available
+    memory leaves out, unlike the page cache of a file on disk. The budget used to subtract them as page cache,
+    so a plan made once they were shared (a second Train node under torchrun) was short by the model's size."""
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 10 << 30)
+    nbytes = 1 << 20
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="tightrope-test-")
+    try:
+        os.ftruncate(fd, nbytes)
+        shared = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+        on_disk = tmp_path / "weights.bin"
+        on_disk.write_bytes(bytes(nbytes))
+        mapped = torch.UntypedStorage.from_file(str(on_disk), shared=True, nbytes=nbytes)
+        assert host_memory.file_backed_bytes({shared.data_ptr(): nbytes}) == 0
+        assert host_memory.file_backed_bytes({mapped.data_ptr(): nbytes}) == nbytes  # a file on disk: page cache
+        model = torch.nn.Linear(512, 512, bias=False).requires_grad_(False)
+        model.weight.data = torch.empty(0).set_(shared, 0, (512, 512))  # the shared bytes as the model's weight
+        needs = HostNeeds.measure(torch.nn.Sequential(model), [model], None)
+        assert needs.model_bytes == nbytes
+        assert needs.budget_bytes == (10 << 30) + needs.model_bytes - host_memory.AUTO_HOST_MARGIN_BYTES
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def test_auto_strategy_explains_host_ram_next_to_vram(tmp_path):
