@@ -5,7 +5,8 @@ its frozen host weights into one file in /dev/shm (space reserved with posix_fal
 error, not a SIGBUS), the other local ranks check that their own weights equal it byte for byte and map the same
 file, and every rank points its parameters at views of the mapping and drops its own copy. The ranks' offloaded
 blocks then stream from that one copy (layer_offload streams in place; host_pinning page-locks the mapping once per
-process), and the run's undo gives each parameter back the same shared view: no copy at either end.
+process), and the run's undo gives each parameter back the same shared view: no copy at either end. A /dev/shm
+without room for the copy (Docker's default is 64 MB) leaves every rank its own copy, with a warning naming the fix.
 
 The file is unlinked as soon as every rank has mapped it (in `finally`, also when a rank failed), so nothing is left
 in /dev/shm whatever happens next: the memory lives as long as some process maps it. Parameters already in such a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,6 +29,7 @@ from .strategy import StrategyError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tightrope-weights-"
+SHM_MARGIN = 16 << 20  # bytes left free in /dev/shm beyond the copy (other programs' shared memory)
 _ALIGN = 256  # bytes: every view aligned for any dtype and for vectorised kernels
 
 
@@ -102,6 +105,14 @@ def share_host_weights(model: nn.Module, *, local_rank: int, token: str,
     if len(set(sizes)) != 1:
         raise SharedWeightsError(f"the ranks hold different frozen weights to share ({sorted(set(sizes))} bytes): "
                                  "every rank must load the same base model")
+    free = _free_bytes(folder) if local_rank == 0 else None
+    short = [f for f in exchange(free) if f is not None and f < nbytes + SHM_MARGIN]
+    if short:  # each machine's local rank 0 looked: one copy per rank is slower to set up, not wrong
+        warnings.warn(f"tightrope: {folder} has {min(short) / 2**30:.2f} GiB free and one host copy of the frozen "
+                      f"weights needs {nbytes / 2**30:.2f} GiB: every rank keeps its own copy in host RAM; to share "
+                      "one, give the machine or container more shared memory (e.g. docker run --shm-size=...G, or "
+                      "--ipc=host)", RuntimeWarning, stacklevel=2)
+        return None
     path = os.path.join(folder, f"{PREFIX}{token}")
     storage, error = None, None
     try:
@@ -125,6 +136,15 @@ def share_host_weights(model: nn.Module, *, local_rank: int, token: str,
         n = p.numel() * p.element_size()
         p.data = flat[off: off + n].view(p.dtype).view(p.shape)
     return SharedHostWeights(path, storage, params)
+
+
+def _free_bytes(folder: str) -> int | None:
+    """Bytes free in the file system of `folder` (None where it cannot be read: creating the file then says why)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _create(path: str, nbytes: int, params: list[nn.Parameter], offsets: list[int]) -> torch.UntypedStorage:

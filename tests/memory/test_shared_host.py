@@ -62,3 +62,19 @@ def test_a_shm_folder_that_cannot_take_the_copy_is_an_error_not_a_crash(tmp_path
         share_host_weights(model, local_rank=0, token="t", exchange=lambda x: [x, x],
                            folder=str(tmp_path / "missing"))
     assert model.weight.data_ptr() == weight
+
+
+def test_a_shm_without_room_for_the_copy_leaves_every_rank_its_own_and_says_how_to_share(tmp_path, monkeypatch):
+    """Docker's default /dev/shm is 64 MB: the run goes on with private copies (as before sharing existed) instead
+    of failing on every rank, and the warning names the fix."""
+    import torch
+
+    from tightrope.memory import shared_host
+    model = torch.nn.Linear(64, 64).requires_grad_(False)
+    weight = model.weight.data_ptr()
+    monkeypatch.setattr(shared_host, "_free_bytes", lambda folder: 64 * 64 * 4)  # less than the copy and its margin
+    with pytest.warns(RuntimeWarning, match=r"has 0.00 GiB free and one host copy of the frozen weights needs "
+                                            r"0.00 GiB: every rank keeps its own copy in host RAM; .*--shm-size"):
+        assert share_host_weights(model, local_rank=0, token="t", exchange=lambda x: [x, x],
+                                  folder=str(tmp_path)) is None
+    assert model.weight.data_ptr() == weight and not list(tmp_path.iterdir())
