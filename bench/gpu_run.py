@@ -93,8 +93,20 @@ def meta(device: torch.device, tiny: bool) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
             "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
             "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if cuda else None, "python": platform.python_version(),
+            "cudnn": torch.backends.cudnn.version() if cuda else None, "driver": nvidia_driver() if cuda else None,
+            "python": platform.python_version(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(), "tiny": tiny}
+
+
+def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel driver's version (e.g. '580.95.05'; Linux: /proc/driver/nvidia/version), or None. Page-locking
+    read-only memory in place behaves differently across drivers (memory/host_pinning.py)."""
+    try:
+        with open(path) as f:
+            found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.readline())
+    except OSError:
+        return None
+    return found.group(1) if found else None
 
 
 def _commit() -> str | None:

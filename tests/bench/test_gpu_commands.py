@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tightrope.bench import gpu_bench, gpu_check, measure
+from tightrope.bench import gpu_bench, gpu_check, gpu_run, measure
 from tightrope.bench.cli import main as bench_main
 from tightrope.bench.gpu_run import Run
 from tightrope.bench.measure import fits
@@ -185,3 +185,15 @@ def test_a_configuration_that_crashes_is_a_failed_row_and_the_rest_still_run(tmp
     assert "Traceback" in crashed[0]["traceback"] and not measure.skipped(rows[-1])  # the twin after it ran
     assert all(r["bound_s"] > 0 for r in rows if not r.get("failed") and r["strategy"]["offload_fraction"] > 0)
     assert run.failed() and any("crashed: ValueError" in result for _, result, _, _ in run.summary)
+
+
+@pytest.mark.parametrize("line,version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024", "535.183.01"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@U16)  Tue Sep "
+     "23 09:55:41 UTC 2025", "580.95.05"),
+    ("something else", None)])
+def test_the_results_name_the_nvidia_driver(tmp_path, line, version):
+    """Page-locking read-only memory in place differs between drivers: the results say which one ran."""
+    (tmp_path / "version").write_text(line + "\nGCC version: gcc 12\n")
+    assert gpu_run.nvidia_driver(str(tmp_path / "version")) == version
+    assert gpu_run.nvidia_driver(str(tmp_path / "missing")) is None
