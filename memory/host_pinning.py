@@ -8,15 +8,23 @@ allocation up to a power of two and keeps it cached for the life of the process)
   widened to whole pages: small tensors that malloc put next to a weight, such as `grad.cpu()`'s result, could no
   longer be copied). So no other allocation ever shares a registered page, and the offloader splits each weight's
   copy where its storage's registered interior begins and ends (`split`).
+- Each interior is registered in page-aligned chunks of at most `CHUNK_BYTES`, keeping those the driver accepts. The
+  driver pins a range all or nothing (one it can pin only in part, as long-term pinning's page migration may leave
+  it, is refused as a whole: "invalid argument"; some drivers refuse very large calls), so one refused chunk leaves
+  only itself pageable, not the whole model (under shared_host all weights are one storage). `split` cuts at every
+  registered edge, so no copy spans two registrations either.
 - Memory someone else already pinned (ComfyUI's own pinned weights, a torch pinned tensor) is left as it is.
 - A read-only mapping (ComfyUI's dynamic VRAM loads weights as a read-only mmap of the model file) cannot be pinned
   for device writes; a range the default registration refuses is registered again read-only
-  (`cudaHostRegisterReadOnly`), which is all a host-to-device copy needs.
-- Registration can be refused (`ulimit -l`, WSL and Windows limits, read-only registration unsupported) or be
-  impossible (a CPU-only torch): the memory stays pageable, host-to-device copies from it are staged by the driver,
-  and one warning line says so. Every refused call's error is cleared at once, so it cannot surface at the next
-  kernel launch.
-- `release()` unregisters what this object registered; the offloader calls it in `finally`.
+  (`cudaHostRegisterReadOnly`), which is all a host-to-device copy needs. Some GPUs/drivers lack that (error 801,
+  cudaDevAttrHostRegisterReadOnlySupported = 0): such weights stream from pageable memory.
+- Registration can be refused (read-only registration unsupported, host memory the driver can pin exhausted, WSL and
+  Windows limits) or be impossible (a CPU-only torch): the memory stays pageable, host-to-device copies from it are
+  staged by the driver, and one warning line says how much, why (the error of the attempt made last) and, where
+  there is one, the fix. `ulimit -l` is none: on Linux NVIDIA's kernel module pins with pin_user_pages and charges
+  nothing to RLIMIT_MEMLOCK. Every refused call's error is cleared at once, so it cannot surface at the next kernel
+  launch.
+- `release()` unregisters what this object registered (every chunk); the offloader calls it in `finally`.
 """
 from __future__ import annotations
 
@@ -29,6 +37,10 @@ import torch
 
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: pinned by someone else, who will unpin it
 READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the range (every copy from a weight is host-to-device)
+INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED = 1, 2, 801  # cudaErrorInvalidValue, MemoryAllocation, NotSupported
+CHUNK_BYTES = 2**30  # the most one cudaHostRegister call asks for (a multiple of every page size)
+READ_ONLY_FIX = ("nothing to fix for a read-only mapping of a model file but to accept that speed; under ComfyUI, "
+                 "--disable-dynamic-vram loads models into ordinary memory, which can be page-locked")
 
 
 def storage_spans(tensors: Iterable[torch.Tensor]) -> set[tuple[int, int]]:
@@ -67,20 +79,26 @@ class PinnedRanges:
         except (AssertionError, RuntimeError) as e:  # CPU-only torch, or no driver
             self._note(sum(n for _, n in storage_spans(tensors)), f"CUDA runtime unavailable: {e}")
             return
-        refused, reason = 0, ""
+        refused: dict[tuple[str, str], int] = {}  # (cause, fix) -> bytes left pageable
+        chunk = max(mmap.PAGESIZE, CHUNK_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
         for start, nbytes in interior_ranges(storage_spans(tensors)):
-            code = self._try(cudart, start, nbytes, 0)
-            if code not in (0, ALREADY_REGISTERED) and read_only_ok and \
-                    self._try(cudart, start, nbytes, READ_ONLY) == 0:
-                code = 0  # a read-only mapping: the device only reads it
-            if code == 0:
-                self.registered.append((start, nbytes))
-            elif code != ALREADY_REGISTERED:
-                refused += nbytes
-                reason = f"{_error_text(cudart, code)}, error {code}"
+            for a, n in _chunks(start, nbytes, chunk):
+                first = code = self._try(cudart, a, n, 0)
+                # refused (not for want of memory: read-only pins the same pages): it may be a read-only mapping
+                if code not in (0, ALREADY_REGISTERED, OUT_OF_MEMORY) and read_only_ok:
+                    code = self._try(cudart, a, n, READ_ONLY)  # a read-only mapping: the device only reads it
+                if code == 0:
+                    self.registered.append((a, n))
+                elif code != ALREADY_REGISTERED:
+                    read_only = first == INVALID_VALUE and code == NOT_SUPPORTED
+                    if read_only and _writable(a, n):  # refused for another reason; the retry's 801 does not tell it
+                        read_only, code = False, first
+                    cause = _cause(cudart, code, read_only)
+                    refused[cause] = refused.get(cause, 0) + n
         self.registered.sort()
         if refused:
-            self._note(refused, reason)
+            causes = [f"{_size(n)}: {cause}" if len(refused) > 1 else cause for (cause, _), n in refused.items()]
+            self._note(sum(refused.values()), "; ".join(causes), "; ".join(dict.fromkeys(f for _, f in refused if f)))
 
     def _try(self, cudart: Any, start: int, nbytes: int, flags: int) -> int:
         code = int(cudart.cudaHostRegister(start, nbytes, flags))
@@ -109,25 +127,62 @@ class PinnedRanges:
     def split(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
         """Byte ranges [a, b) of the buffer at `address` that lie wholly inside or wholly outside the registered
         ranges, in order; None when the whole buffer is on one side (one copy will do)."""
-        cuts, end = [0], address + nbytes
+        cuts, end = {0}, address + nbytes
         k = max(0, bisect.bisect_right(self.registered, (address, float("inf"))) - 1)
         for start, n in self.registered[k:]:
             if start >= end:
                 break
-            for edge in (start, start + n):
-                if address < edge < end:
-                    cuts.append(edge - address)
+            cuts.update(edge - address for edge in (start, start + n) if address < edge < end)
+        cuts = sorted(cuts)  # adjacent ranges (chunks) share an edge: one cut, no empty part
         return None if len(cuts) == 1 else list(zip(cuts, cuts[1:] + [nbytes]))
 
     @property
     def pinned_bytes(self) -> int:
         return sum(n for _, n in self.registered)
 
-    def _note(self, nbytes: int, reason: str) -> None:
+    def _note(self, nbytes: int, reason: str, fix: str = "") -> None:
         self.refused_bytes += nbytes
-        warnings.warn(f"tightrope: could not page-lock {nbytes / 2**30:.2f} GiB of host weights in place ({reason}); "
-                      "streaming them from pageable memory instead (slower copies; raise `ulimit -l` to fix)",
+        warnings.warn(f"tightrope: could not page-lock {_size(nbytes)} of host weights in place ({reason}); "
+                      f"streaming them from pageable memory (slower copies{'; ' + fix if fix else ''})",
                       RuntimeWarning, stacklevel=3)
+
+
+def _chunks(start: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, start + nbytes) as consecutive (start, nbytes) pieces of at most `chunk` bytes."""
+    return [(a, min(chunk, start + nbytes - a)) for a in range(start, start + nbytes, chunk)]
+
+
+def _cause(cudart: Any, code: int, read_only: bool) -> tuple[str, str]:
+    """Why a registration whose last attempt gave `code` was refused, in words, and the user's fix ("": none).
+    read_only: read-only memory, refused pinning for writes (1), then read-only registration as unsupported (801)."""
+    error = f"{_error_text(cudart, code)}, error {code}"
+    if read_only:
+        return f"this GPU/driver cannot page-lock read-only memory: {error}", READ_ONLY_FIX
+    if code == OUT_OF_MEMORY:
+        return f"out of memory that can be page-locked: {error}", "free host RAM"
+    if code == NOT_SUPPORTED:
+        return f"this GPU/driver cannot page-lock host memory in place: {error}", ""
+    return f"refused by the driver: {error}", ""
+
+
+def _writable(start: int, nbytes: int) -> bool | None:
+    """Whether every mapping over [start, start + nbytes) may be written (/proc/self/maps); None where unknown."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:  # not Linux
+        return None
+    for line in lines:
+        lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+        if lo < start + nbytes and start < hi and line.split()[1][1] != "w":
+            return False
+    return True
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _error_text(cudart: Any, code: int) -> str:

@@ -228,10 +228,9 @@ class HostOptimizer:
 
 def _warn_pageable(refusals: list) -> None:
     reason = next((str(w.message) for w in refusals if "page-lock" in str(w.message)), "pin_memory=False")
-    warnings.warn(f"tightrope: optimizer offload's host buffers are not page-locked ({reason[:200]}): each LoRA "
+    warnings.warn(f"tightrope: optimizer offload's host buffers are not page-locked ({reason}): each LoRA "
                   "gradient's copy to the host then waits for the GPU, which stalls backward; set pin_memory=True "
-                  "(and raise `ulimit -l` if pinning is refused), or optimizer_offload=False", RuntimeWarning,
-                  stacklevel=3)
+                  "if it is off, else optimizer_offload=False", RuntimeWarning, stacklevel=3)
 
 
 class _Done:

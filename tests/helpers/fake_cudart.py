@@ -6,6 +6,11 @@ What the driver does, and the first H100 run showed (2026-11-23):
 - cudaHostUnregister takes the start of a registered range; anything else is refused (713, not registered).
 - Read-only memory (a PROT_READ mapping, as ComfyUI's dynamic VRAM loads weights) registers only with
   cudaHostRegisterReadOnly (flag 8): the driver pins its pages for device reads only. Without it: 1, invalid argument.
+  Where the GPU/driver lacks read-only registration (cudaDevAttrHostRegisterReadOnlySupported = 0, reported for a B300
+  on driver 610 and an RTX PRO 6000 on 595), flag 8 gives 801, not supported (`read_only_supported=False`).
+- A range the kernel pins only in part (os-mlock.c: fewer pages pinned than asked, as FOLL_LONGTERM migration can
+  leave them; large single registrations on driver 610) is refused as a whole with 1, invalid argument: `max_bytes`
+  refuses every registration larger than it, `refuse_at` the ones starting at the given addresses.
 - A copy whose host buffer lies partly inside a registered range and partly outside fails ("invalid argument").
   `StraddleCheck` raises exactly there, for every copy the simulation makes, whichever side is the host.
 """
@@ -15,14 +20,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ALREADY_REGISTERED, NOT_REGISTERED, INVALID_VALUE, READ_ONLY = 712, 713, 1, 8
+OUT_OF_MEMORY, NOT_SUPPORTED = 2, 801
+ERRORS = {INVALID_VALUE: "invalid argument", OUT_OF_MEMORY: "out of memory", NOT_SUPPORTED: "operation not supported",
+          ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+          NOT_REGISTERED: "pointer does not correspond to a registered memory region"}
 
 
 class FakeCudart:
     """torch.cuda.cudart()'s registration calls with the driver's rules; `refuse` (an error code) makes every
-    registration fail, or only the first `refuse_first` of them."""
+    registration fail, or only the first `refuse_first` of them; `read_only_supported=False`: flag 8 gives 801;
+    `max_bytes`, `refuse_at` (start addresses): those registrations are pinned only in part, so refused (1)."""
 
-    def __init__(self, refuse=0, page=mmap.PAGESIZE, refuse_first=None):
+    def __init__(self, refuse=0, page=mmap.PAGESIZE, refuse_first=None, *, read_only_supported=True, max_bytes=None,
+                 refuse_at=()):
         self.refuse, self.page, self.refuse_first = refuse, page, refuse_first
+        self.read_only_supported, self.max_bytes, self.refuse_at = read_only_supported, max_bytes, set(refuse_at)
         self.live: dict[int, int] = {}          # start -> nbytes, registered now
         self.registered, self.unregistered = [], []  # every successful call, in order
         self.flags: dict[int, int] = {}         # start -> the flags it was registered with
@@ -32,6 +44,10 @@ class FakeCudart:
             if self.refuse_first is not None:
                 self.refuse_first -= 1
             return self.refuse
+        if flags & READ_ONLY and not self.read_only_supported:
+            return NOT_SUPPORTED
+        if ptr in self.refuse_at or (self.max_bytes is not None and nbytes > self.max_bytes):
+            return INVALID_VALUE
         a, b = ptr // self.page * self.page, -(-(ptr + nbytes) // self.page) * self.page
         if any(s < b and a < s + n for s, n in self.live.items()):
             return ALREADY_REGISTERED
@@ -52,8 +68,7 @@ class FakeCudart:
         return code
 
     def cudaGetErrorString(self, code):
-        return {INVALID_VALUE: "invalid argument", 2: "out of memory", ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
-                NOT_REGISTERED: "pointer does not correspond to a registered memory region"}.get(code, "unknown")
+        return ERRORS.get(code, "unknown error")
 
     def straddles(self, address: int, nbytes: int) -> bool:
         """Whether [address, address + nbytes) is partly inside some registered range and partly outside it."""

@@ -36,6 +36,14 @@ def test_split_cuts_a_buffer_where_registered_memory_begins_and_ends():
     assert pins.split(1200, 1000) == [(0, 300), (300, 800), (800, 900), (900, 1000)]
 
 
+def test_split_cuts_once_where_two_registered_ranges_meet():
+    """Chunks of one interior are adjacent: the edge between them is one cut, not an empty part (a no-op copy)."""
+    pins = PinnedRanges(torch.device("cpu"), cudart=FakeCudart())
+    pins.registered = [(0, 100), (100, 100), (300, 100)]
+    assert pins.split(50, 100) == [(0, 50), (50, 100)]
+    assert pins.split(0, 400) == [(0, 100), (100, 200), (200, 300), (300, 400)]
+
+
 @pytest.fixture
 def pinned(monkeypatch):
     """LayerOffload on the CPU device, page-locking through the modelled CUDA runtime (the CUDA path's bookkeeping
@@ -97,12 +105,13 @@ def test_undo_unregisters_before_copying_device_weights_back(pinned):
 
 
 def test_pinning_refused_falls_back_to_pageable_with_a_note(pinned):
-    pinned.refuse = 2  # cudaErrorMemoryAllocation, as with a low `ulimit -l`
-    with pytest.warns(RuntimeWarning, match=r"could not page-lock .* GiB of host weights in place \(out of memory, "
-                                            r"error 2\); streaming them from pageable memory"):
+    pinned.refuse = 2  # cudaErrorMemoryAllocation: the host has no more memory the driver can page-lock
+    with pytest.warns(RuntimeWarning, match=r"could not page-lock [\d.]+ KiB of host weights in place \(out of memory "
+                                            r"that can be page-locked: out of memory, error 2\); streaming them from "
+                                            r"pageable memory \(slower copies; free host RAM\)$") as notes:
         result = run_managed(OFFLOAD_ALL)
     assert_equivalent(result)
-    assert not pinned.unregistered
+    assert not pinned.unregistered and not any("ulimit" in str(w.message) for w in notes)
 
 
 def test_memory_pinned_by_someone_else_is_left_to_them(monkeypatch):
@@ -223,10 +232,97 @@ def test_on_cuda_offload_streams_from_a_read_only_mapping_page_locked(tmp_path, 
 
 
 def test_a_partly_refused_registration_leaves_the_page_locked_copies_asynchronous(pinned):
-    """One range refused (a low `ulimit -l` reached part-way) must not turn every copy blocking: a blocking copy waits
-    for the copy stream, which waits for the compute queued before it, so no block would prefetch any more."""
-    pinned.refuse, pinned.refuse_first = 2, 2  # the first range: refused, then refused read-only too
+    """One range refused (page-lockable memory running out part-way) must not turn every copy blocking: a blocking
+    copy waits for the copy stream, which waits for the compute queued before it, so no block would prefetch any
+    more."""
+    pinned.refuse, pinned.refuse_first = 2, 2  # the first two ranges: out of memory (no read-only retry)
     with pytest.warns(RuntimeWarning, match="could not page-lock"), StraddleCheck(pinned) as check:
         result = run_managed(OFFLOAD_ALL)
     assert_equivalent(result)
     assert check.pinned_copies > 0 and check.blocking_pinned_copies == 0
+
+
+@pytest.mark.parametrize("fake, read_only, cause, fix", [
+    (dict(read_only_supported=False), True, r"this GPU/driver cannot page-lock read-only memory: operation not "
+     r"supported, error 801", r"; nothing to fix for a read-only mapping of a model file but to accept that speed; "
+     r"under ComfyUI, --disable-dynamic-vram loads models into ordinary memory, which can be page-locked"),
+    (dict(refuse=2), False, r"out of memory that can be page-locked: out of memory, error 2", r"; free host RAM"),
+    (dict(refuse=1), False, r"refused by the driver: invalid argument, error 1", r""),
+    # writable memory the driver pins only in part (1) is retried read-only, which this GPU lacks (801): the cause
+    # is the first refusal, not the retry's
+    (dict(max_bytes=PAGE, read_only_supported=False), False, r"refused by the driver: invalid argument, error 1", r""),
+], ids=["read-only-unsupported", "out-of-memory", "refused", "writable-refused-read-only-unsupported"])
+def test_a_refusal_is_noted_by_its_cause_with_the_last_attempts_error(tmp_path, fake, read_only, cause, fix):
+    """The note names the error of the attempt made last (for a read-only mapping: the read-only one, 801 where the
+    GPU/driver lacks it, not the default one's 1), how much stays pageable, and a fix only where one exists;
+    never `ulimit -l`, which does not bound cudaHostRegister (NVIDIA's kernel module charges no RLIMIT_MEMLOCK)."""
+    fake = FakeCudart(**fake)
+    weight = _read_only([torch.ones(4 * PAGE)], tmp_path)[0][0] if read_only else torch.ones(4 * PAGE)
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    (_, nbytes), = interior_ranges(host_pinning.storage_spans([weight]))
+    size = f"{nbytes / 2**10:.1f} KiB"
+    with pytest.warns(RuntimeWarning, match=rf"^tightrope: could not page-lock {size} of host weights in place \("
+                                            rf"{cause}\); streaming them from pageable memory \(slower copies"
+                                            rf"{fix}\)$") as notes:
+        pins.register([weight])
+    text = str(notes[0].message)
+    assert len(notes) == 1 and "ulimit" not in text and "\n" not in text
+    assert pins.refused_bytes == nbytes and not pins.registered and not fake.live
+
+
+def test_a_storage_too_large_for_one_registration_is_registered_in_chunks():
+    """A driver that pins a 4 GiB range only in part refuses the whole call (invalid argument); in 1 GiB chunks the
+    whole storage is page-locked, its copies cut where one chunk ends and the next begins, and every chunk is
+    unregistered at release. The mapping is address space only: no page of it is touched."""
+    chunk = host_pinning.CHUNK_BYTES
+    assert chunk == 2**30 and chunk % PAGE == 0
+    try:
+        space = mmap.mmap(-1, 4 * chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        pytest.skip("no 4 GiB of address space")
+    storage = torch.frombuffer(space, dtype=torch.uint8)
+    fake = FakeCudart(max_bytes=chunk)
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing refused, no note
+        pins.register([storage])
+    start = storage.data_ptr()
+    assert pins.registered == [(start + k * chunk, chunk) for k in range(4)] and pins.refused_bytes == 0
+    assert pins.split(start, 4 * chunk) == [(k * chunk, (k + 1) * chunk) for k in range(4)]
+    assert pins.split(start + chunk // 2, chunk) == [(0, chunk // 2), (chunk // 2, chunk)]
+    pins.release()
+    assert not fake.live and fake.unregistered == [a for a, _ in fake.registered]
+    del storage
+    space.close()
+
+
+def test_a_refused_chunk_leaves_only_itself_pageable(pinned, monkeypatch):
+    """One chunk of a weight's interior refused (pinned only in part by the kernel): the chunks around it stay
+    page-locked, the weight's copies are cut at every registered edge (no copy straddles, none is empty), the run
+    equals the reference, and release leaves nothing registered."""
+    monkeypatch.setattr(host_pinning, "CHUNK_BYTES", PAGE)  # the test model's weights are a few pages each
+    model = make_lora_model()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    interiors = interior_ranges(host_pinning.storage_spans(frozen))
+    start, nbytes = next(r for r in interiors if r[1] >= 2 * PAGE)
+    pinned.refuse_at = {start + PAGE}  # a chunk with a registered one before it
+    with pytest.warns(RuntimeWarning, match=rf"could not page-lock {PAGE / 2**10:.1f} KiB of host weights in place "
+                                            r"\(refused by the driver: invalid argument, error 1\)"), \
+            MemoryRuntime(model, OFFLOAD_ALL, "cpu", poison_slots=True, activation_min_bytes=0) as rt, \
+            StraddleCheck(pinned) as check:
+        pins = rt.offload._pinned
+        assert pins.refused_bytes == PAGE and pins.pinned_bytes == sum(n for _, n in interiors) - PAGE
+        assert sorted(pins.registered) == [(a, PAGE) for a, n in interiors for a in range(a, a + n, PAGE)
+                                           if a != start + PAGE]
+        splits = [(src, parts) for lay in rt.offload.layouts.values() for src, parts in zip(lay.sources, lay.splits)]
+        src, parts = next((s, p) for s, p in splits if s.data_ptr() < start + PAGE < s.data_ptr() + s.nbytes)
+        offset = start + PAGE - src.data_ptr()
+        assert (offset - PAGE, offset) in parts  # the registered chunk before the refused one: a part of its own
+        a, b = next((a, b) for a, b in parts if a == offset)  # the refused one: pageable, with what follows it
+        assert b >= offset + PAGE and not any(r < src.data_ptr() + b and src.data_ptr() + a < r + n
+                                              for r, n in pins.registered)
+        assert all(b > a for _, p in splits if p for a, b in p)  # no empty part
+        losses, grads = train_steps(model, steps=2, runtime=rt)
+    assert_equivalent((losses, grads))
+    assert check.pinned_copies > 0 and check.blocking_pinned_copies == 0
+    assert not pinned.live and sorted(pinned.unregistered) == sorted(a for a, _ in pinned.registered)

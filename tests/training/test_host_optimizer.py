@@ -124,7 +124,7 @@ def test_with_micro_batches_every_buffer_is_pinned_before_the_first_backward():
 def test_refused_pinning_is_one_warning_and_never_read_only():
     """The device writes into these buffers (gradients; the weights at the start): a read-only registration, which
     the offloaded weights' pinning falls back to, would make those copies fail."""
-    fake = FakeCudart(refuse=2, refuse_first=1)  # the first call out of memory (`ulimit -l`), the retry would pass
+    fake = FakeCudart(refuse=2, refuse_first=1)  # the first call out of memory, a read-only retry would pass
     model = make_lora_model()
     params = _lora(model)
     with pytest.warns(RuntimeWarning, match=r"optimizer offload's host buffers are not page-locked \(.*out of "
@@ -269,9 +269,11 @@ def test_on_cuda_host_optimizer_steps_as_the_device_optimizer():
         plain = _steps(plain_model, torch.optim.AdamW(list(plain_params.values()), lr=1e-2, weight_decay=0.1),
                        plain_params, batch=inputs_to)
         optimizer = HostOptimizer(host_params, _adamw, dev, micro_batches=3)
-        assert optimizer._weights_locked
-        offloaded = _steps(host_model, optimizer, host_params, batch=inputs_to)
-        optimizer.close()
+        try:  # closed (unpinned) even when the run fails: freed memory left registered breaks later CUDA tests
+            assert optimizer._weights_locked
+            offloaded = _steps(host_model, optimizer, host_params, batch=inputs_to)
+        finally:
+            optimizer.close()
     assert offloaded == pytest.approx(plain, rel=1e-5)
     change = max((p - start[n]).abs().max().item() for n, p in plain_params.items())
     for name, p in host_params.items():
@@ -293,18 +295,20 @@ def test_on_cuda_fp16_overflow_is_skipped_and_the_scale_backs_off():
         optimizer = HostOptimizer(params, _adamw, dev) if offloaded else _adamw(params)
         scaler = HostGradScaler("cuda", **kw) if offloaded else torch.amp.GradScaler("cuda", **kw)
         scales[offloaded] = []
-        for step in range(3):
-            inputs, target = _on(dev)(make_batch(seed=100 + step))
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = F.mse_loss(model(**inputs).float(), target)
-            scaler.scale(loss).backward()
-            gradient_holders(optimizer, params)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            scales[offloaded].append(scaler.get_scale())
-        if offloaded:
-            optimizer.close()
+        try:  # closed (unpinned) even when a step fails: freed memory left registered breaks later CUDA tests
+            for step in range(3):
+                inputs, target = _on(dev)(make_batch(seed=100 + step))
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = F.mse_loss(model(**inputs).float(), target)
+                scaler.scale(loss).backward()
+                gradient_holders(optimizer, params)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scales[offloaded].append(scaler.get_scale())
+        finally:
+            if offloaded:
+                optimizer.close()
         weights[offloaded] = {n: p.detach().clone() for n, p in params.items()}
     assert scales[True] == scales[False] == [2.0 ** 16] * 3  # step 1 skipped, steps 2 and 3 taken
     change = max((w - start[n]).abs().max().item() for n, w in weights[False].items())

@@ -9,8 +9,8 @@ own cast path: a virtual-VRAM allocation and staged device weights, pin bookkeep
 reloads the whole file into a second, ordinary model instead (`clone(force_deepcopy=True)`): +1 W of host RAM.
 
 The adapter's copy shares the mapped weights (a LoRA never writes its base weights, and the memory runtime streams
-them page-locked read-only, see memory/host_pinning.py), leaves that state out, so the copy's modules run their plain
-forward, and casts only the weights whose file dtype differs from the model's dtype, as a non-dynamic load would.
+them page-locked read-only where the GPU/driver supports it, see memory/host_pinning.py), leaves that state out, so
+the copy's modules run their plain forward, and casts only the weights whose file dtype differs from the model's dtype, as a non-dynamic load would.
 """
 from __future__ import annotations
 
