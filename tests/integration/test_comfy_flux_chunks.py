@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from comfy_env import COMFYUI_DIR, REPO, needs_comfyui
+from comfy_env import COMFYUI_DIR, REPO, needs_comfyui, run_in_comfyui, tightrope_env
 
 pytestmark = needs_comfyui
 HERE = os.path.dirname(__file__)
@@ -104,3 +104,77 @@ def test_a_whole_flux_with_chunked_blocks_matches(result):
     assert r["skipped_output_chunks"] > 0  # the runtime's block recompute did skip output chunks
     for way in ("chunked", "runtime"):
         assert r[f"{way}_out_err"] <= RTOL * r["out_scale"] and r[f"{way}_grad_rel"] <= RTOL, way
+
+
+WHOLE_SEQUENCE_OPS = """
+    import collections
+    import comfy.ops
+    from comfy.ldm.flux.layers import DoubleStreamBlock, EmbedND, SingleStreamBlock
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from tightrope.memory.token_chunks import ChunkContext
+    from tightrope.training.models import comfy_flux_chunks as cfc
+
+    # 12 text and 40 image tokens, 52 in all: no other dimension here (1, 2, 4, 8, 16, 64, 192, 256, 320, 448) nor
+    # any chunk of 2 or 8 chunks equals one of these
+    N_TXT, N_IMG, HIDDEN, HEADS = 12, 40, 64, 4
+    mm.in_training = True  # ComfyUI's autograd-safe RoPE, as in training
+
+
+    class WholeSequenceOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.wide_inputs = collections.Counter(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            whole = {N_TXT, N_IMG, N_TXT + N_IMG}
+            self.ops.update(str(func) for t in tree_leaves(out)
+                            if isinstance(t, torch.Tensor) and whole.intersection(t.shape))
+            if func is torch.ops.aten.cat.default and whole.intersection(out.shape):  # views into larger buffers
+                self.wide_inputs += sum(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in args[0])
+            return out
+
+
+    def count(kind, chunks):
+        torch.manual_seed(0)
+        ops = comfy.ops.disable_weight_init
+        block = DoubleStreamBlock(HIDDEN, HEADS, 4.0, qkv_bias=True, operations=ops) if kind == "double" else \\
+            SingleStreamBlock(HIDDEN, HEADS, 4.0, operations=ops)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(0.1 * torch.randn_like(p))
+        ids = torch.randint(0, 8, (1, N_TXT + N_IMG, 3)).float()
+        kw = {"vec": torch.randn(1, HIDDEN, requires_grad=True), "pe": EmbedND(HIDDEN // HEADS, 10000, [4, 6, 6])(ids)}
+        ctx = ChunkContext(chunks)
+        if kind == "double":
+            img, txt = (torch.randn(1, n, HIDDEN, requires_grad=True) for n in (N_IMG, N_TXT))
+            outs = cfc.chunked_double_stream(block, ctx, img=img, txt=txt, **kw)
+        else:
+            outs = (cfc.chunked_single_stream(block, ctx, torch.randn(1, N_TXT + N_IMG, HIDDEN, requires_grad=True),
+                                              **kw),)
+        loss = sum(o.sum() for o in outs)
+        with WholeSequenceOps() as counted:
+            loss.backward()
+        return {"ops": dict(counted.ops), "wide_inputs": counted.wide_inputs}
+
+
+    result({kind: {chunks: count(kind, chunks) for chunks in (2, 8)} for kind in ("double", "single")})
+"""
+
+
+def test_a_chunked_blocks_backward_does_no_more_whole_sequence_work_with_more_chunks(tmp_path):
+    """As for the reference Flux (tests/training/test_reference_flux_chunks.py): a whole-sequence tensor read in
+    chunks (the block's input, pe, attention's output) is cut by one split, not a slice per chunk, whose backward
+    would zero-fill a whole-sequence gradient and add it into the tensor's (on a GPU ~5 % of a step at 8 chunks,
+    growing with the count). The ops of one backward whose results span a whole stream or the sequence are as many
+    at 8 chunks as at 2 (the slices made 118 vs 46 in the double block, 67 vs 31 in the single one), and what a
+    split's backward concatenates are buffers of their own, not views keeping larger ones alive (own_grad: the
+    single block's pieces of attention's output, concatenated with the MLP activation)."""
+    r, _ = run_in_comfyui(tmp_path, WHOLE_SEQUENCE_OPS, env=tightrope_env(tmp_path))
+    print(f"\n{r}")
+    for kind, counts in r.items():
+        two, eight = counts["2"], counts["8"]
+        assert sum(eight["ops"].values()) == sum(two["ops"].values()), (kind, counts)
+        assert "aten.slice_backward.default" not in eight["ops"], (kind, counts)
+        assert two["wide_inputs"] == eight["wide_inputs"] == 0, (kind, counts)

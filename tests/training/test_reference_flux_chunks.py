@@ -1,6 +1,7 @@
 """Token-chunked forwards of the reference Flux blocks (training/models/reference_flux_chunks.py): the same values
 and gradients as the plain blocks, a smaller working set, and correct under the runtime with every block streamed
 through poisoned slots."""
+import collections
 import contextlib
 import weakref
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from tiny_flux import flux_inputs, tiny_flux
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from tightrope.memory import runtime as runtime_module
@@ -126,6 +129,58 @@ def test_the_chunked_single_block_computes_linear1_once(lora):
     chunked = forward_flops_without_attention(chunked_forward_for(block), block, ChunkContext(4), x, vec, pe)
     assert plain > 2 * n * h * 12 * h  # linear1 and linear2 are counted
     assert chunked == plain + (2 * n * r * h if lora else 0), chunked / plain
+
+
+class WholeSequenceOps(TorchDispatchMode):
+    """Counts, per aten op, the results that have a dimension of one of `lengths` (a whole stream or sequence), and
+    the inputs of such concatenations that are views into larger buffers."""
+
+    def __init__(self, lengths):
+        super().__init__()
+        self.lengths, self.ops, self.wide_inputs = set(lengths), collections.Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.update(str(func) for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and self.lengths.intersection(t.shape))
+        if func is torch.ops.aten.cat.default and self.lengths.intersection(out.shape):
+            self.wide_inputs += sum(t.untyped_storage().nbytes() > t.numel() * t.element_size() for t in args[0])
+        return out
+
+
+def whole_sequence_backward(kind, chunks, n_txt=10, n_img=42):
+    """One backward of the LoRA block chunked (regions recomputed), counted. 10 text and 42 image tokens, 52 in all:
+    no other dimension of the tiny Flux (1, 2, 4, 64, 128, 384, 512, 896) nor any chunk of 2 or 8 chunks equals one
+    of these."""
+    block = lora_flux().double_blocks[0] if kind == "double" else lora_flux().single_blocks[0]
+    g = torch.Generator().manual_seed(0)
+    pe = EmbedND(128, 10000, (16, 56, 56))(torch.randint(0, 20, (1, n_txt + n_img, 3), generator=g).float())
+    shapes = {"img": (1, n_img, HIDDEN), "txt": (1, n_txt, HIDDEN)} if kind == "double" else \
+        {"x": (1, n_txt + n_img, HIDDEN)}
+    kw = {k: torch.randn(shape, generator=g, requires_grad=True) for k, shape in shapes.items()}
+    out = chunked_forward_for(block)(block, ChunkContext(chunks), **kw, vec=torch.randn(1, HIDDEN, generator=g), pe=pe)
+    loss = sum(o.sum() for o in (out if isinstance(out, tuple) else (out,)))
+    with WholeSequenceOps((n_txt, n_img, n_txt + n_img)) as counted:
+        loss.backward()
+    return counted
+
+
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_a_chunked_blocks_backward_does_no_more_whole_sequence_work_with_more_chunks(kind):
+    """A whole-sequence tensor read in chunks (the block's input by both passes, attention's output by pass 2) is cut
+    by one split, not a slice per chunk: each slice's backward zero-fills a whole-sequence gradient and adds it into
+    the tensor's, 3 per chunk in a single block and 6 in a double one (on a GPU ~5 % of a step at 8 chunks, and
+    growing with the count), where a split's gathers its pieces' gradients at their size and concatenates them
+    once. So the ops of a backward whose results span a whole stream or the sequence (attention's backward, the
+    loss's, one concatenation per split tensor) are as many at 8 chunks as at 2 (the slices made 101 vs 29 in the
+    double block, 52 vs 16 in the single one). And what a split's backward concatenates are buffers of their own:
+    autograd holds them until the last piece's arrives, so a view would keep its larger buffer alive meanwhile (the
+    single block's pieces of attention's output, views of the gradient of their concatenation with the MLP
+    activation, 5 x as wide, raised its peak by 3 x tokens x hidden at 8 chunks before `own_grad`)."""
+    two, eight = whole_sequence_backward(kind, 2), whole_sequence_backward(kind, 8)
+    assert sum(eight.ops.values()) == sum(two.ops.values()), (dict(two.ops), dict(eight.ops))
+    assert eight.ops["aten.slice_backward.default"] == 0, dict(eight.ops)
+    assert two.wide_inputs == eight.wide_inputs == 0
 
 
 # -- under the runtime -------------------------------------------------------------------------------------------------

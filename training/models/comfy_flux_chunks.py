@@ -25,6 +25,11 @@ in distribution: reference_flux_chunks.py). Each forward:
      norm, modulation, MLP, gate, residual; fp16 outputs clamped with nan_to_num, as the block does), out of place:
      the inputs are never changed.
 
+Each whole-sequence tensor read in chunks (the block's input, read by passes 2 and 4; pe; attention's output) is cut
+into its chunks by one split (reference_flux_chunks.pieces), not a slice per chunk and pass: autograd sums a chunk's
+gradients at its size and concatenates them once, where each slice's backward would zero-fill a whole-sequence
+gradient and add it into the tensor's (3 per chunk per block backward, growing with the count).
+
 RoPE is applied per chunk in pass 2 rather than inside `attention` as the block does: it is elementwise per token
 (same values either way), and ComfyUI computes it in fp32, so for a bf16 model its transients (an fp32 copy of q or k
 and the fp32 rotated result, 4x q's bytes: ~0.4 GB for Flux-dev at 2048 px) exist a chunk at a time, in forward and
@@ -46,6 +51,7 @@ from torch import nn
 
 from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
 from ..lora.linear_columns import linear_columns, plain_columns, plain_tensors, rows_linear, runs_own_forward
+from .reference_flux_chunks import own_grad, pieces
 
 _PATCHES = ("attn1_patch", "attn1_output_patch")  # read by the blocks' forwards: a patched call runs plain
 _DOUBLE_ARGS = {"img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
@@ -78,16 +84,20 @@ def chunked_double_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         (img_mod1, img_mod2), (txt_mod1, txt_mod2) = a["vec"]
         mods = tuple(t for mod in (img_mod1, img_mod2, txt_mod1, txt_mod2) for t in _fields(mod))
     img_mods, txt_mods = mods[:6], mods[6:]
-    n_txt = txt.shape[1]
-    txt_qkv = _qkv_chunks(ctx, txt, pe, 0, txt_mods[:2], block.txt_norm1, block.txt_attn, block.num_heads)
-    img_qkv = _qkv_chunks(ctx, img, pe, n_txt, img_mods[:2], block.img_norm1, block.img_attn, block.num_heads)
+    txt_slices, img_slices = token_slices(txt.shape[1], ctx.chunks), token_slices(img.shape[1], ctx.chunks)
+    n = len(txt_slices)  # the joint sequence's chunks: the text ones, then the image ones
+    txt_xs, img_xs = pieces(txt, txt_slices, 1), pieces(img, img_slices, 1)  # read by passes 2 and 4
+    pes = _pe_pieces(pe, txt_slices + img_slices)
+    txt_qkv = _qkv_chunks(ctx, txt_xs, pes[:n], txt_mods[:2], block.txt_norm1, block.txt_attn, block.num_heads)
+    img_qkv = _qkv_chunks(ctx, img_xs, pes[n:], img_mods[:2], block.img_norm1, block.img_attn, block.num_heads)
     q, k, v = (torch.cat([c[i] for c in txt_qkv + img_qkv], dim=2) for i in range(3))
     del txt_qkv, img_qkv  # the chunks: q, k, v hold the same values
     attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
     del q, k, v
-    img = _output_chunks(ctx, img, attn[:, n_txt:], img_mods[2:], block.img_attn.proj, block.img_norm2,
+    attns = pieces(attn, txt_slices + img_slices, 1)
+    img = _output_chunks(ctx, img_xs, attns[n:], img_mods[2:], block.img_attn.proj, block.img_norm2,
                          block.img_mlp, clamp_fp16=False)
-    txt = _output_chunks(ctx, txt, attn[:, :n_txt], txt_mods[2:], block.txt_attn.proj, block.txt_norm2,
+    txt = _output_chunks(ctx, txt_xs, attns[:n], txt_mods[2:], block.txt_attn.proj, block.txt_norm2,
                          block.txt_mlp, clamp_fp16=True)
     return img, txt
 
@@ -116,7 +126,8 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         return _heads(block.norm, linear1(xc, shift, scale, qkv_cols), heads, pe_chunk)
 
     slices = token_slices(x.shape[1], ctx.chunks)
-    parts = [ctx.run(qkv, x[:, s], shift, scale, *_pe_chunk(pe, 0, s)) for s in slices]
+    xs = pieces(x, slices, 1)  # read by passes 2 and 4
+    parts = [ctx.run(qkv, xc, shift, scale, *pc) for xc, pc in zip(xs, _pe_pieces(pe, slices))]
     q, k, v = (torch.cat([p[i] for p in parts], dim=2) for i in range(3))
     del parts
     attn = attention(q, k, v, pe=None, mask=None, transformer_options=a["transformer_options"])
@@ -124,20 +135,23 @@ def chunked_single_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
 
     def out(xc, attn_c, shift, scale, gate):
         mlp = block.mlp_act(linear1(xc, shift, scale, mlp_cols))  # recomputed, not kept: see the module docstring
-        return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((attn_c, mlp), 2)), gate)))
+        # own_grad: attn_c's gradient, a view of the concatenation's, goes back to its split in a buffer of its own
+        return _clamp_fp16(_residual(xc, apply_mod(block.linear2(torch.cat((own_grad(attn_c), mlp), 2)), gate)))
 
-    return torch.cat([ctx.run_output(out, x[:, s], attn[:, s], shift, scale, gate) for s in slices], dim=1)
+    return torch.cat([ctx.run_output(out, xc, ac, shift, scale, gate) for xc, ac in zip(xs, pieces(attn, slices, 1))],
+                     dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ the passes
-def _qkv_chunks(ctx: ChunkContext, x: torch.Tensor, pe, offset: int, mod1, norm1, attn_module, heads: int) -> list:
-    """Pass 2 over one stream of a double block: [(q, k, v) per chunk], q/k/v as (B, heads, chunk, head_dim)."""
+def _qkv_chunks(ctx: ChunkContext, xs: tuple, pes: list, mod1, norm1, attn_module, heads: int) -> list:
+    """Pass 2 over one stream of a double block, its chunks `xs` and their pe pieces `pes`: [(q, k, v) per chunk],
+    q/k/v as (B, heads, chunk, head_dim)."""
     from comfy.ldm.flux.layers import apply_mod
 
     def qkv(xc, shift, scale, *pe_chunk):
         return _heads(attn_module.norm, attn_module.qkv(apply_mod(norm1(xc), 1 + scale, shift)), heads, pe_chunk)
 
-    return [ctx.run(qkv, x[:, s], *mod1, *_pe_chunk(pe, offset, s)) for s in token_slices(x.shape[1], ctx.chunks)]
+    return [ctx.run(qkv, xc, *mod1, *pc) for xc, pc in zip(xs, pes)]
 
 
 def _heads(qk_norm: nn.Module, qkv: torch.Tensor, heads: int, pe_chunk: tuple) -> tuple:
@@ -150,9 +164,10 @@ def _heads(qk_norm: nn.Module, qkv: torch.Tensor, heads: int, pe_chunk: tuple) -
     return q, k, v
 
 
-def _output_chunks(ctx: ChunkContext, x: torch.Tensor, attn: torch.Tensor, mods, proj: nn.Module, norm2: nn.Module,
+def _output_chunks(ctx: ChunkContext, xs: tuple, attns: tuple, mods, proj: nn.Module, norm2: nn.Module,
                    mlp: nn.Module, *, clamp_fp16: bool) -> torch.Tensor:
-    """Pass 4 over one stream of a double block: x + gate1 * proj(attn), then + gate2 * mlp(modulated norm2)."""
+    """Pass 4 over one stream of a double block, its chunks `xs` and their pieces of attention's output `attns`:
+    x + gate1 * proj(attn), then + gate2 * mlp(modulated norm2), concatenated."""
     from comfy.ldm.flux.layers import apply_mod
 
     def out(xc, attn_c, gate1, shift2, scale2, gate2):
@@ -160,8 +175,7 @@ def _output_chunks(ctx: ChunkContext, x: torch.Tensor, attn: torch.Tensor, mods,
         xc = _residual(xc, apply_mod(mlp(apply_mod(norm2(xc), 1 + scale2, shift2)), gate2))
         return _clamp_fp16(xc) if clamp_fp16 else xc
 
-    return torch.cat([ctx.run_output(out, x[:, s], attn[:, s], *mods) for s in token_slices(x.shape[1], ctx.chunks)],
-                     dim=1)
+    return torch.cat([ctx.run_output(out, xc, ac, *mods) for xc, ac in zip(xs, attns)], dim=1)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -215,9 +229,10 @@ def _comfy_columns(layer: nn.Module, x: torch.Tensor, cols: slice) -> torch.Tens
         return rows_linear(x, weight, bias, cols)
 
 
-def _pe_chunk(pe: torch.Tensor | None, offset: int, s: slice) -> tuple:
-    """The RoPE rows of tokens offset + s ((B, 1, L, D/2, 2, 2) -> L sliced), as a 0- or 1-tuple of region args."""
-    return () if pe is None else (pe[:, :, offset + s.start: offset + s.stop],)
+def _pe_pieces(pe: torch.Tensor | None, slices: list[slice]) -> list[tuple]:
+    """Per slice of the sequence, its RoPE rows ((B, 1, L, D/2, 2, 2) cut along L) as a 0- or 1-tuple of region
+    args."""
+    return [()] * len(slices) if pe is None else [(p,) for p in pieces(pe, slices, 2)]
 
 
 def _fields(mod) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
