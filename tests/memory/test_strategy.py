@@ -171,9 +171,9 @@ def test_the_runtime_does_what_keeps_says(kw, monkeypatch):
         entered.append(index)
         return enter(self, index)
 
-    def spy_checkpoint(fn, args, kwargs):
+    def spy_checkpoint(fn, args, kwargs, **options):
         ckpt_marks.append(len(entered))  # the block entered next is the one being checkpointed
-        return call(fn, args, kwargs)
+        return call(fn, args, kwargs, **options)
 
     def spy_hooks(self, index, weights, acts):
         if acts:
