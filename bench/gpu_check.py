@@ -126,8 +126,8 @@ def _headline(device: torch.device, spec: dict, log, run: Run) -> dict[str, Any]
             run.result["sections"]["headline_rows_so_far"] = records
             run.write()
         add_bounds(records, bandwidth)
-        run.result["sections"].pop("headline_rows_so_far")
         capped = _capped(bench, spec, records, device, log, run)
+        run.result["sections"].pop("headline_rows_so_far")  # only now: a crash under a cap keeps the rows above
     finally:
         del bench
         gc.collect()

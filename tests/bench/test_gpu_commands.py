@@ -197,3 +197,18 @@ def test_the_results_name_the_nvidia_driver(tmp_path, line, version):
     (tmp_path / "version").write_text(line + "\nGCC version: gcc 12\n")
     assert gpu_run.nvidia_driver(str(tmp_path / "version")) == version
     assert gpu_run.nvidia_driver(str(tmp_path / "missing")) is None
+
+
+def test_a_crash_under_a_cap_keeps_the_headline_rows_measured_before_it(tmp_path, monkeypatch):
+    """A CUDA error that leaves the device unusable is raised out of run_config: the headline section then crashes,
+    and the rows measured uncapped must still be in the JSON (the device time that made them is gone)."""
+    def unusable(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+    monkeypatch.setattr(gpu_check, "_capped", unusable)
+    run = Run("gpu-check", torch.device("cpu"), True, tmp_path, log=lambda line: None)
+    run.section("headline", lambda: gpu_check._headline(torch.device("cpu"), gpu_check.TINY, lambda line: None, run))
+    sections = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]
+    assert "illegal memory access" in sections["headline"]["error"]
+    rows = sections["headline_rows_so_far"]
+    assert len(rows) == 10 and all(r["step_s"] > 0 for r in rows)
