@@ -14,6 +14,10 @@ allocation up to a power of two and keeps it cached for the life of the process)
   only itself pageable, not the whole model (under shared_host all weights are one storage). `split` cuts at every
   registered edge, so no copy spans two registrations either.
 - Memory someone else already pinned (ComfyUI's own pinned weights, a torch pinned tensor) is left as it is.
+- A private mapping of a file (ComfyUI's dynamic VRAM maps the model file read-only and private; safetensors'
+  zero-copy tensors are a private writable mapping) is only ever registered read-only: a pin for device writes would
+  break copy-on-write on every page, a silent second copy of the weights in host RAM. Where the GPU/driver cannot
+  pin read-only it stays pageable.
 - A read-only mapping (ComfyUI's dynamic VRAM loads weights as a read-only mmap of the model file) cannot be pinned
   for device writes; a range the default registration refuses is registered again read-only
   (`cudaHostRegisterReadOnly`), which is all a host-to-device copy needs. Some GPUs/drivers lack that (error 801,
@@ -83,16 +87,20 @@ class PinnedRanges:
         chunk = max(mmap.PAGESIZE, CHUNK_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
         for start, nbytes in interior_ranges(storage_spans(tensors)):
             for a, n in _chunks(start, nbytes, chunk):
-                first = code = self._try(cudart, a, n, 0)
-                # refused (not for want of memory: read-only pins the same pages): it may be a read-only mapping
-                if code not in (0, ALREADY_REGISTERED, OUT_OF_MEMORY) and read_only_ok:
+                # a private mapping of a file (a model file mapped read-only by ComfyUI's dynamic VRAM; safetensors'
+                # zero-copy tensors): only ever pinned read-only, as a pin for writes would copy it page by page
+                # (copy on write: as much host RAM again, silently)
+                file = read_only_ok and _private_file(a, n)
+                first = code = self._try(cudart, a, n, READ_ONLY if file else 0)
+                # refused (not for want of memory: read-only pins the same pages): maybe a read-only mapping
+                if not file and code not in (0, ALREADY_REGISTERED, OUT_OF_MEMORY) and read_only_ok:
                     code = self._try(cudart, a, n, READ_ONLY)  # a read-only mapping: the device only reads it
                 if code == 0:
                     self.registered.append((a, n))
                 elif code != ALREADY_REGISTERED:
-                    read_only = first == INVALID_VALUE and code == NOT_SUPPORTED
-                    if read_only and _writable(a, n):  # refused for another reason; the retry's 801 does not tell it
-                        read_only, code = False, first
+                    read_only = code == NOT_SUPPORTED and (file or first == INVALID_VALUE)
+                    if read_only and not file and _writable(a, n):  # refused for another reason: the retry's 801
+                        read_only, code = False, first              # does not tell it
                     cause = _cause(cudart, code, read_only)
                     refused[cause] = refused.get(cause, 0) + n
         self.registered.sort()
@@ -177,6 +185,21 @@ def _writable(start: int, nbytes: int) -> bool | None:
         if lo < start + nbytes and start < hi and line.split()[1][1] != "w":
             return False
     return True
+
+
+def _private_file(start: int, nbytes: int) -> bool:
+    """Whether [start, start + nbytes) lies in a private mapping of a file (/proc/self/maps; False where unknown)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= start < hi:
+            return fields[1][3] == "p" and len(fields) == 6 and fields[5].startswith("/")
+    return False
 
 
 def _size(nbytes: int) -> str:

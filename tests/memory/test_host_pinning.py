@@ -11,7 +11,7 @@ from equivalence import assert_equivalent, run_managed
 from fake_cudart import FakeCudart, StraddleCheck
 
 from tightrope.memory import host_pinning
-from tightrope.memory.host_pinning import PinnedRanges, interior_ranges
+from tightrope.memory.host_pinning import READ_ONLY, PinnedRanges, interior_ranges
 from tightrope.memory.layer_offload import LayerOffload
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
@@ -335,3 +335,32 @@ def test_a_refused_chunk_leaves_only_itself_pageable(pinned, monkeypatch):
     assert_equivalent((losses, grads))
     assert check.pinned_copies > 0 and check.blocking_pinned_copies == 0
     assert not pinned.live and sorted(pinned.unregistered) == sorted(a for a, _ in pinned.registered)
+
+
+@pytest.mark.parametrize("read_only_supported", [True, False])
+def test_a_private_file_mapping_is_only_ever_pinned_read_only(tmp_path, read_only_supported):
+    """Weights in a private, writable mapping of a file (safetensors' zero-copy tensors are; torch.load(mmap=True)'s
+    too): the driver's pin for writes would break copy-on-write on every page, a silent copy of the weights in host
+    RAM. They are pinned read-only, or, where the GPU/driver cannot, left pageable; never pinned for writes."""
+    (tmp_path / "w.bin").write_bytes(torch.arange(8 * PAGE // 4, dtype=torch.float32).numpy().tobytes())
+    storage = torch.UntypedStorage.from_file(str(tmp_path / "w.bin"), shared=False, nbytes=8 * PAGE)
+    weight = torch.empty(0).set_(storage, 0, (8 * PAGE // 4,))
+    anonymous = torch.ones(8 * PAGE // 4)
+    maps = open("/proc/self/maps").read().splitlines()
+    assert any(line.split()[1] == "rw-p" and line.endswith("w.bin") for line in maps)  # the case: private, writable
+    fake = FakeCudart(read_only_supported=read_only_supported)
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        pins.register([weight, anonymous])
+    in_file = [s for s in fake.live if weight.data_ptr() <= s < weight.data_ptr() + weight.nbytes]
+    elsewhere = [s for s in fake.live if s not in in_file]
+    assert elsewhere and all(fake.flags[s] == 0 for s in elsewhere)  # anonymous memory: pinned for writes
+    if read_only_supported:
+        assert in_file and all(fake.flags[s] == READ_ONLY for s in in_file) and not notes
+    else:
+        assert not in_file and pins.refused_bytes > 0
+        (note,) = [str(n.message) for n in notes]
+        assert "this GPU/driver cannot page-lock read-only memory" in note and "error 801" in note
+    pins.release()
+    assert not fake.live
