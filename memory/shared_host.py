@@ -9,14 +9,16 @@ process), and the run's undo gives each parameter back the same shared view: no 
 without room for the copy (Docker's default is 64 MB) leaves every rank its own copy, with a warning naming the fix.
 
 The file is unlinked as soon as every rank has mapped it (in `finally`, also when a rank failed), so nothing is left
-in /dev/shm whatever happens next: the memory lives as long as some process maps it. Parameters already in such a
-mapping (a second training run in the same processes) are left as they are. Shared are the parameters that are
-frozen, in host memory, plain contiguous tensors; anything else (trainable LoRA weights, quantized tensor subclasses)
-stays private. Frozen weights are never written during training, so sharing them changes no result.
+in /dev/shm whatever happens next: the memory lives as long as some process maps it. Only a rank killed within those
+seconds (SIGKILL) leaves the file behind; the next run on the machine removes such files (`sweep_stale`).
+Parameters already in such a mapping (a second training run in the same processes) are left as they are. Shared are
+the parameters that are frozen, in host memory, plain contiguous tensors; anything else (trainable LoRA weights,
+quantized tensor subclasses) stays private. Frozen weights are never written during training, so sharing them changes no result.
 """
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from .strategy import StrategyError
 SHM_DIR = "/dev/shm"
 PREFIX = "tightrope-weights-"
 SHM_MARGIN = 16 << 20  # bytes left free in /dev/shm beyond the copy (other programs' shared memory)
+STALE_AFTER_S = 3600.0  # a file older than this in /dev/shm was left by a killed run (sharing takes seconds)
 _ALIGN = 256  # bytes: every view aligned for any dtype and for vectorised kernels
 
 
@@ -97,6 +100,8 @@ def share_host_weights(model: nn.Module, *, local_rank: int, token: str,
     same `token`; `exchange(x)` gathers x from every rank (all_gather_object) and doubles as a barrier. Returns None
     when there is nothing left to share. On any rank's failure every rank raises SharedWeightsError and no parameter
     has been touched."""
+    if local_rank == 0:
+        sweep_stale(folder)
     params = params_to_share(model)
     offsets, nbytes = _layout(params)
     sizes = exchange(nbytes if params else 0)
@@ -136,6 +141,30 @@ def share_host_weights(model: nn.Module, *, local_rank: int, token: str,
         n = p.numel() * p.element_size()
         p.data = flat[off: off + n].view(p.dtype).view(p.shape)
     return SharedHostWeights(path, storage, params)
+
+
+def sweep_stale(folder: str = SHM_DIR, older_than_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove shared-weights files a killed run left in `folder` (a file lives there only while its ranks map it,
+    seconds, so one older than `older_than_s` has no run left to map it: it would hold its size of RAM until reboot).
+    Returns the paths removed, each said in one warning line."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+            if time.time() - st.st_mtime < older_than_s:
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        removed.append(path)
+        warnings.warn(f"tightrope: removed {path} ({st.st_size / 2**30:.2f} GiB of shared memory), left by a run that "
+                      "was killed while its ranks shared their weights", RuntimeWarning, stacklevel=2)
+    return removed
 
 
 def _free_bytes(folder: str) -> int | None:

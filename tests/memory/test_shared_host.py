@@ -78,3 +78,26 @@ def test_a_shm_without_room_for_the_copy_leaves_every_rank_its_own_and_says_how_
         assert share_host_weights(model, local_rank=0, token="t", exchange=lambda x: [x, x],
                                   folder=str(tmp_path)) is None
     assert model.weight.data_ptr() == weight and not list(tmp_path.iterdir())
+
+
+def test_a_file_left_by_a_killed_run_is_removed_by_the_next_one(tmp_path):
+    """A rank killed (SIGKILL) while the ranks share their weights leaves its /dev/shm file: tmpfs memory held until
+    reboot. The next run's local rank 0 removes such files (they live seconds when all goes well), and says so;
+    a file of a run sharing right now is left alone."""
+    import time
+
+    import torch
+
+    from tightrope.memory import shared_host
+    stale, live, other = (tmp_path / f"{PREFIX}old", tmp_path / f"{PREFIX}now", tmp_path / "someone-elses")
+    for path in (stale, live, other):
+        path.write_bytes(bytes(4096))
+    hour_ago = time.time() - shared_host.STALE_AFTER_S - 1
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(other, (hour_ago, hour_ago))
+    model = torch.nn.Linear(4, 4)  # nothing frozen: nothing to share, the sweep still runs
+    with pytest.warns(RuntimeWarning, match=r"removed .*tightrope-weights-old \(0.00 GiB of shared memory\), left "
+                                            r"by a run that was killed while its ranks shared their weights"):
+        assert share_host_weights(model, local_rank=0, token="t", exchange=lambda x: [x, x],
+                                  folder=str(tmp_path)) is None
+    assert not stale.exists() and live.exists() and other.exists()
