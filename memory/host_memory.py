@@ -27,6 +27,7 @@ from .blocks import discover_blocks
 from .dtypes import TORCH_DTYPES
 from .layer_offload import _aligned, streams_in_place
 from .plan_cost import Prediction
+from .process_maps import mappings
 from .strategy import Strategy, StrategyError
 
 AUTO_HOST_MARGIN_BYTES = 2 << 30  # left free by the default budget: the OS page cache, other programs, the UI
@@ -51,18 +52,9 @@ def file_backed_bytes(spans: dict[int, int]) -> int:
     """Bytes of the (address -> nbytes) spans that lie in a mapping of a file on disk in this process
     (/proc/self/maps; 0 where the system has none). Files in memory file systems (tmpfs: /dev/shm, where the ranks
     of a machine share their weights, shared_host) are not page cache: available memory leaves them out already."""
-    files, memory_fs = [], _memory_file_systems()
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                fields = line.split(None, 5)  # range, perms, offset, dev, inode, path
-                path = fields[5].strip() if len(fields) == 6 else ""
-                if path.startswith("/") and not any(path.startswith(m) for m in memory_fs):
-                    lo, hi = fields[0].split("-")
-                    files.append((int(lo, 16), int(hi, 16)))
-    except OSError:
-        return 0
-    return sum(n for a, n in spans.items() if any(lo <= a and a + n <= hi for lo, hi in files))
+    memory_fs = _memory_file_systems()
+    files = [m for m in mappings() or () if m.path.startswith("/") and not m.path.startswith(tuple(memory_fs))]
+    return sum(n for a, n in spans.items() if any(m.start <= a and a + n <= m.end for m in files))
 
 
 def _memory_file_systems() -> list[str]:

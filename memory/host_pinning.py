@@ -39,6 +39,8 @@ from typing import Any, Iterable
 
 import torch
 
+from .process_maps import mappings
+
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: pinned by someone else, who will unpin it
 READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the range (every copy from a weight is host-to-device)
 INVALID_VALUE, OUT_OF_MEMORY, NOT_SUPPORTED = 1, 2, 801  # cudaErrorInvalidValue, MemoryAllocation, NotSupported
@@ -85,12 +87,13 @@ class PinnedRanges:
             return
         refused: dict[tuple[str, str], int] = {}  # (cause, fix) -> bytes left pageable
         chunk = max(mmap.PAGESIZE, CHUNK_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
+        maps = mappings() or []
         for start, nbytes in interior_ranges(storage_spans(tensors)):
             for a, n in _chunks(start, nbytes, chunk):
                 # a private mapping of a file (a model file mapped read-only by ComfyUI's dynamic VRAM; safetensors'
                 # zero-copy tensors): only ever pinned read-only, as a pin for writes would copy it page by page
                 # (copy on write: as much host RAM again, silently)
-                file = read_only_ok and _private_file(a, n)
+                file = read_only_ok and any(m.private_file for m in maps if m.start <= a < m.end)
                 first = code = self._try(cudart, a, n, READ_ONLY if file else 0)
                 # refused (not for want of memory: read-only pins the same pages): maybe a read-only mapping
                 if not file and code not in (0, ALREADY_REGISTERED, OUT_OF_MEMORY) and read_only_ok:
@@ -99,8 +102,9 @@ class PinnedRanges:
                     self.registered.append((a, n))
                 elif code != ALREADY_REGISTERED:
                     read_only = code == NOT_SUPPORTED and (file or first == INVALID_VALUE)
-                    if read_only and not file and _writable(a, n):  # refused for another reason: the retry's 801
-                        read_only, code = False, first              # does not tell it
+                    writable = bool(maps) and all(m.writable for m in maps if m.overlaps(a, n))
+                    if read_only and not file and writable:  # refused for another reason: the retry's 801 does not
+                        read_only, code = False, first       # tell it
                     cause = _cause(cudart, code, read_only)
                     refused[cause] = refused.get(cause, 0) + n
         self.registered.sort()
@@ -171,35 +175,6 @@ def _cause(cudart: Any, code: int, read_only: bool) -> tuple[str, str]:
     if code == NOT_SUPPORTED:
         return f"this GPU/driver cannot page-lock host memory in place: {error}", ""
     return f"refused by the driver: {error}", ""
-
-
-def _writable(start: int, nbytes: int) -> bool | None:
-    """Whether every mapping over [start, start + nbytes) may be written (/proc/self/maps); None where unknown."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.readlines()
-    except OSError:  # not Linux
-        return None
-    for line in lines:
-        lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
-        if lo < start + nbytes and start < hi and line.split()[1][1] != "w":
-            return False
-    return True
-
-
-def _private_file(start: int, nbytes: int) -> bool:
-    """Whether [start, start + nbytes) lies in a private mapping of a file (/proc/self/maps; False where unknown)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.readlines()
-    except OSError:
-        return False
-    for line in lines:
-        fields = line.split(None, 5)
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= start < hi:
-            return fields[1][3] == "p" and len(fields) == 6 and fields[5].startswith("/")
-    return False
 
 
 def _size(nbytes: int) -> str:

@@ -13,7 +13,8 @@ in /dev/shm whatever happens next: the memory lives as long as some process maps
 seconds (SIGKILL) leaves the file behind; the next run on the machine removes such files (`sweep_stale`).
 Parameters already in such a mapping (a second training run in the same processes) are left as they are. Shared are
 the parameters that are frozen, in host memory, plain contiguous tensors; anything else (trainable LoRA weights,
-quantized tensor subclasses) stays private. Frozen weights are never written during training, so sharing them changes no result.
+quantized tensor subclasses) stays private. Frozen weights are never written during training, so sharing them
+changes no result.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .process_maps import mappings
 from .strategy import StrategyError
 
 SHM_DIR = "/dev/shm"
@@ -59,14 +61,7 @@ def shareable(p: torch.Tensor) -> bool:
 
 def shared_mappings() -> list[tuple[int, int]]:
     """(start, end) of this process's mappings of files made by share_host_weights (from /proc/self/maps)."""
-    spans = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(PREFIX):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                spans.append((start, end))
-    return spans
+    return [(m.start, m.end) for m in mappings() or () if os.path.basename(m.path).startswith(PREFIX)]
 
 
 def params_to_share(model: nn.Module) -> list[nn.Parameter]:
