@@ -26,7 +26,7 @@ in distribution: reference_flux_chunks.py). Each forward:
      the inputs are never changed.
 
 Each whole-sequence tensor read in chunks (the block's input, read by passes 2 and 4; pe; attention's output) is cut
-into its chunks by one split (reference_flux_chunks.pieces), not a slice per chunk and pass: autograd sums a chunk's
+into its chunks by one split (memory/token_chunks.py: pieces), not a slice per chunk and pass: autograd sums a chunk's
 gradients at its size and concatenates them once, where each slice's backward would zero-fill a whole-sequence
 gradient and add it into the tensor's (3 per chunk per block backward, growing with the count).
 
@@ -49,9 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+from ...memory.token_chunks import ChunkContext, own_grad, pieces, register_chunked_forward, token_slices
 from ..lora.linear_columns import linear_columns, plain_columns, plain_tensors, rows_linear, runs_own_forward
-from .reference_flux_chunks import own_grad, pieces
 
 _PATCHES = ("attn1_patch", "attn1_output_patch")  # read by the blocks' forwards: a patched call runs plain
 _DOUBLE_ARGS = {"img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...memory.token_chunks import ChunkContext, register_chunked_forward, token_slices
+from ...memory.token_chunks import ChunkContext, own_grad, pieces, register_chunked_forward, token_slices
 from ..lora.linear_columns import linear_columns
 from .reference_flux import DoubleStreamBlock, SelfAttention, SingleStreamBlock, apply_rope, split_qkv
 
@@ -49,34 +49,6 @@ def _modulated(norm: nn.Module, x: Tensor, shift: Tensor, scale: Tensor) -> Tens
 def _heads(o: Tensor) -> Tensor:
     """(B, H, L, D) attention output -> (B, L, H*D)."""
     return o.permute(0, 2, 1, 3).reshape(o.shape[0], o.shape[2], -1)
-
-
-def pieces(t: Tensor, slices: list[slice], dim: int) -> tuple[Tensor, ...]:
-    """`t` cut along `dim` into consecutive pieces of the sizes of `slices` (which cover it, in order), by one split:
-    views, as `t[..., s, ...]` per slice would be, but whose gradients autograd sums at their size and concatenates
-    once (the module docstring). Autograd holds the gradients of the pieces until the last one arrives, so a piece's
-    gradient must not be a view into a larger buffer: see `own_grad`."""
-    return t.split([s.stop - s.start for s in slices], dim)
-
-
-class _OwnGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: Tensor) -> Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.clone() if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size() else grad
-
-
-def own_grad(t: Tensor) -> Tensor:
-    """A view of `t` whose gradient goes back to `t` in a buffer of its own: copied (same values) when it arrives as a
-    view into a larger one. The single blocks concatenate a chunk of attention's output with the MLP activation, so the
-    concatenation's backward hands that chunk a view of the (chunk x 5 hidden) gradient; held by the split of
-    attention's output until the last chunk's arrives, those views would keep 5 x tokens x hidden of gradient alive
-    over the output regions' backward: the block's peak rose from 12.5 to 15.5 H (fp32, 1024 tokens of width 128,
-    8 chunks; H = tokens x hidden x 4 bytes)."""
-    return _OwnGrad.apply(t)
 
 
 def _attention(qkv: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
