@@ -13,7 +13,8 @@ The contract of a chunked forward `fn(block, ctx, *args, **kwargs)`:
     rounding of a different summation order: none here, chunks split tokens, never a reduction); random ops
     (LoRA dropout) draw per region, so with dropout their values match the plain forward's in distribution, not
     draw for draw (a block's recompute redraws exactly: each region restores the RNG state it started with);
-  - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis, and
+  - runs every token-wise part through `ctx.run(f, *tensors)` in `ctx.chunks` chunks over the token axis (streams
+    with separate weights side by side: `stream_slices`), and
     through `ctx.run_output(f, *tensors)` a part whose result goes only into the block's output (nothing the block
     computes after it is saved for backward) and has the shape, dtype and device of its first argument: the last
     pass of a block (output projection, MLP, gates, residual);
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -96,6 +97,17 @@ def token_slices(n_tokens: int, chunks: int) -> list[slice]:
         out.append(slice(start, stop))
         start = stop
     return out
+
+
+def stream_slices(lengths: Sequence[int], chunks: int) -> list[list[slice]]:
+    """Token slices for streams chunked side by side (Flux's double block: its text and its image tokens, by separate
+    weights): the longest stream in `chunks` chunks, every other in as few chunks as keep each no longer than those.
+    A block's working set follows its longest chunk, so cutting a short stream finer saves no memory, only adds
+    regions: at 2048 px and 8 chunks the 512 text tokens are 1 chunk beside 8 image chunks of 2048, not 8 of 64 (a
+    region per chunk and pass, each a handful of kernels on 64 rows)."""
+    longest = max(lengths, default=0)
+    size = max(1, -(-longest // max(1, min(chunks, longest))))  # the longest stream's longest chunk
+    return [token_slices(n, chunks if n == longest else -(-n // size)) for n in lengths]
 
 
 def pieces(t: torch.Tensor, slices: list[slice], dim: int) -> tuple[torch.Tensor, ...]:

@@ -115,9 +115,9 @@ WHOLE_SEQUENCE_OPS = """
     from tightrope.memory.token_chunks import ChunkContext
     from tightrope.training.models import comfy_flux_chunks as cfc
 
-    # 12 text and 40 image tokens, 52 in all: no other dimension here (1, 2, 4, 8, 16, 64, 192, 256, 320, 448) nor
-    # any chunk of 2 or 8 chunks equals one of these
-    N_TXT, N_IMG, HIDDEN, HEADS = 12, 40, 64, 4
+    # 28 text and 40 image tokens, 68 in all: no other dimension here (1, 2, 4, 8, 16, 64, 192, 256, 320, 448) nor
+    # any chunk of 2 or 8 chunks equals one of these, and the text is cut at both counts (2 and 6 chunks)
+    N_TXT, N_IMG, HIDDEN, HEADS = 28, 40, 64, 4
     mm.in_training = True  # ComfyUI's autograd-safe RoPE, as in training
 
 

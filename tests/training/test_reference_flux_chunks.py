@@ -66,7 +66,8 @@ def test_chunked_blocks_equal_the_plain_blocks_values_and_gradients(kind):
     ref_out, ref_grads = outputs_and_grads(block, inputs, 0)
     n_lora = sum(1 for n, p in block.named_parameters() if "lora_" in n and p.requires_grad)
     assert n_lora >= 4 and len(ref_grads) == len(inputs) - 1 + n_lora  # every tensor input and LoRA factor
-    # 3 and 4 do not divide 5 text / 13 image / 18 tokens; 40 is more chunks than tokens (one token each)
+    # 3 and 4 do not divide 13 image / 18 tokens (the 5 text tokens: 1 chunk, 2 chunks of 3 and 2: stream_slices);
+    # 40 is more chunks than tokens (one token each)
     for chunks in (1, 3, 4, 40):
         out, grads = outputs_and_grads(block, inputs, chunks)
         # fp32, the same per-token ops on the same values: only the BLAS may block a product over fewer rows
@@ -148,10 +149,10 @@ class WholeSequenceOps(TorchDispatchMode):
         return out
 
 
-def whole_sequence_backward(kind, chunks, n_txt=10, n_img=42):
-    """One backward of the LoRA block chunked (regions recomputed), counted. 10 text and 42 image tokens, 52 in all:
+def whole_sequence_backward(kind, chunks, n_txt=26, n_img=42):
+    """One backward of the LoRA block chunked (regions recomputed), counted. 26 text and 42 image tokens, 68 in all:
     no other dimension of the tiny Flux (1, 2, 4, 64, 128, 384, 512, 896) nor any chunk of 2 or 8 chunks equals one
-    of these."""
+    of these, and the text is cut at both counts (2 and 5 chunks: stream_slices)."""
     block = lora_flux().double_blocks[0] if kind == "double" else lora_flux().single_blocks[0]
     g = torch.Generator().manual_seed(0)
     pe = EmbedND(128, 10000, (16, 56, 56))(torch.randint(0, 20, (1, n_txt + n_img, 3), generator=g).float())
@@ -228,8 +229,9 @@ def test_a_chunked_run_under_the_runtime_equals_plain_pytorch(name, monkeypatch)
     # the single blocks' LoRA linear1 by weight rows, whose row slices of offloaded (poisoned) slots autograd saves
     assert whole_linear1 == []
     # 2 blocks of each type; a double block runs 2 passes x (text + image chunks), a single block 2 x its chunks
-    # (9 tokens in 4 chunks; 3 text tokens in 3): (2 x (3 + 4) x 2 + 2 x 4 x 2) regions per forward, 2 steps
-    assert len(regions) >= 2 * (2 * 2 * 7 + 2 * 2 * 4)
+    # (6 image tokens in 4 chunks of at most 2, so 3 text tokens in 2; 9 tokens in 4): (2 x (2 + 4) x 2 + 2 x 4 x 2)
+    # regions per forward, 2 steps
+    assert len(regions) >= 2 * (2 * 2 * 6 + 2 * 2 * 4)
     # fp32: the same ops on the same values, recomputed in chunks; 1e-5 covers the BLAS blocking (see above)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for step, (g, rg) in enumerate(zip(grads, ref_grads)):
@@ -294,7 +296,7 @@ def test_a_checkpointed_block_runs_its_output_chunks_twice_not_three_times(check
     strategy = Strategy.of(compute_dtype="fp32", offload_fraction=1.0, token_chunks=4,
                            checkpoint="all" if checkpointed else "off")
     train(strategy, steps=1)
-    regions = 2 * (3 + 4) + 2 * 4  # per pass: 2 double blocks (3 text + 4 image chunks), 2 single blocks (4 chunks)
+    regions = 2 * (2 + 4) + 2 * 4  # per pass: 2 double blocks (2 text + 4 image chunks), 2 single blocks (4 chunks)
     assert runs == {"qkv": (3 if checkpointed else 2) * regions, "out": 2 * regions}
 
 
@@ -318,8 +320,8 @@ def test_the_pass_one_chunks_are_freed_before_the_output_regions_run(kind):
 
     kw = {k: v.requires_grad_(k != "pe") for k, v in block_inputs(kind, torch.Generator().manual_seed(0)).items()}
     chunked_forward_for(block)(block, ChunkContext(3, run=run, plain=block.forward, output_region=run_output), **kw)
-    n_streams = 2 if kind == "double" else 1
-    assert len(chunks) == 3 * 3 * n_streams and len(alive) == 3 * n_streams
+    n_regions = 1 + 3 if kind == "double" else 3  # the 5 text tokens are one chunk beside 13 image tokens in 3
+    assert len(chunks) == 3 * n_regions and len(alive) == n_regions
     assert alive == [0] * len(alive)
 
 

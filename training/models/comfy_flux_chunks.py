@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...memory.token_chunks import ChunkContext, own_grad, pieces, register_chunked_forward, token_slices
+from ...memory.token_chunks import (ChunkContext, own_grad, pieces, register_chunked_forward, stream_slices,
+                                    token_slices)
 from ..lora.linear_columns import linear_columns, plain_columns, plain_tensors, rows_linear, runs_own_forward
 
 _PATCHES = ("attn1_patch", "attn1_output_patch")  # read by the blocks' forwards: a patched call runs plain
@@ -83,7 +84,7 @@ def chunked_double_stream(block: nn.Module, ctx: ChunkContext, *args: Any, **kwa
         (img_mod1, img_mod2), (txt_mod1, txt_mod2) = a["vec"]
         mods = tuple(t for mod in (img_mod1, img_mod2, txt_mod1, txt_mod2) for t in _fields(mod))
     img_mods, txt_mods = mods[:6], mods[6:]
-    txt_slices, img_slices = token_slices(txt.shape[1], ctx.chunks), token_slices(img.shape[1], ctx.chunks)
+    txt_slices, img_slices = stream_slices((txt.shape[1], img.shape[1]), ctx.chunks)
     n = len(txt_slices)  # the joint sequence's chunks: the text ones, then the image ones
     txt_xs, img_xs = pieces(txt, txt_slices, 1), pieces(img, img_slices, 1)  # read by passes 2 and 4
     pes = _pe_pieces(pe, txt_slices + img_slices)

@@ -6,9 +6,10 @@ Each block runs in two passes over token chunks around one whole-sequence attent
   attention on the concatenated q, k, v (the double block: text tokens first, as `pe` is built);
   pass 2, per chunk: the output projection, the MLP, the gates and the residual -> the chunk's output.
 Each pass-1 call is one `ctx.run` region and each pass-2 call one `ctx.run_output` region (its result goes only into
-the block's output), each recomputed for its own backward: the whole-sequence tensors a block
-holds are its input, q, k, v, attention's output and its own output (and their gradients in backward); everything
-else lives one chunk at a time. The double block chunks its text and image tokens separately (separate weights).
+the block's output), each recomputed for its own backward: the whole-sequence tensors a block holds are its input,
+q, k, v, attention's output and its own output (and their gradients in backward); everything else lives one chunk at
+a time. The double block chunks its text and image tokens separately (separate weights), the text in chunks no
+longer than the image's (`stream_slices`).
 Each whole-sequence tensor read in chunks (the block's input, by both passes; pe; attention's output) is cut into its
 chunks by one split, the pieces shared by both passes (`pieces`), not by a slice per chunk and pass: autograd then
 sums a chunk's gradients at its size and concatenates them once, where each slice's backward would zero-fill a
@@ -37,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...memory.token_chunks import ChunkContext, own_grad, pieces, register_chunked_forward, token_slices
+from ...memory.token_chunks import (ChunkContext, own_grad, pieces, register_chunked_forward, stream_slices,
+                                    token_slices)
 from ..lora.linear_columns import linear_columns
 from .reference_flux import DoubleStreamBlock, SelfAttention, SingleStreamBlock, apply_rope, split_qkv
 
@@ -80,7 +82,7 @@ def double_block_chunked(block: DoubleStreamBlock, ctx: ChunkContext, img: Tenso
     # (norm1, attention, mod1, norm2, mlp, mod2), text first as pe is built
     streams = [(block.txt_norm1, block.txt_attn, txt_mod1, block.txt_norm2, block.txt_mlp, txt_mod2),
                (block.img_norm1, block.img_attn, img_mod1, block.img_norm2, block.img_mlp, img_mod2)]
-    txt_slices, img_slices = token_slices(txt.shape[1], ctx.chunks), token_slices(img.shape[1], ctx.chunks)
+    txt_slices, img_slices = stream_slices((txt.shape[1], img.shape[1]), ctx.chunks)
     n = len(txt_slices)  # the joint sequence's chunks: the text ones, then the image ones
     xs = (pieces(txt, txt_slices, 1), pieces(img, img_slices, 1))  # read by both passes
     pes = pieces(pe, txt_slices + img_slices, 2)
