@@ -28,13 +28,18 @@ allocation up to a power of two and keeps it cached for the life of the process)
   there is one, the fix. `ulimit -l` is none: on Linux NVIDIA's kernel module pins with pin_user_pages and charges
   nothing to RLIMIT_MEMLOCK. Every refused call's error is cleared at once, so it cannot surface at the next kernel
   launch.
-- `release()` unregisters what this object registered (every chunk); the offloader calls it in `finally`.
+- `release()` unregisters what this object registered (every chunk); the offloader calls it in `finally`. Until then
+  the object holds the tensors it registered: freed while registered, their memory would come back from malloc to
+  a later buffer that the driver still maps to the old pinned pages (copies from it would read stale data). An
+  object dropped unreleased unregisters when it is collected (not at interpreter exit: CUDA may be gone by then).
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -73,6 +78,10 @@ class PinnedRanges:
         self.registered: list[tuple[int, int]] = []
         self.refused_bytes = 0
         self.unregister_failures: list[str] = []
+        self._holds: list[torch.Tensor] = []  # the registered memory's tensors: alive until it is unregistered
+        self._finalizer = weakref.finalize(self, _release_quietly, cudart, device, self.registered, self._holds,
+                                           self.unregister_failures)
+        self._finalizer.atexit = False
 
     def register(self, tensors: Iterable[torch.Tensor], *, read_only_ok: bool = True) -> None:
         """Page-lock the tensors' storages' interior pages. read_only_ok=False: never fall back to a read-only
@@ -88,6 +97,7 @@ class PinnedRanges:
         refused: dict[tuple[str, str], int] = {}  # (cause, fix) -> bytes left pageable
         chunk = max(mmap.PAGESIZE, CHUNK_BYTES // mmap.PAGESIZE * mmap.PAGESIZE)
         maps = mappings() or []
+        registered_before = len(self.registered)
         for start, nbytes in interior_ranges(storage_spans(tensors)):
             for a, n in _chunks(start, nbytes, chunk):
                 # a private mapping of a file (a model file mapped read-only by ComfyUI's dynamic VRAM; safetensors'
@@ -107,6 +117,8 @@ class PinnedRanges:
                         read_only, code = False, first       # tell it
                     cause = _cause(cudart, code, read_only)
                     refused[cause] = refused.get(cause, 0) + n
+        if len(self.registered) > registered_before:
+            self._holds.extend(tensors)
         self.registered.sort()
         if refused:
             causes = [f"{_size(n)}: {cause}" if len(refused) > 1 else cause for (cause, _), n in refused.items()]
@@ -119,22 +131,9 @@ class PinnedRanges:
         return code
 
     def release(self) -> None:
-        """Unregister everything registered here (the caller has synchronised the copies reading from it)."""
-        if not self.registered:
-            return
-        cudart = self._cudart or torch.cuda.cudart()
-        ranges, self.registered = self.registered, []
-        failed = []
-        for start, nbytes in ranges:
-            code = int(cudart.cudaHostUnregister(start))
-            if code:
-                text = _error_text(cudart, code)
-                _clear_last_error(self.device, text)  # else the next kernel launch anywhere raises it
-                failed.append(f"{nbytes} B at {start:#x}: {text}, error {code}")
-        if failed:
-            self.unregister_failures += failed
-            warnings.warn(f"tightrope: CUDA refused to unpin {len(failed)} host range(s) ({failed[0]}); "
-                          "this is a bug, please report it", RuntimeWarning, stacklevel=2)
+        """Unregister everything registered here (the caller has synchronised the copies reading from it), then let
+        go of its tensors."""
+        _release(self._cudart, self.device, self.registered, self._holds, self.unregister_failures)
 
     def split(self, address: int, nbytes: int) -> list[tuple[int, int]] | None:
         """Byte ranges [a, b) of the buffer at `address` that lie wholly inside or wholly outside the registered
@@ -157,6 +156,34 @@ class PinnedRanges:
         warnings.warn(f"tightrope: could not page-lock {_size(nbytes)} of host weights in place ({reason}); "
                       f"streaming them from pageable memory (slower copies{'; ' + fix if fix else ''})",
                       RuntimeWarning, stacklevel=3)
+
+
+def _release(cudart: Any, device: torch.device, registered: list[tuple[int, int]], holds: list[torch.Tensor],
+             failures: list[str]) -> None:
+    """PinnedRanges.release over its lists, emptied in place (its finalizer holds them, never the object)."""
+    if registered:
+        cudart = cudart or torch.cuda.cudart()
+        ranges = list(registered)
+        registered.clear()
+        failed = []
+        for start, nbytes in ranges:
+            code = int(cudart.cudaHostUnregister(start))
+            if code:
+                text = _error_text(cudart, code)
+                _clear_last_error(device, text)  # else the next kernel launch anywhere raises it
+                failed.append(f"{nbytes} B at {start:#x}: {text}, error {code}")
+        if failed:
+            failures += failed
+            warnings.warn(f"tightrope: CUDA refused to unpin {len(failed)} host range(s) ({failed[0]}); "
+                          "this is a bug, please report it", RuntimeWarning, stacklevel=3)
+    holds.clear()  # after unregistering: only now may their memory be freed
+
+
+def _release_quietly(*args: Any) -> None:
+    """_release for a PinnedRanges collected unreleased: nothing here may raise into the garbage collector."""
+    with contextlib.suppress(Exception):
+        _release(*args)
+    args[3].clear()
 
 
 def _chunks(start: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -116,7 +117,11 @@ class HostOptimizer:
         self._to_add: list[torch.cuda.Event | None] = [None] * len(weights)   # a copy into _staging not added yet
         self._copied_back: torch.cuda.Event | None = None  # the last step's weights copied to the device
         self.d2h_bytes = 0  # gradient bytes copied to the host (all steps)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._offload_gradient) for p in weights]
+        # the hooks hold this object weakly: dropped without close(), it is collected (its finalizer removes them,
+        # waits for its copies, then its PinnedRanges unregisters the buffers before they are freed)
+        hook = _weak_hook(weakref.WeakMethod(self._offload_gradient))
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in weights]
+        weakref.finalize(self, _abandoned, self._hooks, self._stream).atexit = False
 
     # -- what the trainer sees of an optimizer -----------------------------------------------------------------------
     @property
@@ -217,13 +222,31 @@ class HostOptimizer:
         """Remove the hooks, wait for the copies and unpin the host buffers (idempotent)."""
         for h in self._hooks:
             h.remove()
-        self._hooks = []
+        self._hooks.clear()
         with contextlib.suppress(Exception):  # an earlier CUDA error must not hide behind this one
             self.gradients()
             if self._copied_back is not None:
                 self._copied_back.synchronize()
         if self._pinned is not None:
             self._pinned.release()
+
+
+def _weak_hook(method: weakref.WeakMethod) -> Callable[[nn.Parameter], None]:
+    def hook(p: nn.Parameter) -> None:
+        offload = method()
+        if offload is not None:
+            offload(p)
+    return hook
+
+
+def _abandoned(hooks: list, stream: torch.cuda.Stream | None) -> None:
+    """A HostOptimizer collected without close(): its hooks go, and its copies land before its buffers are freed."""
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            stream.synchronize()
 
 
 def _warn_pageable(refusals: list) -> None:

@@ -2,8 +2,10 @@
 only pages wholly inside one storage are registered, so no other allocation shares one; every copy of the run reads
 host memory wholly in or wholly out of a registered range; every range is unregistered at undo, before the copies
 back; refusals and failed unregistrations are notes whose CUDA error is cleared, never a crash later."""
+import gc
 import mmap
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def test_interior_ranges_are_the_whole_pages_inside_each_span():
 
 def test_split_cuts_a_buffer_where_registered_memory_begins_and_ends():
     pins = PinnedRanges(torch.device("cpu"), cudart=FakeCudart())
-    pins.registered = [(1000, 500), (2000, 100)]
+    pins.registered[:] = [(1000, 500), (2000, 100)]
     assert pins.split(1000, 500) is None and pins.split(0, 900) is None  # wholly in, wholly out
     assert pins.split(900, 700) == [(0, 100), (100, 600), (600, 700)]
     assert pins.split(1200, 1000) == [(0, 300), (300, 800), (800, 900), (900, 1000)]
@@ -39,7 +41,7 @@ def test_split_cuts_a_buffer_where_registered_memory_begins_and_ends():
 def test_split_cuts_once_where_two_registered_ranges_meet():
     """Chunks of one interior are adjacent: the edge between them is one cut, not an empty part (a no-op copy)."""
     pins = PinnedRanges(torch.device("cpu"), cudart=FakeCudart())
-    pins.registered = [(0, 100), (100, 100), (300, 100)]
+    pins.registered[:] = [(0, 100), (100, 100), (300, 100)]
     assert pins.split(50, 100) == [(0, 50), (50, 100)]
     assert pins.split(0, 400) == [(0, 100), (100, 200), (200, 300), (300, 400)]
 
@@ -128,6 +130,32 @@ def test_memory_pinned_by_someone_else_is_left_to_them(monkeypatch):
     assert fake.live == owned
     first.release()
     assert not fake.live
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_registered_memory_is_not_freed_until_it_is_unregistered(released):
+    """Freed while registered, memory comes back from malloc to a later buffer that the driver still maps to the old
+    pinned pages: the ranges hold their tensors until release(), and ranges dropped unreleased (a run that never got
+    to its `finally`) unregister when collected, before letting go of them."""
+    fake = FakeCudart()
+    pins = PinnedRanges(torch.device("cpu"), cudart=fake)
+    t = torch.ones(4 * PAGE)
+    pins.register([t])
+    ref, start = weakref.ref(t), t.data_ptr()
+    del t
+    gc.collect()
+    assert ref() is not None and fake.live  # registered: still allocated
+    alive_at_unregister = []
+    real = fake.cudaHostUnregister
+    fake.cudaHostUnregister = lambda ptr: alive_at_unregister.append(ref() is not None) or real(ptr)
+    if released:
+        pins.release()
+    else:
+        del pins
+        gc.collect()
+    assert not fake.live and alive_at_unregister == [True]
+    assert ref() is None  # and freed after
+    assert min(fake.unregistered) >= start
 
 
 def test_a_refused_unregistration_is_a_note_and_its_error_is_cleared(monkeypatch):

@@ -6,6 +6,7 @@ depends on: the updates (bit for bit, with the same optimizer implementation), t
 hook that copies it out (at most one on the device at any time), one host copy of each weight, the micro-batches
 adding up on the host, page-locked buffers that no copy straddles, and a state that goes on with the offload on or
 off."""
+import gc
 import mmap
 
 import pytest
@@ -165,6 +166,24 @@ def test_a_failure_while_setting_up_unpins_what_it_pinned():
     with pytest.raises(RuntimeError, match="no such optimizer"):
         HostOptimizer(_lora(make_lora_model()), broken, CPU, cudart=fake)
     assert fake.registered and not fake.live
+
+
+def test_an_optimizer_dropped_without_close_unhooks_and_unpins():
+    """close() is the way out (the trainer's `finally`), but an optimizer dropped without it must neither keep
+    catching the LoRA's gradients (its hooks held it alive, and would have sent every later gradient to it) nor leave
+    its buffers registered as they are freed (test_host_pinning: stale pages)."""
+    fake = FakeCudart()
+    model = make_lora_model()
+    params = _lora(model)
+    optimizer = HostOptimizer(params, _adamw, CPU, micro_batches=2, cudart=fake)
+    _steps(model, optimizer, params, steps=1, micro=2)
+    assert len(fake.live) == 3
+    del optimizer
+    gc.collect()
+    assert not fake.live
+    inputs, target = make_batch(seed=1)
+    F.mse_loss(model(**inputs), target).backward()
+    assert all(p.grad is not None for p in params.values())  # no hook took them
 
 
 def test_page_aligned_buffers_own_the_pages_they_lie_in():
