@@ -29,6 +29,8 @@ Each whole-sequence tensor read in chunks (the block's input, read by passes 2 a
 into its chunks by one split (memory/token_chunks.py: pieces), not a slice per chunk and pass: autograd sums a chunk's
 gradients at its size and concatenates them once, where each slice's backward would zero-fill a whole-sequence
 gradient and add it into the tensor's (3 per chunk per block backward, growing with the count).
+The double block cuts its text no finer than its image tokens (memory/token_chunks.py: stream_slices): at 2048 px
+the 512 text tokens are one chunk, not 8 regions of 64 rows per pass.
 
 RoPE is applied per chunk in pass 2 rather than inside `attention` as the block does: it is elementwise per token
 (same values either way), and ComfyUI computes it in fp32, so for a bf16 model its transients (an fp32 copy of q or k
