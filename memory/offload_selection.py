@@ -1,4 +1,4 @@
-"""Choose which blocks to offload for a strategy.
+"""Choose which blocks to offload for a strategy, and refuse blocks whose weights cannot stream.
 
 Why "spread": a transfer hides behind compute only if there is compute to hide behind. Offloading the smallest
 blocks first moves the fewest bytes per offloaded block, and spacing them out leaves resident blocks in between
@@ -7,6 +7,9 @@ whose compute covers the next offloaded block's copy.
 from __future__ import annotations
 
 import math
+
+import torch
+from torch import nn
 
 from .strategy import LayerOffloadConfig, StrategyError
 
@@ -49,3 +52,29 @@ def _spread(block_bytes: list[int], target: float) -> list[int]:
         chosen += [members[int((j + 0.5) * len(members) / k)] for j in range(k)]
         remaining -= k * size
     return sorted(chosen)
+
+
+class UnstreamableWeightError(StrategyError):
+    """An offloaded block holds a frozen weight that is not a plain tensor: a tensor subclass (a quantized format
+    such as ComfyUI-GGUF's GGMLTensor, whose class carries the layout its layer dequantizes with). Layer offload
+    copies a weight's bytes into a plain view of its slot, which would lose that. A user error: the message names the
+    weights and the fix."""
+
+
+def check_streamable(blocks: list[tuple[str, nn.Module]], offloaded: list[int]) -> None:
+    """Refuse, before anything is moved, offloaded blocks (name, module) holding frozen weights that layer offload
+    cannot stream (UnstreamableWeightError)."""
+    odd: dict[str, list[str]] = {}
+    for i in offloaded:
+        name, module = blocks[i]
+        for param_name, p in module.named_parameters():
+            if not p.requires_grad and type(p.data) is not torch.Tensor:
+                odd.setdefault(type(p.data).__name__, []).append(f"{name}.{param_name}")
+    if odd:
+        n, first = sum(map(len, odd.values())), next(iter(odd.values()))[0]
+        raise UnstreamableWeightError(
+            f"layer offload streams plain tensors, but {n} frozen weight(s) of the blocks to offload are "
+            f"{' / '.join(odd)} tensors (e.g. {first}): a quantized format, such as a GGUF model loaded by "
+            "ComfyUI-GGUF, that Tightrope cannot stream. Set offload_fraction=0 in the Memory Strategy node (if "
+            "the model fits the GPU), or load the model's safetensors with Load Diffusion Model (weight_dtype "
+            "fp8_e4m3fn halves its memory)")

@@ -38,7 +38,7 @@ from .host_memory import release_freed_host_memory
 from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
-from .offload_selection import select_offloaded
+from .offload_selection import check_streamable, select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
@@ -66,6 +66,7 @@ class MemoryRuntime:
         self.sizes: WeightSizes = measure_weight_sizes(model, [b.module for b in self.blocks],
                                                        wdtype.itemsize if wdtype else None)
         self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy.offload)
+        check_streamable([(b.name, b.module) for b in self.blocks], self.offloaded)
         self.sharding = BlockSharding(strategy.sharding, mesh, self.device, weight_dtype=wdtype,
                                       block_lists=strategy.block_lists) if strategy.sharding.active else None
         self.offload: LayerOffload | None = None
