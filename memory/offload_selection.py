@@ -75,6 +75,5 @@ def check_streamable(blocks: list[tuple[str, nn.Module]], offloaded: list[int]) 
         raise UnstreamableWeightError(
             f"layer offload streams plain tensors, but {n} frozen weight(s) of the blocks to offload are "
             f"{' / '.join(odd)} tensors (e.g. {first}): a quantized format, such as a GGUF model loaded by "
-            "ComfyUI-GGUF, that Tightrope cannot stream. Set offload_fraction=0 in the Memory Strategy node (if "
-            "the model fits the GPU), or load the model's safetensors with Load Diffusion Model (weight_dtype "
-            "fp8_e4m3fn halves its memory)")
+            "ComfyUI-GGUF, that Tightrope cannot stream. Load the model's safetensors with Load Diffusion Model "
+            "instead (weight_dtype fp8_e4m3fn halves its memory)")
