@@ -79,9 +79,8 @@ class PinnedRanges:
         self.refused_bytes = 0
         self.unregister_failures: list[str] = []
         self._holds: list[torch.Tensor] = []  # the registered memory's tensors: alive until it is unregistered
-        self._finalizer = weakref.finalize(self, _release_quietly, cudart, device, self.registered, self._holds,
-                                           self.unregister_failures)
-        self._finalizer.atexit = False
+        weakref.finalize(self, _release_quietly, cudart, device, self.registered, self._holds,
+                         self.unregister_failures).atexit = False
 
     def register(self, tensors: Iterable[torch.Tensor], *, read_only_ok: bool = True) -> None:
         """Page-lock the tensors' storages' interior pages. read_only_ok=False: never fall back to a read-only
@@ -179,11 +178,12 @@ def _release(cudart: Any, device: torch.device, registered: list[tuple[int, int]
     holds.clear()  # after unregistering: only now may their memory be freed
 
 
-def _release_quietly(*args: Any) -> None:
+def _release_quietly(cudart: Any, device: torch.device, registered: list[tuple[int, int]], holds: list[torch.Tensor],
+                     failures: list[str]) -> None:
     """_release for a PinnedRanges collected unreleased: nothing here may raise into the garbage collector."""
     with contextlib.suppress(Exception):
-        _release(*args)
-    args[3].clear()
+        _release(cudart, device, registered, holds, failures)
+    holds.clear()
 
 
 def _chunks(start: int, nbytes: int, chunk: int) -> list[tuple[int, int]]:
