@@ -2,9 +2,9 @@
 
 - One host copy of the weights: a frozen weight already in host memory in the weight dtype (the headless model's,
   or ComfyUI's own) is the source of its host-to-device copies, page-locked in place on CUDA (host_pinning), so the
-  run adds no host memory. Only weights that cannot stream from where they are (on the device, in another dtype
-  than weight_dtype, or non-contiguous) get a host copy: one flat buffer per block, freed at detach. Memory the
-  system refuses to page-lock stays pageable, and the driver stages copies from it (`pinned` says so).
+  run adds no host memory; so do quantized storage subclasses, as bytes (tensor_kinds). Only weights that cannot
+  stream from where they are (on the device, in another dtype than weight_dtype, or non-contiguous) get a host copy:
+  one flat buffer per block, freed at detach. Memory the system refuses to page-lock stays pageable (`pinned`).
 - Undo copies no weights: each param gets its original tensor back (a weight that lived on the device and so was
   dropped while offloaded is copied back there from its host copy).
 - Frozen weights travel host-to-device only: they never change, so eviction is free (nothing is copied back).
@@ -24,8 +24,7 @@
   loading the block again, wherever its slot is then, so saving a weight never pins a slot. Whether a tensor is a
   slot view is decided by its storage (the area's data pointer), never by comparing device objects ("cuda" vs
   "cuda:0").
-On a CPU device the same schedule runs with real copies from the host sources into the "device" slots (simulation).
-"""
+On a CPU device the same schedule runs with real copies from the host sources into the "device" slots (simulation)."""
 from __future__ import annotations
 
 import math
@@ -37,6 +36,7 @@ from torch import nn
 
 from .devices import normalize_device
 from .host_pinning import PinnedRanges
+from .tensor_kinds import keeps_bytes, plain_view
 
 _ALIGN = 256  # bytes; keeps every param view aligned for any dtype and for vectorised kernels
 
@@ -48,7 +48,7 @@ def in_backward() -> bool:
 
 def streams_in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether an offloaded weight can be copied to its slot straight from its own storage (no host copy)."""
-    return type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+    return keeps_bytes(t) and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
 
 
 @dataclass
@@ -129,9 +129,9 @@ class LayerOffload:
         """Block `index`'s layout, registered before any param is swapped (detach undoes a half-made one)."""
         block, entries, offset = self.blocks[index], [], 0
         for p in block.parameters():
-            if not p.requires_grad:
-                dtype = self.weight_dtype or p.dtype
-                entries.append((p, offset, p.shape, dtype))
+            if not p.requires_grad:  # a storage subclass's bytes stream as they are (tensor_kinds.py)
+                dtype = self.weight_dtype if self.weight_dtype and type(p.data) is torch.Tensor else p.dtype
+                entries.append((p, offset, p.size(), dtype))
                 offset += _aligned(p.numel() * dtype.itemsize)
         copied = [k for k, (p, _, _, dtype) in enumerate(entries) if not streams_in_place(p.data, dtype)]
         copy_offsets, n = {}, 0
@@ -143,9 +143,9 @@ class LayerOffload:
             original = p.data
             if k in copy_offsets:
                 source = _view(layout.copy, copy_offsets[k], shape, dtype)
-                source.copy_(original)
+                source.copy_(plain_view(original))
             else:
-                source = original
+                source = plain_view(original)
             layout.sources.append(source)
             # the original goes back on detach unless it lived on the device, where dropping it is the point
             keep = original if original.device.type == "cpu" or dtype != original.dtype else None

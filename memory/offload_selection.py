@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from .strategy import LayerOffloadConfig, StrategyError
+from .tensor_kinds import keeps_bytes
 
 
 def select_offloaded(block_bytes: list[int], config: LayerOffloadConfig) -> list[int]:
@@ -55,10 +55,10 @@ def _spread(block_bytes: list[int], target: float) -> list[int]:
 
 
 class UnstreamableWeightError(StrategyError):
-    """An offloaded block holds a frozen weight that is not a plain tensor: a tensor subclass (a quantized format
-    such as ComfyUI-GGUF's GGMLTensor, whose class carries the layout its layer dequantizes with). Layer offload
-    copies a weight's bytes into a plain view of its slot, which would lose that. A user error: the message names the
-    weights and the fix."""
+    """An offloaded block holds a frozen weight without bytes of its own to stream: a wrapper tensor subclass (its
+    data in inner tensors, e.g. torchao's quantized tensors). Storage subclasses such as
+    ComfyUI-GGUF's GGMLTensor stream as bytes (tensor_kinds.py). A user error: the message names the weights and the
+    fix."""
 
 
 def check_streamable(blocks: list[tuple[str, nn.Module]], offloaded: list[int]) -> None:
@@ -68,12 +68,13 @@ def check_streamable(blocks: list[tuple[str, nn.Module]], offloaded: list[int]) 
     for i in offloaded:
         name, module = blocks[i]
         for param_name, p in module.named_parameters():
-            if not p.requires_grad and type(p.data) is not torch.Tensor:
+            if not p.requires_grad and not keeps_bytes(p.data):
                 odd.setdefault(type(p.data).__name__, []).append(f"{name}.{param_name}")
     if odd:
         n, first = sum(map(len, odd.values())), next(iter(odd.values()))[0]
         raise UnstreamableWeightError(
-            f"layer offload streams plain tensors, but {n} frozen weight(s) of the blocks to offload are "
-            f"{' / '.join(odd)} tensors (e.g. {first}): a quantized format, such as a GGUF model loaded by "
-            "ComfyUI-GGUF, that Tightrope cannot stream. Load the model's safetensors with Load Diffusion Model "
-            "instead (weight_dtype fp8_e4m3fn halves its memory)")
+            f"layer offload streams a weight's own bytes, but {n} frozen weight(s) of the blocks to offload are "
+            f"{' / '.join(odd)} tensors (e.g. {first}), which keep no bytes of their own to stream. Keep those blocks "
+            "resident (offload_fraction 0, or offload_blocks without them), or load the model as plain weights: "
+            "its safetensors with Load Diffusion Model (weight_dtype fp8_e4m3fn halves its memory) or a GGUF file "
+            "with ComfyUI-GGUF's Unet Loader (GGUF)")

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ...memory.tensor_kinds import alias_like, keeps_bytes
 from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
 from .reference_flux import Flux
 from .training_only import TrainingOnly
@@ -100,13 +101,14 @@ class ReferenceFluxModel(TrainingOnly):
 
 def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
     """An ordinary (non-inference) tensor sharing `t`'s storage, a Parameter if `t` is one. Made outside inference
-    mode, it can be saved for backward; it costs no memory. Tensor subclasses (ComfyUI's quantized weights) and meta
-    tensors cannot be aliased that way and are copied."""
+    mode, it can be saved for backward; it costs no memory. A storage subclass (ComfyUI-GGUF's GGMLTensor) keeps its
+    class and attributes (memory/tensor_kinds.py); wrapper subclasses and meta tensors cannot be aliased that way and
+    are copied."""
     data = t.data
-    if type(data) is torch.Tensor and data.device.type != "meta":
+    if keeps_bytes(data) and data.device.type != "meta":
         out = torch.empty(0, dtype=data.dtype, device=data.device)
-        out.set_(data.untyped_storage(), data.storage_offset(), data.shape, data.stride())
+        out.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
+        out = alias_like(t, out)
     else:
         out = data.clone()
     return nn.Parameter(out, requires_grad=False) if isinstance(t, nn.Parameter) else out
-

@@ -5,10 +5,11 @@ on its offload device, and the GPU is free for the memory runtime), then the tra
 model: new module objects whose parameters are new tensors sharing the base weights' storage. ComfyUI loads weights
 as inference tensors, which autograd cannot save for backward; an alias made outside inference mode is an ordinary
 tensor and costs no memory. Weights the MODEL patches (a LoRA applied before training) are computed into the copy with
-ComfyUI's own patch math. Under ComfyUI's dynamic VRAM the base weights are a read-only mapping of the model file,
-shared the same way (comfy_dynamic_vram.py: no reload, no copy). `comfy.model_management.in_training` is True only
-inside the context (it selects ComfyUI's autograd-safe code paths). LoRA goes into the copy, so the user's MODEL is
-never changed.
+ComfyUI's own patch math. A GGUF model (ComfyUI-GGUF) is copied the same way: its quantized weights keep their class
+(memory/tensor_kinds.py) and their layers dequantize them, patches included, in forward. Under ComfyUI's dynamic
+VRAM the base weights are a read-only mapping of the model file, shared the same way (comfy_dynamic_vram.py: no
+reload, no copy). `comfy.model_management.in_training` is True only inside the context (it selects ComfyUI's
+autograd-safe code paths). LoRA goes into the copy, so the user's MODEL is never changed.
 
 predict(): ComfyUI's own `_apply_model` (latent scaling, timestep scaling, dtype casts, the family's forward) on a
 shallow copy of the model object whose diffusion_model is the training copy and whose model sampling returns the raw
@@ -159,9 +160,14 @@ class ComfyModelAdapter:
         module.requires_grad_(False)
         _guard_in_place_residuals(module)
         for key in patcher.patches:  # a LoRA already on the MODEL: train on the weights ComfyUI would sample with
-            if key.startswith(PREFIX):
-                weight = patcher.patch_weight_to_device(key, device_to=None, return_weight=True)
-                comfy.utils.set_attr_param(module, key[len(PREFIX):], weight)
+            if not key.startswith(PREFIX):
+                continue
+            target = comfy.utils.get_attr(module, key[len(PREFIX):])
+            if isinstance(getattr(target, "patches", None), list):  # a GGUF weight: its layer applies the patches
+                target.patches = [(patcher.patches[key], key)]       # when it dequantizes (as ComfyUI-GGUF's patcher)
+                continue
+            weight = patcher.patch_weight_to_device(key, device_to=None, return_weight=True)
+            comfy.utils.set_attr_param(module, key[len(PREFIX):], weight)
         if dynamic:
             cast_to_model_dtypes(module)
         return module
@@ -188,6 +194,11 @@ class ComfyModelAdapter:
             params["pooled_output"] = pooled
         conds = {k: v.process_cond(batch_size=b, area=None).concat([]) for k, v in base.extra_conds(**params).items()}
         conds = {k: v.to(x_t.device) if torch.is_tensor(v) else v for k, v in conds.items()}
+        if "c_concat" in conds:  # ComfyUI filled the model's image/mask input channels with its no-image default
+            raise ConfigError(f"this {self.family} model takes an image input besides the noise (c_concat: "
+                              "image-to-video, inpaint/fill or control channels), which training would feed as "
+                              "zeros while sampling feeds your image: Tightrope trains text-to-image/video "
+                              "models only; load the text-to-image/video model")
         options = {**self.patcher.model_options.get("transformer_options", {}), "cond_or_uncond": [0],
                    "sigmas": t}
         return self._shell(module)._apply_model(x_t, t, transformer_options=options, **conds)

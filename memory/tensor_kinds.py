@@ -1,0 +1,46 @@
+"""Which weights the runtime can alias and stream by their bytes.
+
+Plain tensors, and tensor subclasses that keep their data in their own storage and run through the ordinary
+kernels: their class only adds Python attributes saying how a layer reads the bytes (ComfyUI-GGUF's GGMLTensor: a
+quantization type and the logical shape; its layer dequantizes in forward). A frozen `nn.Parameter` of such a class
+*is* that object (torch keeps custom subclasses as they are), so swapping its `.data` for a slot view keeps the class
+and the attributes, and the layer reads the bytes it always read. `size()` is the bytes' shape; `shape` may be
+overridden to the logical one, so byte layouts use `size()`.
+
+Wrapper subclasses (their own `__torch_dispatch__`: torchao's quantized tensors, DTensor) hold their data in inner
+tensors: no storage of their own to stream, alias or page-lock. They are refused (offload_selection.check_streamable)
+or copied whole (training/models/adapter.ordinary_alias).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def is_wrapper(t: torch.Tensor) -> bool:
+    """A subclass that dispatches in Python (a wrapper around inner tensors)."""
+    return type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+
+
+def keeps_bytes(t: torch.Tensor) -> bool:
+    """Whether t's data is its own storage, read by ordinary kernels: a plain tensor or a storage subclass."""
+    return not is_wrapper(t)
+
+
+def plain_view(t: torch.Tensor) -> torch.Tensor:
+    """t as a plain tensor over the same bytes (its raw `size()`, no subclass): what copies read and write."""
+    return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
+
+
+def alias_like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """`data` (a plain tensor) in the class of `t`'s data with a copy of `t`'s Python attributes (lists copied, so
+    patches added to one are not added to the other): a storage subclass like `t` over other bytes; `data` itself for
+    a plain tensor or Parameter."""
+    cls = type(t.data)
+    if cls is torch.Tensor:
+        return data
+    out = data.as_subclass(cls)
+    out.__dict__.update({k: copy.copy(v) if isinstance(v, (list, dict)) else v
+                         for k, v in t.__dict__.items() if k != "_is_param"})
+    return out

@@ -1,0 +1,139 @@
+"""A GGUF model loaded by ComfyUI-GGUF trains, offloaded or not, inside ComfyUI's python (a subprocess, no server).
+
+Needs, besides COMFYUI_DIR: COMFYUI_GGUF_DIR, a checkout of https://github.com/city96/ComfyUI-GGUF, and its
+requirement `gguf` in ComfyUI's python; skipped, with the reason printed, without them. A tiny random Flux is written
+as GGUF (Q8_0 matrices, F32 the rest) and loaded as ComfyUI-GGUF's Unet Loader (GGUF) loads it.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
+
+GGUF_DIR = os.environ.get("COMFYUI_GGUF_DIR")
+pytestmark = needs_comfyui
+
+RUNNER = """
+    import numpy as np, gguf
+    from pathlib import Path
+    from safetensors.numpy import load_file as load_np
+    from comfyui_gguf.loader import gguf_sd_loader
+    from comfyui_gguf.nodes import GGUFModelPatcher
+    from comfyui_gguf.ops import GGMLOps
+    from tightrope.demo.conditioning import demo_conditioning
+    from tightrope.memory.runtime import MemoryRuntime
+    from tightrope.memory.strategy import Strategy
+    from tightrope.training.data.builder import dataset_from_conditioning
+    from tightrope.training.lora.layers import LoraSpec
+    from tightrope.training.models.comfy import ComfyModelAdapter
+    from tightrope.training.save_session import save_session_lora
+    from tightrope.training.train_config import TrainConfig
+    from tightrope.training.training_run import run_training_node
+    ckpt, loras = ARGS
+    out = {}
+
+    writer = gguf.GGUFWriter("tiny_flux.gguf", "flux")  # as ComfyUI-GGUF's tools/convert.py + llama-quantize write it
+    for key, value in load_np(ckpt).items():
+        value = value.astype(np.float32)
+        q = gguf.GGMLQuantizationType.Q8_0 if value.ndim == 2 and value.shape[-1] % 32 == 0 \\
+            else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(key, gguf.quants.quantize(value, q) if q != gguf.GGMLQuantizationType.F32 else value,
+                          raw_dtype=q)
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    with torch.inference_mode():  # as ComfyUI runs nodes: UnetLoaderGGUF.load_unet
+        model = comfy.sd.load_diffusion_model_state_dict(gguf_sd_loader("tiny_flux.gguf"),
+                                                         model_options={"custom_operations": GGMLOps()})
+        p = GGUFModelPatcher.clone(model)
+    dm = p.model.diffusion_model
+    w = dm.double_blocks[0].img_attn.qkv.weight
+    out["weight"] = [type(w).__name__, w.tensor_type.name, list(w.shape), list(w.size())]
+    before = {k: t.clone() for k, t in dm.state_dict(keep_vars=True).items() if t.device.type != "meta"}
+    raw = {n: (t.data_ptr(), t.as_subclass(torch.Tensor).clone()) for n, t in dm.named_parameters()}
+
+    def train(patcher, strategy, prefix):
+        g = torch.Generator().manual_seed(0)
+        cond = demo_conditioning(patcher, "a red circle", 8, 0)
+        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
+        with torch.inference_mode():
+            return run_training_node(TrainConfig(learning_rate=1e-2, seed=0), 3, session=None, model=patcher,
+                                     dataset=data, lora=LoraSpec(rank=4), strategy=strategy, device="cpu",
+                                     save_dir=Path(loras), filename_prefix=prefix, save_every=0, progress=None,
+                                     should_stop=None)[0]
+
+    runs = {}
+    for name, kw in {"resident": dict(offload_fraction=0.0), "offload 1.0": dict(offload_fraction=1.0),
+                     "offload 0.5 + act. offload": dict(offload_fraction=0.5, activation_offload=True)}.items():
+        runs[name] = train(p, Strategy.of(compute_dtype="fp32", checkpoint="all", **kw), name.split()[0])
+    first = runs["resident"]
+    out["losses"] = {k: s.losses for k, s in runs.items()}
+    out["lora_equal"] = {k: all(torch.equal(first.lora_state[n], s.lora_state[n]) for n in first.lora_state)
+                         for k, s in runs.items()}
+    out["model_unchanged"] = all(torch.equal(before[k], t) for k, t in dm.state_dict(keep_vars=True).items()
+                                 if k in before)
+    out["bytes_unchanged"] = all(t.data_ptr() == raw[n][0] and torch.equal(t.as_subclass(torch.Tensor), raw[n][1])
+                                 and not getattr(t, "patches", []) for n, t in dm.named_parameters())
+
+    adapter = ComfyModelAdapter(p)
+    with adapter.training_module() as module:
+        cw = module.double_blocks[0].img_attn.qkv.weight
+        out["copy"] = [type(cw).__name__, cw.data_ptr() == w.data_ptr(), cw.is_inference()]
+        with MemoryRuntime(module, Strategy.of(compute_dtype="fp32", offload_fraction=1.0), "cpu") as rt:
+            out["host_copy_bytes"] = rt.offload.host_copy_bytes()
+            out["offloaded"] = len(rt.offloaded)
+
+    path = save_session_lora(first, Path(loras), "gguf", "comfyui")
+    collect = Collect()
+    logging.getLogger().addHandler(collect)
+    with torch.inference_mode():
+        patched, _ = comfy.sd.load_lora_for_models(p, None, load_file(str(path)), 1.0, 0)
+    out["lora_warnings"] = collect.messages
+    g = torch.Generator().manual_seed(1)
+    cond = demo_conditioning(p, "a red circle", 8, 0)
+    x, t = torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.7])
+    ctx, pooled = cond[0][0].repeat(2, 1, 1), cond[0][1]["pooled_output"].repeat(2, 1)
+    x0 = {}
+    for name, m in {"plain": p, "patched": patched}.items():  # the training copy predicts what ComfyUI samples with
+        a = ComfyModelAdapter(m)
+        with a.training_module() as module:
+            v = a.predict(module, x, t, ctx, pooled, 3.5)
+        with torch.inference_mode():
+            mm.load_models_gpu([m])
+            x0[name] = m.model.apply_model(x, t, c_crossattn=ctx, y=pooled, guidance=torch.full((2,), 3.5))
+            mm.unload_all_models()
+        out[f"{name}_velocity_vs_apply_model"] = (x - v * t.view(-1, 1, 1, 1) - x0[name]).abs().max().item()
+    out["lora_changes_output"] = (x0["plain"] - x0["patched"]).abs().max().item()
+    result(out)
+"""
+
+
+@pytest.fixture
+def gguf_env(tmp_path, comfyui_python):
+    if not GGUF_DIR:
+        print("skipping the ComfyUI-GGUF test: set COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF")
+        pytest.skip("COMFYUI_GGUF_DIR not set (a checkout of city96/ComfyUI-GGUF)")
+    if subprocess.run([comfyui_python, "-c", "import gguf"], capture_output=True).returncode:
+        print("skipping the ComfyUI-GGUF test: ComfyUI's python has no `gguf` (pip install -r ComfyUI-GGUF's "
+              "requirements.txt into it)")
+        pytest.skip("no gguf package in ComfyUI's python")
+    env = tightrope_env(tmp_path)
+    (tmp_path / "pythonpath" / "comfyui_gguf").symlink_to(os.path.abspath(GGUF_DIR), target_is_directory=True)
+    return env
+
+
+def test_a_gguf_model_trains_offloaded_from_its_own_bytes(tmp_path, gguf_env):
+    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
+    ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
+    r, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "loras", env=gguf_env)
+    print(f"\n{json.dumps(r, indent=1)}")
+    assert r["weight"] == ["GGMLTensor", "Q8_0", [384, 128], [384, 136]]  # quantized: 34 bytes per 32 values
+    assert r["copy"] == ["GGMLTensor", True, False]  # the training copy shares the GGUF bytes, outside inference mode
+    assert r["offloaded"] > 0 and r["host_copy_bytes"] == 0  # streamed from the bytes ComfyUI-GGUF loaded
+    # offloading moves bytes exactly, so each run's LoRA is the resident run's, bit for bit
+    assert all(r["lora_equal"].values()) and len(r["lora_equal"]) == 3
+    assert r["losses"]["resident"][-1] < r["losses"]["resident"][0]
+    assert r["model_unchanged"] and r["bytes_unchanged"]  # the user's MODEL: same bytes, same values, no patches
+    assert r["lora_warnings"] == []  # every key of the saved LoRA applies to the GGUF model
+    # ComfyUI-GGUF's layers dequantize (and apply a LoRA already on the MODEL) in the training copy as when sampling
+    assert r["plain_velocity_vs_apply_model"] <= 1e-5 and r["patched_velocity_vs_apply_model"] <= 1e-5
+    assert r["lora_changes_output"] > 1e-3
