@@ -87,3 +87,33 @@ def test_adapter_in_comfyui(tmp_path):
     assert r["fp8_lora_dtypes"] == ["torch.float32"] and r["fp8_base"] == ["torch.float8_e4m3fn", True]
     assert r["patched_copy_equal"] and r["patched_copy_changed"] == r["output_patches"]
     assert "eps-prediction model, which Tightrope does not support" in r["eps"]
+
+
+IMAGE_INPUT_RUNNER = """
+    from tightrope.training.models.comfy import ComfyModelAdapter
+    from tightrope.training.train_config import ConfigError
+    ckpt, = ARGS
+    with torch.inference_mode():
+        p = comfy.sd.load_diffusion_model(ckpt)
+    adapter = ComfyModelAdapter(p)
+    x, t = torch.randn(1, 16, 1, 8, 8), torch.tensor([0.5])
+    try:
+        with adapter.training_module() as module:
+            adapter.predict(module, x, t, torch.randn(1, 8, 4096), torch.zeros(1, 0), 1.0)
+        result("trained")
+    except ConfigError as e:
+        result(str(e))
+"""
+
+
+@pytest.mark.usefixtures("comfyui_python")
+def test_a_model_with_image_input_channels_is_refused(tmp_path):
+    """Wan 2.2 I2V's layout (16 noise + 4 mask + 16 image channels in): ComfyUI would fill the image channels with
+    zeros in training and with the start image in sampling. Before: trained on zeros, silently."""
+    from comfy_env import run_in_comfyui, tightrope_env
+    from tiny_models import wan_shapes, write_checkpoint
+    shapes = wan_shapes()
+    shapes["patch_embedding.weight"] = (128, 36, 1, 2, 2)
+    ckpt = write_checkpoint(tmp_path / "wan_i2v.safetensors", shapes, seed=2)
+    r, _ = run_in_comfyui(tmp_path, IMAGE_INPUT_RUNNER, ckpt, env=tightrope_env(tmp_path))
+    assert "takes an image input besides the noise" in r and "text-to-image/video models only" in r

@@ -145,3 +145,42 @@ def test_the_cache_id_sees_every_tensor_of_a_text_encoder_made_of_several():
     with torch.no_grad():
         clip.cond_stage_model.clip_l[1].weight.mul_(1.01)  # neither among the first nor the last three names
     assert ComfyClipEncoder(clip).cache_id != before
+
+
+def test_lumina2_captions_are_encoded_as_comfyuis_lumina2_prompt_node_encodes_them():
+    """Lumina 2 is sampled with CLIPTextEncodeLumina2 (comfy_extras/nodes_lumina2.py), which encodes
+    "<system prompt> <Prompt Start> <prompt>": the captions (the empty dropout caption too) get the same prefix, and
+    cached embeddings made without it are not reused. Other text encoders get the caption as it is."""
+    class LuminaTokenizer:
+        pass
+
+    class Recording(FakeClip):
+        def __init__(self, lumina):
+            super().__init__()
+            self.seen = []
+            if lumina:
+                self.tokenizer = LuminaTokenizer()
+
+        def tokenize(self, text):
+            self.seen.append(text)
+            return super().tokenize(text)
+
+    lumina, plain = Recording(True), Recording(False)
+    encoder = ComfyClipEncoder(lumina)
+    encoder.encode(["a red circle"])
+    encoder.encode([""])
+    ComfyClipEncoder(plain).encode(["a red circle"])
+    prefix = ("You are an assistant designed to generate superior images with the superior degree of image-text "
+              "alignment based on textual prompts or user prompts. <Prompt Start> ")
+    assert lumina.seen == [prefix + "a red circle", prefix] and plain.seen == ["a red circle"]
+    assert ComfyClipEncoder(lumina).cache_id != ComfyClipEncoder(Recording(False)).cache_id
+
+
+def test_a_conditioning_with_image_inputs_is_refused():
+    """An image-to-video / edit conditioning (WanImageToVideo's concat_latent_image, Kontext's reference_latents):
+    training would drop the image that sampling feeds. Before: dropped silently."""
+    from tightrope.training.data.builder import dataset_from_conditioning
+    from tightrope.training.data.dataset import DatasetError
+    cond = [[torch.randn(1, 4, 32), {"pooled_output": None, "concat_latent_image": torch.randn(1, 16, 1, 8, 8)}]]
+    with pytest.raises(DatasetError, match="conditioning carries concat_latent_image .*plain CLIP Text Encode"):
+        dataset_from_conditioning({"samples": torch.randn(1, 16, 8, 8)}, cond)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from bad_input_cases import DATA, LORA, SAVE, TRAIN, Case, dataset_inputs, png, train_with
 from PIL import Image
 from reliability_kit import load_dataset, train_node, world
 
-from tightrope.nodes.dataset_nodes import TightropeLoadDataset
+from tightrope.nodes.dataset_nodes import TightropeDatasetFromLatents, TightropeLoadDataset
 from tightrope.nodes.lora_node import TightropeLoraSetup
 from tightrope.nodes.save_node import TightropeSaveLora
 
@@ -96,7 +97,15 @@ CASES += [
          lambda c: mask_folder(c, png(Image.new("L", (32, 32), 0)))),
     Case("mask_alpha_missing", "mask=alpha, an image without transparency", DATA, "DatasetError",
          ("good.png", "save them as PNG with transparency"), lambda c: mask_folder(c, mask_mode="alpha")),
+    Case("image_conditioning", "an image-to-video conditioning (WanImageToVideo's)", "Dataset from Latents + "
+         "Conditioning", "DatasetError", ("concat_latent_image", "connect a plain CLIP Text Encode conditioning"),
+         lambda c: image_conditioning()),
 ]
+
+
+def image_conditioning():
+    cond = [[torch.zeros(1, 4, 32), {"pooled_output": None, "concat_latent_image": torch.zeros(1, 16, 1, 8, 8)}]]
+    TightropeDatasetFromLatents().load({"samples": torch.zeros(1, 16, 8, 8)}, cond, 0.0)
 
 
 # --- valid ---

@@ -43,6 +43,11 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
     if samples.ndim != 4:
         raise DatasetError(f"latent: samples have shape {tuple(samples.shape)}; expected images (batch, channels, "
                            "height, width) or single-frame video latents: encode still images")
+    dropped = sorted({k for _, extra in conditioning for k in extra if k in _IMAGE_CONDITIONING})
+    if dropped:
+        raise DatasetError(f"conditioning carries {', '.join(dropped)} (an image-to-video / edit / reference "
+                           "conditioning), which training does not use: ComfyUI would sample with it, so the LoRA "
+                           "would learn without it; connect a plain CLIP Text Encode conditioning")
     conds = [(c, _pooled(c, extra)) for c, extra in conditioning]
     if len(conds) not in (1, samples.shape[0]):
         raise DatasetError(f"conditioning has {len(conds)} entries for {samples.shape[0]} latents: give one "
@@ -57,6 +62,11 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
         [samples[i] for i in range(samples.shape[0])], [pick(i)[0] for i in range(samples.shape[0])],
         [pick(i)[1] for i in range(samples.shape[0])], caption_dropout=caption_dropout,
         empty_context=empty[0] if empty else None, empty_pooled=_pooled(*empty) if empty else None)
+
+
+# CONDITIONING keys that carry model inputs besides the text (ComfyUI's model_base extra_conds read them)
+_IMAGE_CONDITIONING = ("concat_latent_image", "concat_mask", "concat_image", "clip_vision_output",
+                       "reference_latents", "time_dim_concat", "unclip_conditioning", "noise_concat")
 
 
 def _pooled(context, extra: dict):
