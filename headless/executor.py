@@ -16,6 +16,7 @@ import inspect
 import os
 from typing import Callable
 
+from ..training.held_stops import raise_swallowed
 from .graph import (ExecutionList, Graph, Link, NodeSpec, WorkflowError, describe_node, needed_node_ids,
                     output_node_ids, raise_on_cycle)
 from .input_spec import hidden_inputs, live_input_specs
@@ -74,6 +75,7 @@ def run_workflow(graph: Graph, node_mappings: dict, *, on_node: OnNode | None = 
     call_node, lazy_status = call_node or call_function, lazy_status or call_lazy_status
     with _comfyui_grad_mode() if inference_mode else contextlib.nullcontext():
         while (node_id := plan.next_node()) is not None:
+            raise_swallowed()  # a Ctrl-C or SIGTERM that a finalizer swallowed stops before the next node
             node, node_class = graph[node_id], node_mappings[graph[node_id].class_type]
             received = {source: results[source] for source in plan.sources(node_id)}
             if _lazy_sources_wanted(node_id, node, node_class, received, context, lazy_status, plan):

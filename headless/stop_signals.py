@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Iterator
 
-from ..training.held_stops import hold
+from ..training.held_stops import forget_raised, hold
 
 _POLITE = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, name))
 EXIT_CTRL_C = 128 + signal.SIGINT
@@ -57,10 +57,12 @@ def polite_stops() -> Iterator[None]:
         if not hold(stop):
             raise stop
 
+    forget_raised()
     previous = {s: signal.signal(s, handler) for s in (*_POLITE, signal.SIGINT)}
     try:
         yield
     finally:
+        forget_raised()
         for s, old in previous.items():
             signal.signal(s, old)
 

@@ -67,8 +67,12 @@ def _node_problems(node: dict, origins: dict | None, node_ids: set[str] | None) 
         for index, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name", ""), str):
                 problems.append(f'{key}[{index}] is {_shown(entry)}, not an {key[:-1]} object with a "name"')
-            elif not isinstance(entry.get("widget") or {}, dict):
+            elif not isinstance(entry.get("widget") or {}, dict) \
+                    or not isinstance((entry.get("widget") or {}).get("name", ""), str):
                 problems.append(f'{key}[{index}] has "widget" {_shown(entry["widget"])}, not {{"name": ...}}')
+            elif key == "inputs" and entry.get("link") is not None \
+                    and "name" not in entry and not (entry.get("widget") or {}).get("name"):
+                problems.append(f'inputs[{index}] has link {_shown(entry["link"])} but no "name" (the input it feeds)')
             elif key == "inputs":
                 problems.extend(_input_link_problems(entry, origins, node_ids))
     return problems

@@ -95,7 +95,8 @@ def parse_api_prompt(data: dict) -> Graph:
                 inputs[name] = _parse_input_value(value)
             except ValueError as exc:
                 problems.append(f"node {node_id} '{node['class_type']}' input '{name}': {exc}")
-        title = (node.get("_meta") or {}).get("title")
+        meta = node.get("_meta")
+        title = meta.get("title") if isinstance(meta, dict) and isinstance(meta.get("title"), str) else None
         graph[node_id] = NodeSpec(node["class_type"], inputs, title)
     if problems:
         raise WorkflowError(problems)

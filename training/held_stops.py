@@ -12,6 +12,7 @@ from typing import Iterator
 
 _depth = 0
 _held: list[BaseException] = []
+_raised: list[BaseException] = []  # a stop a signal handler raised: it may have been swallowed (raise_swallowed)
 
 
 @contextlib.contextmanager
@@ -39,4 +40,19 @@ def hold(stop: BaseException) -> bool:
     if _depth:
         _held.append(stop)
         return True
+    _raised[:] = [stop]
     return False
+
+
+def raise_swallowed() -> None:
+    """Raise again a stop the signal handler raised where Python ignores exceptions: a signal is handled at the next
+    Python code that runs, which can be a weakref finalizer or __del__ run by a C call freeing an object (the memory
+    runtime registers finalizers on every weight view); an exception there is printed as "Exception ignored" and
+    dropped. Call where a stop is safe (between steps, between nodes): a stop that did arrive has left the loop."""
+    if _raised:
+        raise _raised.pop()
+
+
+def forget_raised() -> None:
+    """The stop handlers are gone (stop_signals.polite_stops exits): nothing is pending."""
+    _raised.clear()

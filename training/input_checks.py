@@ -6,6 +6,7 @@ again when they run, so a problem in the last node of a chain is found before th
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,31 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
+    check_same_data_on_every_rank(session.dataset)
     if session.strategy.optimizer.enabled:
         check_offloadable(cfg.optimizer)  # one that cannot step on the host
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package
     return data, validation_set
+
+
+def check_same_data_on_every_rank(dataset: Any) -> None:
+    """Under torchrun each rank loads its part of one plan of global batches from its own copy of the dataset: a
+    rank whose copy differs (another machine's folder out of sync) would train on a silent mix. Every rank compares
+    the images' count, buckets and captions with rank 0's and every rank stops on a difference."""
+    if not distributed.current().distributed:
+        return
+    try:
+        h = hashlib.sha256(repr((len(dataset), dataset.num_images, sorted(dataset.bucket_counts.items()))).encode())
+        for i in range(dataset.num_images):
+            h.update(dataset.caption(i).encode() + b"\0")
+        mine = (dataset.num_images, h.hexdigest())
+    except (AttributeError, TypeError):  # a dataset type without these views: not checked
+        mine = None
+    keys = distributed.from_every_rank(mine)
+    other = [rank for rank, key in enumerate(keys) if key != keys[0]]
+    if other:
+        rank = other[0]
+        raise DatasetError(f"rank {rank}'s dataset ({keys[rank][0] if keys[rank] else '?'} images) differs from rank "
+                           f"0's ({keys[0][0] if keys[0] else '?'} images; images, captions or buckets): every rank "
+                           "must read the same dataset: put its folder on a file system every machine shares, or "
+                           "copy it identically to every machine")

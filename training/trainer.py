@@ -25,7 +25,7 @@ from . import distributed, seeding
 from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
 from .flow_loss import flow_matching_loss, noised
-from .held_stops import held_stops
+from .held_stops import held_stops, raise_swallowed
 from .input_checks import check_run_inputs
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora.dora_scale import base_weight_of
@@ -179,6 +179,7 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
                                        shard=distributed.current().shard)
     run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # the run's first step (or one a stop left unscored)
     while run.step < run.end:
+        raise_swallowed()  # a stop a finalizer swallowed (held_stops.py) stops here, before the next step
         if parts.should_stop is not None and parts.should_stop():
             return
         for group in optimizer.param_groups:

@@ -250,3 +250,23 @@ def test_rank_0s_error_is_one_line_on_the_other_ranks(rank1_of_2, monkeypatch):
                                                r"another run\), so rank 1 stops too: see rank 0's output"):
         distributed.on_main_rank(lambda: pytest.fail("rank 1 must not run it"))
     assert isinstance(DistributedError("x"), cli.user_error_types())  # printed without a traceback
+
+
+def test_a_rank_whose_dataset_differs_from_rank_0s_stops_every_rank(rank1_of_2, monkeypatch, tmp_path):
+    """Each rank reads its own copy of the dataset (a folder on each machine): one out of sync trained a silent mix
+    of both. Every rank compares image count, buckets and captions with rank 0's before training."""
+    from demo_setup import demo_session
+
+    from tightrope.training.data.image_folder import DatasetError
+    from tightrope.training.input_checks import check_same_data_on_every_rank
+    dataset = demo_session(tmp_path).dataset
+    gathered = {}
+
+    def all_gather_object(values, value):
+        values[:] = [gathered.get("rank 0", value), value]
+    monkeypatch.setattr(torch.distributed, "all_gather_object", all_gather_object)
+    check_same_data_on_every_rank(dataset)  # the same data on both ranks
+    gathered["rank 0"] = (dataset.num_images + 4, "another")
+    with pytest.raises(DatasetError, match=rf"rank 1's dataset \({dataset.num_images} images\) differs from rank 0's "
+                                           rf"\({dataset.num_images + 4} images; .*copy it identically"):
+        check_same_data_on_every_rank(dataset)

@@ -201,3 +201,15 @@ def test_unreadable_files_and_unknown_shapes(tmp_path, mappings):
     assert "no nodes to run" in _problems(ui_workflow([ui_node(1, "Note", ["hi"])]), mappings)[0]
     api = {"1": {"inputs": {}}, "2": {"class_type": "Constant", "inputs": {"value": 1}}}
     assert _problems(api, mappings)[0].startswith("node 1 has no class_type")
+
+
+def test_an_api_node_whose_meta_is_not_an_object_loads_without_its_title(api_workflow, mappings):
+    """`_meta` is the frontend's (the node's title): a hand-edited file with another value crashed the loader with
+    an AttributeError traceback; the graph does not depend on it."""
+    import copy
+    import dataclasses
+    damaged = copy.deepcopy(api_workflow)
+    first = next(iter(damaged))
+    damaged[first]["_meta"] = "a title"
+    loaded, intact = load_workflow(damaged, mappings), load_workflow(api_workflow, mappings)
+    assert loaded[first] == dataclasses.replace(intact[first], title=None) and loaded.keys() == intact.keys()
