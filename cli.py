@@ -1,7 +1,7 @@
 """`tightrope` command line: run a saved ComfyUI workflow headless, or benchmark.
 
     tightrope run WORKFLOW.json [--output-dir DIR] [--resume] [--fsdp] [--debug] [--comfyui DIR] [--models-dir DIR]
-                                [--log-dir DIR]
+                                [--custom-node DIR ...] [--log-dir DIR]
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_WORKFLOW_ERROR
     return run_command(args.workflow, output_dir=args.output_dir, resume=args.resume, fsdp=args.fsdp,
-                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir, log_dir=args.log_dir)
+                       debug=args.debug, comfyui=args.comfyui, models_dir=args.models_dir, log_dir=args.log_dir,
+                       custom_nodes=args.custom_node)
 
 
 def prefer_expandable_segments(environ) -> bool:
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "run with the python ComfyUI runs in")
     run.add_argument("--models-dir", metavar="DIR", help="with ComfyUI: also look for model files in DIR, laid "
                      "out like ComfyUI's models/ folder (diffusion_models/, text_encoders/, vae/, loras/ ...)")
+    run.add_argument("--custom-node", metavar="DIR", action="append", help="with ComfyUI: also load this custom "
+                     "node pack (its folder under ComfyUI/custom_nodes, e.g. ComfyUI-GGUF for its GGUF loader); "
+                     "repeat for several")
     run.add_argument("--log-dir", metavar="DIR", help="write TensorBoard scalars (loss, validation loss, learning "
                      "rate, peak VRAM, H2D GB/s) of every Train node whose own log_dir is empty to DIR (needs "
                      "`pip install tensorboard`)")
@@ -81,14 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False,
-                comfyui: str | None = None, models_dir: str | None = None, log_dir: str | None = None) -> int:
+                comfyui: str | None = None, models_dir: str | None = None, log_dir: str | None = None,
+                custom_nodes: list[str] | None = None) -> int:
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
     from .headless.stop_signals import polite_stops, report_stop
     from .training.distributed import DistributedError, launched
     try:
         with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
-            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir)
+            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
+                        custom_nodes or [])
     except (WorkflowError, DistributedError) as exc:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
@@ -126,8 +132,9 @@ def user_error_types() -> tuple[type[Exception], ...]:
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,
-         models_dir: str | None = None, log_dir: str | None = None) -> int:
+         models_dir: str | None = None, log_dir: str | None = None, custom_nodes: list[str] = ()) -> int:
     from .headless.comfyui_library import comfyui_dir, load_comfyui
+    from .headless.custom_nodes import load_custom_nodes
     from .headless.executor import run_workflow, summary_lines
     from .headless.graph import WorkflowError
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
@@ -138,6 +145,11 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     data = read_workflow_json(workflow_path)
     comfy_dir = comfyui_dir(comfyui, data, load_node_mappings())
     library = load_comfyui(comfy_dir) if comfy_dir else None
+    if custom_nodes:
+        if library is None:
+            raise WorkflowError("--custom-node loads a ComfyUI custom node pack: it needs ComfyUI (--comfyui DIR or "
+                                "COMFYUI_DIR)")
+        load_custom_nodes(library, custom_nodes)
     node_mappings = load_node_mappings(library)
     try:
         os.makedirs(output_dir, exist_ok=True)

@@ -1,11 +1,11 @@
 """ComfyUI as a library, no server: its core and comfy_extras nodes for `tightrope run --comfyui DIR`.
 
-The only module of the headless runner that imports ComfyUI, and only inside load_comfyui() (lazily: `tightrope run`
-without ComfyUI never imports it). Loading does what ComfyUI's main.py does before it serves, minus the server:
-ComfyUI's source dir goes first on sys.path, its arguments are parsed from an empty command line (comfy.options keeps
-args parsing off for library use, so our sys.argv is never read) with `--cpu` when torch has no CUDA, and
-nodes.init_extra_nodes() loads the comfy_extras nodes (not custom nodes, not API nodes). A process loads one ComfyUI
-once: its modules stay imported, as in ComfyUI itself.
+With custom_nodes.py (`--custom-node`), the only module of the headless runner that imports ComfyUI, and only inside
+load_comfyui() (lazily: `tightrope run` without ComfyUI never imports it). Loading does what ComfyUI's main.py does
+before it serves, minus the server: ComfyUI's source dir goes first on sys.path, its arguments are parsed from an
+empty command line (comfy.options keeps args parsing off for library use, so our sys.argv is never read) with `--cpu`
+when torch has no CUDA, and nodes.init_extra_nodes() loads the comfy_extras nodes (not API nodes; custom nodes only
+those named with `--custom-node`). A process loads one ComfyUI once: its modules stay imported, as in ComfyUI itself.
 
 A run then happens inside run_folders(): ComfyUI's output and temp folders become the run's output folder (SaveImage
 and PreviewImage write there), the LoRA folder the run writes into and `--models-dir` are added to its model folders,

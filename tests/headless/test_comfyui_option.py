@@ -43,6 +43,14 @@ def test_models_dir_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
     assert "--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI" in capsys.readouterr().err
 
 
+def test_custom_node_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COMFYUI_DIR", raising=False)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(TIGHTROPE_ONLY))
+    assert cli.main(["run", str(path), "--custom-node", str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "--custom-node loads a ComfyUI custom node pack: it needs ComfyUI" in capsys.readouterr().err
+
+
 def test_a_comfyui_whose_requirements_are_missing_exits_2_with_the_install_command(tmp_path, capsys):
     """ComfyUI imported into a python without its requirements (ModuleNotFoundError deep in its imports) is one line
     naming the fix, not a traceback. The fake ComfyUI's half-imported modules and its sys.path entry are removed."""

@@ -14,10 +14,23 @@ from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
 GGUF_DIR = os.environ.get("COMFYUI_GGUF_DIR")
 pytestmark = needs_comfyui
 
-RUNNER = """
+WRITER = """
     import numpy as np, gguf
-    from pathlib import Path
     from safetensors.numpy import load_file as load_np
+    src, dst = ARGS
+    writer = gguf.GGUFWriter(dst, "flux")  # as ComfyUI-GGUF's tools/convert.py + llama-quantize write it
+    for key, value in load_np(src).items():
+        value = value.astype(np.float32)
+        q = gguf.GGMLQuantizationType.Q8_0 if value.ndim == 2 and value.shape[-1] % 32 == 0 \\
+            else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(key, gguf.quants.quantize(value, q) if q != gguf.GGMLQuantizationType.F32 else value,
+                          raw_dtype=q)
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+    result(dst)
+"""
+
+RUNNER = """
+    from pathlib import Path
     from comfyui_gguf.loader import gguf_sd_loader
     from comfyui_gguf.nodes import GGUFModelPatcher
     from comfyui_gguf.ops import GGMLOps
@@ -30,19 +43,11 @@ RUNNER = """
     from tightrope.training.save_session import save_session_lora
     from tightrope.training.train_config import TrainConfig
     from tightrope.training.training_run import run_training_node
-    ckpt, loras = ARGS
+    path, loras = ARGS
     out = {}
 
-    writer = gguf.GGUFWriter("tiny_flux.gguf", "flux")  # as ComfyUI-GGUF's tools/convert.py + llama-quantize write it
-    for key, value in load_np(ckpt).items():
-        value = value.astype(np.float32)
-        q = gguf.GGMLQuantizationType.Q8_0 if value.ndim == 2 and value.shape[-1] % 32 == 0 \\
-            else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(key, gguf.quants.quantize(value, q) if q != gguf.GGMLQuantizationType.F32 else value,
-                          raw_dtype=q)
-    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
     with torch.inference_mode():  # as ComfyUI runs nodes: UnetLoaderGGUF.load_unet
-        model = comfy.sd.load_diffusion_model_state_dict(gguf_sd_loader("tiny_flux.gguf"),
+        model = comfy.sd.load_diffusion_model_state_dict(gguf_sd_loader(path),
                                                          model_options={"custom_operations": GGMLOps()})
         p = GGUFModelPatcher.clone(model)
     dm = p.model.diffusion_model
@@ -110,10 +115,10 @@ RUNNER = """
 @pytest.fixture
 def gguf_env(tmp_path, comfyui_python):
     if not GGUF_DIR:
-        print("skipping the ComfyUI-GGUF test: set COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF")
+        print("skipping the ComfyUI-GGUF tests: set COMFYUI_GGUF_DIR to a checkout of city96/ComfyUI-GGUF")
         pytest.skip("COMFYUI_GGUF_DIR not set (a checkout of city96/ComfyUI-GGUF)")
     if subprocess.run([comfyui_python, "-c", "import gguf"], capture_output=True).returncode:
-        print("skipping the ComfyUI-GGUF test: ComfyUI's python has no `gguf` (pip install -r ComfyUI-GGUF's "
+        print("skipping the ComfyUI-GGUF tests: ComfyUI's python has no `gguf` (pip install -r ComfyUI-GGUF's "
               "requirements.txt into it)")
         pytest.skip("no gguf package in ComfyUI's python")
     env = tightrope_env(tmp_path)
@@ -121,10 +126,17 @@ def gguf_env(tmp_path, comfyui_python):
     return env
 
 
-def test_a_gguf_model_trains_offloaded_from_its_own_bytes(tmp_path, gguf_env):
+def tiny_gguf(tmp_path, env, dst) -> str:
+    """A tiny random Flux as GGUF: Q8_0 matrices (rows a multiple of 32), F32 the rest."""
     from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
     ckpt = make_tiny_checkpoint(tmp_path / "tiny_flux.safetensors", seed=3)
-    r, _ = run_in_comfyui(tmp_path, RUNNER, ckpt, tmp_path / "loras", env=gguf_env)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    return run_in_comfyui(tmp_path, WRITER, ckpt, dst, env=env)[0]
+
+
+def test_a_gguf_model_trains_offloaded_from_its_own_bytes(tmp_path, gguf_env):
+    path = tiny_gguf(tmp_path, gguf_env, str(tmp_path / "tiny_flux.gguf"))
+    r, _ = run_in_comfyui(tmp_path, RUNNER, path, tmp_path / "loras", env=gguf_env)
     print(f"\n{json.dumps(r, indent=1)}")
     assert r["weight"] == ["GGMLTensor", "Q8_0", [384, 128], [384, 136]]  # quantized: 34 bytes per 32 values
     assert r["copy"] == ["GGMLTensor", True, False]  # the training copy shares the GGUF bytes, outside inference mode
@@ -137,3 +149,34 @@ def test_a_gguf_model_trains_offloaded_from_its_own_bytes(tmp_path, gguf_env):
     # ComfyUI-GGUF's layers dequantize (and apply a LoRA already on the MODEL) in the training copy as when sampling
     assert r["plain_velocity_vs_apply_model"] <= 1e-5 and r["patched_velocity_vs_apply_model"] <= 1e-5
     assert r["lora_changes_output"] > 1e-3
+
+
+def test_a_gguf_workflow_runs_headless_with_the_custom_node_pack(tmp_path, gguf_env, comfyui_python):
+    """`tightrope run --comfyui DIR --custom-node ComfyUI-GGUF`: the workflow's Unet Loader (GGUF) runs headless as in
+    the server, and the LoRA trained on the GGUF model is saved; without the pack, its node type is named."""
+    from api_graph import Graph
+    models, out = tmp_path / "models", tmp_path / "out"
+    tiny_gguf(tmp_path, gguf_env, str(models / "diffusion_models" / "tiny_flux.gguf"))
+    g = Graph()
+    unet = g.add("UnetLoaderGGUF", unet_name="tiny_flux.gguf")
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=2)
+    data = g.add("TightropeDatasetFromLatents", latent=[latent, 0], conditioning=[cond, 0])
+    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0)
+    strategy = g.add("TightropeMemoryStrategy", offload_fraction=1.0, checkpoint="all")
+    train = g.add("TightropeTrain", steps=2, learning_rate=0.01, device="cpu", filename_prefix="gguf/run",
+                  model=[unet, 0], dataset=[data, 0], lora=[lora, 0], strategy=[strategy, 0])
+    g.add("TightropeSaveLora", session=[train, 0], filename_prefix="gguf/final")
+    (tmp_path / "wf.json").write_text(json.dumps(g.nodes))
+
+    def run(*extra):
+        return subprocess.run([comfyui_python, "-m", "tightrope", "run", str(tmp_path / "wf.json"), "--comfyui",
+                               os.environ["COMFYUI_DIR"], "--models-dir", str(models), "--output-dir", str(out),
+                               *extra], env=gguf_env, capture_output=True, text=True, timeout=600)
+    done = run("--custom-node", os.path.abspath(GGUF_DIR))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert len(list((out / "gguf").glob("final_*.safetensors"))) == 1
+    missing = run()
+    assert missing.returncode == 2 and "UnetLoaderGGUF" in missing.stderr and "Traceback" not in missing.stderr
+    not_a_pack = run("--custom-node", str(tmp_path))
+    assert not_a_pack.returncode == 2 and "is not a custom node pack" in not_a_pack.stderr
