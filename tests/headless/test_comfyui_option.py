@@ -2,6 +2,8 @@
 and the errors when it cannot be used. Runs without ComfyUI (tests/integration/test_headless_comfyui.py runs with it)."""
 import json
 
+import pytest
+
 from tightrope import cli
 from tightrope.headless.comfyui_library import comfyui_dir
 
@@ -35,20 +37,15 @@ def test_missing_comfyui_dir_exits_2_naming_the_option(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_models_dir_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("option, message", [
+    ("--models-dir", "--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI"),
+    ("--custom-node", "--custom-node loads a ComfyUI custom node pack: it needs ComfyUI")])
+def test_comfyui_options_without_comfyui_exit_2(option, message, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("COMFYUI_DIR", raising=False)
     path = tmp_path / "w.json"
     path.write_text(json.dumps(TIGHTROPE_ONLY))
-    assert cli.main(["run", str(path), "--models-dir", str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI" in capsys.readouterr().err
-
-
-def test_custom_node_without_comfyui_exits_2(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("COMFYUI_DIR", raising=False)
-    path = tmp_path / "w.json"
-    path.write_text(json.dumps(TIGHTROPE_ONLY))
-    assert cli.main(["run", str(path), "--custom-node", str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
-    assert "--custom-node loads a ComfyUI custom node pack: it needs ComfyUI" in capsys.readouterr().err
+    assert cli.main(["run", str(path), option, str(tmp_path), "--output-dir", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_a_comfyui_whose_requirements_are_missing_exits_2_with_the_install_command(tmp_path, capsys):
