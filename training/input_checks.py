@@ -82,6 +82,7 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
     dataset and the world, the optimizer's package. Returns (the images to train on, the validation set or None)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
+    check_same_data_on_every_rank(session.dataset)  # first: a check below could fail on one rank's data only
     cfg = session.config
     data, validation_set = split_for_validation(session)  # names the input on a bad validation set
     if cfg.validation_fraction > 0 and cfg.batch_size > len(data):
@@ -91,7 +92,6 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
-    check_same_data_on_every_rank(session.dataset)
     if session.strategy.optimizer.enabled:
         check_offloadable(cfg.optimizer)  # one that cannot step on the host
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package
