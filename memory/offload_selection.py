@@ -56,9 +56,8 @@ def _spread(block_bytes: list[int], target: float) -> list[int]:
 
 class UnstreamableWeightError(StrategyError):
     """An offloaded block holds a frozen weight without bytes of its own to stream: a wrapper tensor subclass (its
-    data in inner tensors, e.g. torchao's quantized tensors). Storage subclasses such as
-    ComfyUI-GGUF's GGMLTensor stream as bytes (tensor_kinds.py). A user error: the message names the weights and the
-    fix."""
+    data in inner tensors, e.g. torchao's quantized tensors). Storage subclasses such as ComfyUI-GGUF's GGMLTensor
+    stream as bytes (tensor_kinds.py). A user error: the message names the weights and the fix."""
 
 
 def check_streamable(blocks: list[tuple[str, nn.Module]], offloaded: list[int]) -> None:

@@ -169,10 +169,12 @@ def test_lumina2_captions_are_encoded_as_comfyuis_lumina2_prompt_node_encodes_th
     encoder = ComfyClipEncoder(lumina)
     encoder.encode(["a red circle"])
     encoder.encode([""])
+    encoder.encode(["a {red} circle"])  # braces in a caption are text
     ComfyClipEncoder(plain).encode(["a red circle"])
     prefix = ("You are an assistant designed to generate superior images with the superior degree of image-text "
               "alignment based on textual prompts or user prompts. <Prompt Start> ")
-    assert lumina.seen == [prefix + "a red circle", prefix] and plain.seen == ["a red circle"]
+    assert lumina.seen == [prefix + "a red circle", prefix, prefix + "a {red} circle"]
+    assert plain.seen == ["a red circle"]
     assert ComfyClipEncoder(lumina).cache_id != ComfyClipEncoder(Recording(False)).cache_id
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 
-LUMINA2_TEMPLATE = ("You are an assistant designed to generate superior images with the superior degree of image-text "
-                    "alignment based on textual prompts or user prompts. <Prompt Start> {}")
+LUMINA2_PREFIX = ("You are an assistant designed to generate superior images with the superior degree of image-text "
+                  "alignment based on textual prompts or user prompts. <Prompt Start> ")
 _SAMPLED = 64  # values per tensor in a cache id, strided over the whole tensor
 
 
@@ -101,7 +101,7 @@ class ComfyClipEncoder:
         # Lumina 2 is sampled with CLIPTextEncodeLumina2 (comfy_extras/nodes_lumina2.py): system prompt +
         # " <Prompt Start> " + prompt; train on the conditioning that node gives for the caption
         tokenizer = type(getattr(clip, "tokenizer", None)).__name__
-        self._template = LUMINA2_TEMPLATE if tokenizer == "LuminaTokenizer" else "{}"
+        self._prefix = LUMINA2_PREFIX if tokenizer == "LuminaTokenizer" else ""
 
     @property
     def cache_id(self) -> str:
@@ -113,7 +113,7 @@ class ComfyClipEncoder:
             self._cache_id = f"comfy-clip-{type(model).__name__}-" + weights_fingerprint(
                 model, getattr(clip, "layer_idx", None), json.dumps(getattr(clip, "tokenizer_options", {}),
                                                                     sort_keys=True, default=str), patched,
-                self._template)
+                self._prefix)
         return self._cache_id
 
     def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
@@ -121,7 +121,7 @@ class ComfyClipEncoder:
             raise TypeError("ComfyClipEncoder.encode wants a list of captions, not a single string")
         contexts, pooled = [], []
         for caption in captions:
-            out = self.clip.encode_from_tokens(self.clip.tokenize(self._template.format(caption)),
+            out = self.clip.encode_from_tokens(self.clip.tokenize(self._prefix + caption),
                                                return_pooled=True, return_dict=True)
             context, vec = out["cond"], out.get("pooled_output")
             if contexts and context.shape[1] != contexts[0].shape[1]:
