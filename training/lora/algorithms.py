@@ -39,15 +39,17 @@ def check_algorithm(algorithm, dropout: float, init: str) -> None:
 
 def check_base_weights(module: nn.Module, names: list[str], algorithm: str) -> None:
     """DoRA reads each trained layer's base weight itself (for its row norms), outside the layer's own forward, so
-    that weight must be a float type torch computes with: an fp8-stored weight (a model loaded as fp8) is refused."""
+    that weight must be a float type torch computes with: an fp8-stored weight (a model loaded as fp8) or a quantized
+    GGUF weight (its raw bytes are uint8) is refused."""
     if algorithm != "dora":
         return
     for name in names:
         dtype = module.get_submodule(name).weight.dtype
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise LoraError(f"algorithm='dora' reads the base weight of each layer it trains, but {name!r} is stored "
-                            f"as {dtype}: load the model in bf16/fp16 (UNETLoader weight_dtype 'default'), or use "
-                            "algorithm 'lora', 'loha' or 'lokr', which leave the base weight to the model's layers")
+                            f"as {dtype}: load the model in bf16/fp16 (Load Diffusion Model with weight_dtype "
+                            "'default', not fp8 or GGUF), or use algorithm 'lora', 'loha' or 'lokr', which leave the "
+                            "base weight to the model's layers")
 
 
 def peft_config(spec, target_modules: str):
