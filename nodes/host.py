@@ -123,9 +123,16 @@ def cache_dir() -> Path:
 
 def progress_reporter(total: int) -> Callable[[int, int, float], None]:
     if in_comfyui():
+        import comfy.model_management
         import comfy.utils
         bar = comfy.utils.ProgressBar(total)
-        return lambda done, _total, _loss: bar.update_absolute(done, total)
+
+        def update(done: int, _total: int, _loss: float) -> None:
+            # the server's progress hook raises on an interrupt (taking the flag): the step loop's should_stop ends
+            # the run instead, so the Train node says where its LoRA is and how to go on
+            if not comfy.model_management.processing_interrupted():
+                bar.update_absolute(done, total)
+        return update
     if not is_main():
         return lambda done, _total, _loss: None
     from tqdm import tqdm
@@ -176,9 +183,20 @@ def interrupt_requested() -> bool:
     return False
 
 
-def raise_interrupt() -> None:
-    """Let ComfyUI end the prompt as interrupted (after we saved what was trained)."""
+def interrupt_exceptions() -> tuple[type[BaseException], ...]:
+    """What the host raises inside a step on an interrupt: ComfyUI's ops check its flag before every op and raise
+    (taking the flag); the trainer ends the run as interrupted on it (trainer.train)."""
     if in_comfyui():
         import comfy.model_management
-        comfy.model_management.throw_exception_if_processing_interrupted()
+        return (comfy.model_management.InterruptProcessingException,)
+    return ()
+
+
+def raise_interrupt() -> None:
+    """Let ComfyUI end the prompt as interrupted (after we saved what was trained), whether or not an op already took
+    its interrupt flag."""
+    if in_comfyui():
+        import comfy.model_management
+        comfy.model_management.interrupt_current_processing(False)
+        raise comfy.model_management.InterruptProcessingException()
     raise KeyboardInterrupt("training interrupted")

@@ -117,7 +117,8 @@ class TightropeTrain:
             save_every=save_every, progress=host.progress_reporter(steps), should_stop=host.interrupt_requested,
             resume=mode, state_dir=host.state_dir(), node_id=unique_id, notify=host.notify,
             validation_dataset=validation_dataset, log_dir=host.tensorboard_dir(log_dir),
-            probe_progress=host.work_progress("probing the model (auto strategy)", unit="block"))
+            probe_progress=host.work_progress("probing the model (auto strategy)", unit="block"),
+            interrupts=host.interrupt_exceptions())
         if result.interrupted:
             new = result.saved[len(session.saved) if session is not None else 0:]
             host.notify(f"Train node {unique_id} interrupted at step {result.step}: "

@@ -94,10 +94,13 @@ class _RunParts:
 def train(session: TrainingSession, steps: int, *, device: torch.device, save: SaveTarget | None = None,
           progress: Progress | None = None, should_stop: Callable[[], bool] | None = None,
           run_start: int | None = None, log_dir: str | Path | None = None,
-          notify: Callable[[str], None] | None = None) -> TrainingSession:
+          notify: Callable[[str], None] | None = None,
+          interrupts: tuple[type[BaseException], ...] = ()) -> TrainingSession:
     """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
     schedule and progress count from there); default session.step. log_dir: TensorBoard scalars go there; notify:
-    gets the run's log lines (validation losses)."""
+    gets the run's log lines (validation losses). interrupts: the host's interrupt exceptions, raised inside a step
+    (ComfyUI checks its interrupt flag before every op): the step in flight is dropped and the run ends as
+    interrupted, as `should_stop` ends it between steps."""
     data, validation_set = check_run_inputs(session, steps, device)  # each names its input, before any setup
     cfg = session.config
     adapter = adapter_for(session.model)
@@ -137,17 +140,20 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     _loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save, progress,
                                                   should_stop))
                 except torch.OutOfMemoryError as e:
-                    oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+                    oom, dropped = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory", True
+                except interrupts:
+                    oom, dropped = None, True
                 except BaseException:
                     _save_after_failure(session, run, module, save, optimizer)  # nothing computed is lost
                     raise
                 else:
-                    oom = None
-                if oom is not None:  # out of the except block: the failed step's tensors are unreferenced now
+                    oom, dropped = None, False
+                if dropped:  # out of the except block: the dropped step's tensors are unreferenced now
                     optimizer.zero_grad(set_to_none=True)
                     gc.collect()
                     if runtime.device.type == "cuda":
                         torch.cuda.empty_cache()
+                if oom is not None:
                     _save_after_failure(session, run, module, save, optimizer)
                     raise TrainingOutOfMemoryError(oom_message(session, run, runtime.device, oom, save))
                 ending.enter_context(held_stops())  # a stop from here on waits until the run is saved and undone

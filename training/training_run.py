@@ -31,7 +31,8 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
                       resume: str = "off", state_dir: Path | None = None, node_id: str | None = None,
                       notify: Callable[[str], None] | None = None, validation_dataset: Any = None,
                       log_dir: str | Path | None = None,
-                      probe_progress: Callable[[int, int], None] | None = None) -> tuple[TrainingSession, Any, str]:
+                      probe_progress: Callable[[int, int], None] | None = None,
+                      interrupts: tuple[type[BaseException], ...] = ()) -> tuple[TrainingSession, Any, str]:
     """One Train node. Its training state file is `state_dir` (default save_dir)/`filename_prefix`, keyed by
     `node_id`, locked against other runs while the node runs. resume: continue from that file if it is this node's,
     training only the steps this node has left; a node that had finished returns its saved outputs again, untrained
@@ -40,7 +41,8 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
     settings and steps are the same as now (so the result is the uninterrupted run's), else notify why and train
     anew; "off": train anew. validation_dataset: scored for the validation loss
 (a continued session keeps its own unless given one); log_dir: TensorBoard's folder (None: no TensorBoard);
-probe_progress: told (blocks measured, of all) while an `auto` strategy's probe runs."""
+probe_progress: told (blocks measured, of all) while an `auto` strategy's probe runs; interrupts: the host's interrupt
+exceptions, which end the run as interrupted when raised inside a step (trainer.train)."""
     dev = resolve_device(device)
     safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -92,7 +94,7 @@ probe_progress: told (blocks measured, of all) while an `auto` strategy's probe 
         save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation, plan))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
-                       run_start=run_start, log_dir=log_dir, notify=notify)
+                       run_start=run_start, log_dir=log_dir, notify=notify, interrupts=interrupts)
     release_freed_host_memory()  # train() has returned: its optimizer, LoRA layers and save buffers are freed now
     node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)

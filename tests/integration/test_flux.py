@@ -147,6 +147,9 @@ def test_queued_again_after_an_interrupt_the_train_node_goes_on_to_the_uninterru
     went_on = re.findall(r"Train node \S+ goes on from step (\d+) of its run \(steps 0-30\)", log)
     print(f"\ninterrupted at step {went_on[-1] if went_on else None} of {steps}")
     assert went_on and 3 <= int(went_on[-1]) < steps, log[-3000:]
+    # the interrupted node said where it stopped (before: the server's progress hook raised first, and it did not)
+    assert re.search(rf"Train node {ids['train']} interrupted at step {went_on[-1]}: its LoRA is saved in '.*'; "
+                     "queue the workflow again to go on from there", log), log[-3000:]
     (whole, whole_meta), (cut, cut_meta) = saved.values()
     assert whole_meta["tightrope.steps"] == cut_meta["tightrope.steps"] == str(steps)
     assert whole.keys() == cut.keys() and all(torch.equal(cut[k], t) for k, t in whole.items())

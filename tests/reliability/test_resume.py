@@ -224,3 +224,38 @@ def test_resume_keeps_the_plan_of_an_auto_strategy(out, monkeypatch):
             resumed, _, report = train_node(model, dataset, spec, auto, **kw)
     assert resumed.step == 4 and resumed.losses == whole.losses and resumed.strategy == whole.strategy
     assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
+
+
+class _HostInterrupt(Exception):
+    """Stands in for ComfyUI's InterruptProcessingException, which its ops raise inside a step."""
+
+
+def test_an_interrupt_raised_inside_a_step_ends_the_node_as_interrupted(out, monkeypatch):
+    """ComfyUI checks its interrupt flag before every op and raises mid-forward (taking the flag), so the Train node's
+    between-steps check never saw it: the run ended by that exception, and the node never said where its LoRA was.
+    Now the step in flight is dropped, the last completed step saved, and the node reports it and ends the prompt as
+    interrupted; queued again it goes on to the uninterrupted LoRA."""
+    from tightrope.memory.runtime import MemoryRuntime
+    model, dataset, spec, strat = world(out)
+    kw = dict(steps=5, save_every=0)
+    with torch.inference_mode():
+        whole, _, _ = train_node(model, dataset, spec, strat, filename_prefix="rt/whole", **kw)
+        real_start_step, started, notes = MemoryRuntime.start_step, [], []
+
+        def start_step(self, *args, **kwargs):
+            started.append(1)
+            real_start_step(self, *args, **kwargs)
+            if len(started) == 4:  # in step 4, before its forward ends
+                raise _HostInterrupt()
+        monkeypatch.setattr(MemoryRuntime, "start_step", start_step)
+        monkeypatch.setattr(host, "interrupt_exceptions", lambda: (_HostInterrupt,))
+        monkeypatch.setattr(host, "notify", notes.append)
+        with pytest.raises(KeyboardInterrupt):  # headless, the node ends the run as a Ctrl-C would
+            train_node(model, dataset, spec, strat, **kw)
+        assert " interrupted at step 3: its LoRA is saved in '" in notes[-1]
+        assert load_state(state_path(host.state_dir(), "rt/lora")).step == 3
+        monkeypatch.setattr(MemoryRuntime, "start_step", real_start_step)
+        with resuming():
+            resumed, _, _ = train_node(model, dataset, spec, strat, **kw)
+    assert resumed.step == 5 and resumed.losses == whole.losses
+    assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
