@@ -14,7 +14,7 @@ state with the optimizer's, so a resumed run goes on at the scale an uninterrupt
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -78,3 +78,30 @@ def trained_states(module: nn.Module, optimizer: torch.optim.Optimizer, scaler: 
         optimizer_state["state"].setdefault(index, {})[TRAIN_WEIGHTS] = p.detach().to("cpu", copy=True)
     with eval_weights(optimizer):
         return lora_state(module), optimizer_state
+
+
+def ema_weights(params: dict, optimizer) -> Mapping:
+    """The weights the EMA averages: those a save writes and validation scores. The parameters themselves, but a
+    schedule-free optimizer trains at y and saves its eval weights x (schedule_free.eval_weights)."""
+    return EvalWeights(params, optimizer) if is_schedule_free(optimizer) else params
+
+
+class EvalWeights(Mapping):
+    """A schedule-free optimizer's x by name, computed as its eval() does (x = lerp(y, z, 1 - 1/beta1), per parameter:
+    bit for bit what eval_weights gives) into new tensors: the parameters keep y, nothing is swapped per step."""
+
+    def __init__(self, params: dict, optimizer):
+        self._params, self._optimizer = params, optimizer
+        self._toward_z = {p: 1 - 1 / (group["betas"][0] if "betas" in group else group["momentum"])
+                          for group in optimizer.param_groups for p in group["params"]}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        p = self._params[name]
+        z = self._optimizer.state.get(p, {}).get("z")  # none before the first step: x = y
+        return p.detach() if z is None else torch.lerp(p.detach(), z.to(p.device), self._toward_z[p])
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)

@@ -12,7 +12,7 @@ import gc
 import hashlib
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -38,7 +38,7 @@ from .optimizer import learning_rate_at, load_optimizer_state, make_optimizer
 from .run_errors import (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError,
                          nonfinite_loss_or_gradients, nonfinite_weights_message, oom_message)
 from .run_monitor import RunMonitor
-from .schedule_free import GRAD_SCALER, enter_train_mode, is_schedule_free, trained_states
+from .schedule_free import GRAD_SCALER, ema_weights, enter_train_mode, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
 from .timesteps import sample_timesteps
@@ -98,9 +98,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
           interrupts: tuple[type[BaseException], ...] = ()) -> TrainingSession:
     """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
     schedule and progress count from there); default session.step. log_dir: TensorBoard scalars go there; notify:
-    gets the run's log lines (validation losses). interrupts: the host's interrupt exceptions, raised inside a step
-    (ComfyUI checks its interrupt flag before every op): the step in flight is dropped and the run ends as
-    interrupted, as `should_stop` ends it between steps."""
+    gets the run's log lines (validation losses). interrupts: the host's interrupt exceptions (ComfyUI's ops raise
+    one mid-step): the step in flight is dropped and the run ends as interrupted, as `should_stop` ends it."""
     data, validation_set = check_run_inputs(session, steps, device)  # each names its input, before any setup
     cfg = session.config
     adapter = adapter_for(session.model)
@@ -133,26 +132,11 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     load_optimizer_state(optimizer, clone_state(session.optimizer_state), list(params),
                                          cfg.weight_decay)
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
-                run.ema = CpuEma(_ema_weights(updated_weights(optimizer, params), optimizer), cfg.ema_decay,
+                run.ema = CpuEma(ema_weights(updated_weights(optimizer, params), optimizer), cfg.ema_decay,
                                  session.ema_state) \
                     if cfg.ema_decay else None
-                try:
-                    _loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save, progress,
-                                                  should_stop))
-                except torch.OutOfMemoryError as e:
-                    oom, dropped = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory", True
-                except interrupts:
-                    oom, dropped = None, True
-                except BaseException:
-                    _save_after_failure(session, run, module, save, optimizer)  # nothing computed is lost
-                    raise
-                else:
-                    oom, dropped = None, False
-                if dropped:  # out of the except block: the dropped step's tensors are unreferenced now
-                    optimizer.zero_grad(set_to_none=True)
-                    gc.collect()
-                    if runtime.device.type == "cuda":
-                        torch.cuda.empty_cache()
+                oom = _run_loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save,
+                                                        progress, should_stop), interrupts)
                 if oom is not None:
                     _save_after_failure(session, run, module, save, optimizer)
                     raise TrainingOutOfMemoryError(oom_message(session, run, runtime.device, oom, save))
@@ -171,6 +155,26 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                             interrupted=run.step < session.step + steps,
                             ema_state=run.ema.state_dict() if run.ema is not None else None,
                             validation_losses=session.validation_losses + run.monitor.validation_losses)
+
+
+def _run_loop(session: TrainingSession, run: _Run, parts: _RunParts, interrupts: tuple) -> str | None:
+    """The step loop. A step in flight that runs out of memory, or that the host interrupts, is dropped: returns the
+    out-of-memory message, or None. Any other error saves the last completed step (nothing computed is lost)."""
+    try:
+        _loop(session, run, parts)
+        return None
+    except torch.OutOfMemoryError as e:
+        oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+    except interrupts:
+        oom = None
+    except BaseException:
+        _save_after_failure(session, run, parts.module, parts.save, parts.optimizer)
+        raise
+    parts.optimizer.zero_grad(set_to_none=True)  # out of the except block: the step's tensors are unreferenced now
+    gc.collect()
+    if parts.runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return oom
 
 
 def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
@@ -280,33 +284,6 @@ def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, sha
                                                   huber_delta=cfg.huber_delta)
     scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     return loss.item() * weight
-
-
-def _ema_weights(params: dict, optimizer) -> Mapping:
-    """The weights the EMA averages: those a save writes and validation scores. The parameters themselves, but a
-    schedule-free optimizer trains at y and saves its eval weights x (schedule_free.eval_weights)."""
-    return _EvalWeights(params, optimizer) if is_schedule_free(optimizer) else params
-
-
-class _EvalWeights(Mapping):
-    """A schedule-free optimizer's x by name, computed as its eval() does (x = lerp(y, z, 1 - 1/beta1), per parameter:
-    bit for bit what eval_weights gives) into new tensors: the parameters keep y, nothing is swapped per step."""
-
-    def __init__(self, params: dict, optimizer):
-        self._params, self._optimizer = params, optimizer
-        self._toward_z = {p: 1 - 1 / (group["betas"][0] if "betas" in group else group["momentum"])
-                          for group in optimizer.param_groups for p in group["params"]}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        p = self._params[name]
-        z = self._optimizer.state.get(p, {}).get("z")  # none before the first step: x = y
-        return p.detach() if z is None else torch.lerp(p.detach(), z.to(p.device), self._toward_z[p])
-
-    def __iter__(self):
-        return iter(self._params)
-
-    def __len__(self) -> int:
-        return len(self._params)
 
 
 def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:
