@@ -16,7 +16,8 @@ from tightrope.training.state.resume import load_state, state_path
 
 @pytest.fixture
 def comfyui(tmp_path, monkeypatch):
-    """ComfyUI as the nodes see it: its folder_paths module, a progress bar and an interrupt flag that never fires."""
+    """ComfyUI as the nodes see it: its folder_paths module, a progress bar, an interrupt flag that never fires and
+    the exception its ops raise on one."""
     folders = types.ModuleType("folder_paths")
     folders.get_folder_paths = lambda kind: [str(tmp_path / "models" / kind)]
     folders.get_user_directory = lambda: str(tmp_path / "user")
@@ -27,6 +28,7 @@ def comfyui(tmp_path, monkeypatch):
     comfy.utils.ProgressBar = lambda total: types.SimpleNamespace(update_absolute=lambda done, total=None: None)
     comfy.model_management = types.ModuleType("comfy.model_management")
     comfy.model_management.processing_interrupted = lambda: False
+    comfy.model_management.InterruptProcessingException = type("InterruptProcessingException", (Exception,), {})
     for name, module in (("folder_paths", folders), ("comfy", comfy), ("comfy.utils", comfy.utils),
                          ("comfy.model_management", comfy.model_management)):
         monkeypatch.setitem(sys.modules, name, module)
