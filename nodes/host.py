@@ -122,17 +122,10 @@ def cache_dir() -> Path:
 
 
 def progress_reporter(total: int) -> Callable[[int, int, float], None]:
-    if in_comfyui():
-        import comfy.model_management
+    if in_comfyui():  # the server's progress hook raises on an interrupt: interrupt_exceptions() covers it
         import comfy.utils
         bar = comfy.utils.ProgressBar(total)
-
-        def update(done: int, _total: int, _loss: float) -> None:
-            # the server's progress hook raises on an interrupt (taking the flag): the step loop's should_stop ends
-            # the run instead, so the Train node says where its LoRA is and how to go on
-            if not comfy.model_management.processing_interrupted():
-                bar.update_absolute(done, total)
-        return update
+        return lambda done, _total, _loss: bar.update_absolute(done, total)
     if not is_main():
         return lambda done, _total, _loss: None
     from tqdm import tqdm
