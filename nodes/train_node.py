@@ -70,9 +70,12 @@ class TightropeTrain:
                              "tooltip": "Seeds data order, noise and timesteps: same seed, same run."}),
             "timestep_sampling": (list(SAMPLINGS), {"default": _C.timestep_sampling,
                                                      "tooltip": "How training timesteps are drawn."}),
-            "timestep_shift": ("FLOAT", {"default": _C.timestep_shift, "min": 0.01, "max": 100.0, "step": 0.1,
-                                         "tooltip": "> 1 trains more on noisy timesteps (3.0 is common for "
-                                                    "Flux at 1024 px)."}),
+            "timestep_shift": ("FLOAT", {"default": _C.timestep_shift, "min": 0.0, "max": 100.0, "step": 0.05,
+                                         "round": False,
+                                         "tooltip": "0: the shift the model samples with (after any ModelSampling "
+                                                    "node; Flux and Qwen-Image 3.16, SD3.5 3.0, Lumina 2 "
+                                                    "6.0, Wan 8.0). > 1 trains more on noisy timesteps, 1.0 is "
+                                                    "none."}),
             "guidance": ("FLOAT", {"default": _C.guidance, "min": 0.0, "max": 100.0, "step": 0.1,
                                    "tooltip": "Guidance fed to guidance-distilled models (Flux-dev) in training."}),
             "save_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,

@@ -13,6 +13,7 @@ import torch
 
 from ..memory.strategy import Strategy
 from .lora.layers import LoraSpec
+from .models import adapter_for
 from .train_config import TrainConfig
 
 
@@ -36,6 +37,12 @@ class TrainingSession:
 
     def advanced(self, **changes: Any) -> "TrainingSession":
         return dataclasses.replace(self, **changes)
+
+    def with_model_shift(self) -> "TrainingSession":
+        """This session with timestep_shift 0 resolved to the shift its model samples with (TrainConfig.resolved):
+        what a run trains with, the state file records and a resume compares."""
+        config = self.config.resolved(lambda: adapter_for(self.model).sampling_shift())
+        return self if config is self.config else self.advanced(config=config)
 
     @property
     def last_saved(self) -> str | None:

@@ -1,11 +1,11 @@
 """Optimisation settings of a training run: one frozen, validated dataclass (errors name the input and the fix)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..memory.config_base import ConfigBase
 from .flow_loss import LOSSES
-from .timesteps import SAMPLINGS
+from .timesteps import MODEL_SHIFT, SAMPLINGS
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree")
 SCHEDULES = ("constant", "cosine")
@@ -41,8 +41,10 @@ class TrainConfig(ConfigBase):
     seed: int = 0
     """Seeds data order, noise, timesteps and dropout: the same seed gives the same run."""
     timestep_sampling: str = "logit_normal"
-    timestep_shift: float = 1.0
-    """> 1 moves training towards noisier timesteps (Flux-dev is often trained with 3.0 at 1024 px)."""
+    timestep_shift: float = 0.0
+    """0: the shift the model samples with (ComfyUI: its model_sampling, after any ModelSampling* node; Flux and
+    Qwen-Image 3.16, SD3.5 3.0, Lumina 2 6.0, Wan 2.1 8.0), resolved when the run starts (`resolved`); > 1 moves
+    training towards noisier timesteps, 1.0 is none."""
     guidance: float = 1.0
     """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
     on_nonfinite: str = "stop"
@@ -72,7 +74,8 @@ class TrainConfig(ConfigBase):
         self.check_range("max_grad_norm", self.max_grad_norm, 0.0, 1e6)
         self.check_int("seed", self.seed, 0)
         self.check_choice("timestep_sampling", self.timestep_sampling, SAMPLINGS)
-        self.check_positive("timestep_shift", self.timestep_shift, "1.0 means no shift")
+        self.check_range("timestep_shift", self.timestep_shift, 0.0, 100.0,
+                         "0 trains at the model's own sampling shift, 1.0 is no shift")
         self.check_range("guidance", self.guidance, 0.0, 100.0)
         self.check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.check_number("ema_decay", self.ema_decay) != 0 and not 0 < self.ema_decay < 1:
@@ -88,3 +91,11 @@ class TrainConfig(ConfigBase):
             self.fail("validation_fraction", self.validation_fraction, "is out of range: hold out a fraction above 0 "
                       "and below 1 of the images (e.g. 0.1), or 0 for no held-out set")
         self.check_int("validation_every", self.validation_every, 1)
+
+    def resolved(self, model_shift) -> "TrainConfig":
+        """This config with timestep_shift 0 replaced by `model_shift()` (the adapter's sampling_shift: the shift
+        the model samples with); a number set by the user is kept. Resolved before a run resumes, so its state file
+        and the resume check see the number trained with."""
+        if self.timestep_shift != MODEL_SHIFT:
+            return self
+        return replace(self, timestep_shift=float(model_shift()))

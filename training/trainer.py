@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import time
 import warnings
 from collections.abc import Iterator
@@ -101,6 +102,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     gets the run's log lines (validation losses). interrupts: the host's interrupt exceptions (ComfyUI's ops raise
     one mid-step): the step in flight is dropped and the run ends as interrupted, as `should_stop` ends it."""
     data, validation_set = check_run_inputs(session, steps, device)  # each names its input, before any setup
+    session = session.with_model_shift()  # timestep_shift 0: the model's own
     cfg = session.config
     adapter = adapter_for(session.model)
     run = _Run(step=session.step, start=session.step if run_start is None else run_start, end=session.step + steps,
@@ -375,7 +377,8 @@ def _remove_stale_temporaries(save: SaveTarget, started: float) -> None:
 def run_metadata(session: TrainingSession, step: int) -> dict[str, str]:
     adapter = adapter_for(session.model)
     return {"tightrope.base_model": adapter.base_name, "tightrope.family": adapter.family,
-            "tightrope.steps": str(step), "tightrope.strategy": session.strategy.to_json()}
+            "tightrope.steps": str(step), "tightrope.strategy": session.strategy.to_json(),
+            "tightrope.training": json.dumps(session.with_model_shift().config.to_dict(), sort_keys=True)}
 
 
 def _training_stream_seed(*parts: int) -> int:

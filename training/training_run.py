@@ -67,6 +67,8 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
                                    validation_dataset=validation_dataset or _inherited_validation(session, config))
     if resume not in RESUME_MODES:
         raise ValueError(f"resume={resume!r}: one of {RESUME_MODES}")
+    # timestep_shift 0: the model's own, as a number before the resume check and the state file see the config
+    session = session.with_model_shift()
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
@@ -162,6 +164,8 @@ def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
     if stats:
         lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
                      f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
+    cfg = session.config
+    lines.append(f"timesteps: {cfg.timestep_sampling}, shift {cfg.timestep_shift:.3g}")
     validation = validation_report_line(session.validation_losses)
     if validation:
         lines.append(validation)

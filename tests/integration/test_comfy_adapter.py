@@ -66,6 +66,13 @@ RUNNER = """
         out["patched_copy_changed"] = sum(not torch.equal(ours[k], before[k]) for k in ours)
         mm.unload_all_models()
 
+        # timestep_shift 0 trains at the model's own sampling shift, as a ModelSampling node leaves it
+        from comfy_extras.nodes_model_advanced import ModelSamplingFlux, ModelSamplingSD3
+        out["shift"] = adapter.sampling_shift()
+        out["shift_flux_512"] = ComfyModelAdapter(ModelSamplingFlux().patch(p, 1.15, 0.5, 512, 512)[0]).sampling_shift()
+        out["shift_sd3_node"] = ComfyModelAdapter(ModelSamplingSD3().patch(p, 5.0)[0]).sampling_shift()
+        out["session_shift"] = session.config.timestep_shift
+
         class EpsSampling(comfy.model_sampling.ModelSamplingDiscrete, comfy.model_sampling.EPS):
             pass
         try:
@@ -87,6 +94,12 @@ def test_adapter_in_comfyui(tmp_path):
     assert r["fp8_lora_dtypes"] == ["torch.float32"] and r["fp8_base"] == ["torch.float8_e4m3fn", True]
     assert r["patched_copy_equal"] and r["patched_copy_changed"] == r["output_patches"]
     assert "eps-prediction model, which Tightrope does not support" in r["eps"]
+    # ComfyUI samples Flux at sigma = e^mu / (e^mu + 1/t - 1): mu 1.15 by default; ModelSamplingFlux at 512 px sets
+    # mu = 0.5 + (1.15 - 0.5) * (1024 - 256) / (4096 - 256) = 0.63; ModelSamplingSD3 sets the shift itself.
+    # Read back as sigma(0.5) / (1 - sigma(0.5)): a few ulps
+    assert r["shift"] == pytest.approx(math.exp(1.15), rel=1e-12) and r["session_shift"] == r["shift"]
+    assert r["shift_flux_512"] == pytest.approx(math.exp(0.63), rel=1e-12)
+    assert r["shift_sd3_node"] == pytest.approx(5.0, rel=1e-12)
 
 
 IMAGE_INPUT_RUNNER = """

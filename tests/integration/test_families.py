@@ -1,10 +1,15 @@
 """SD3.5, Lumina 2, Wan 2.1 and Qwen-Image (the last two loaded as fp8) each train through the real server, and the
 Train node's MODEL output (ComfyUI's own LoRA patching, as LoraLoaderModelOnly) samples with every LoRA key applied."""
+import json
+import math
+
 import pytest
 import torch
 from api_graph import Graph, saved_latent
 
 from tightrope.training.lora.files import read_lora_file
+
+SAMPLING_SHIFT = {"sd3": 3.0, "lumina2": 6.0, "wan": 8.0, "qwen_image": math.exp(1.15)}  # Qwen-Image: as Flux
 
 
 @pytest.mark.parametrize("family", ["sd3", "lumina2", "wan", "qwen_image"])
@@ -25,6 +30,8 @@ def test_family_trains_in_comfyui(comfy_server, checkpoint, family):
     tensors, meta = read_lora_file(entry["outputs"][save]["text"][0])
     assert meta["tightrope.family"] == family and meta["tightrope.steps"] == "1"
     assert meta["tightrope.base_model"] == name
+    # timestep_shift 0 (the default) trained at the shift ComfyUI samples the family with (0.33's sampling_settings)
+    assert json.loads(meta["tightrope.training"])["timestep_shift"] == pytest.approx(SAMPLING_SHIFT[family], rel=1e-12)
     assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k), "the step left lora_B at zero"
     assert torch.isfinite(saved_latent(comfy_server, entry, out)).all()
     log = comfy_server.log()

@@ -69,7 +69,7 @@ def test_same_seed_same_curve_scored_at_first_last_and_every_n(tmp_path):
 def _plain_losses(session, dataset) -> list[float]:
     """Each image's validation loss at batch 1 in plain torch: its own (seed, 'validation', index) noise and
     timestep, the base model's MSE, weighted by the image's loss mask (over its kept area) where it has one."""
-    cfg, losses = session.config, []
+    cfg, losses = session.with_model_shift().config, []  # timestep_shift 0: the demo Flux's own, as trained
     with torch.no_grad():
         for i in range(dataset.num_images):
             latent = dataset.latent(i)[None]

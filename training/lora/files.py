@@ -98,8 +98,8 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
     """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
 
     `metadata`: the run's facts as strings (trainer.run_metadata gives tightrope.base_model, .family, .steps,
-    .strategy); the LoRA settings, the tightrope version and kohya's ss_network_dim/alpha are added here. A LoRA
-    holding NaN or inf is never written (NonFiniteDataError). DoRA: `dora_for` picks the dora_scale convention
+    .strategy, .training: the TrainConfig as trained); the LoRA settings, the tightrope version and kohya's
+    ss_network_dim/alpha are added here. A LoRA holding NaN or inf is never written (NonFiniteDataError). DoRA: `dora_for` picks the dora_scale convention
     (recorded as tightrope.dora_scale); 'comfyui' needs `base_weight`, layer name -> base weight (dora_scale.py)."""
     check_dora_for(dora_for)
     check_finite(state, f"the LoRA to save as {filename_prefix!r}", "it was not saved; the training diverged: lower "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
 from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
@@ -18,6 +19,10 @@ from ...memory.tensor_kinds import alias_like, keeps_bytes
 from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
 from .reference_flux import Flux
 from .training_only import TrainingOnly
+
+# ComfyUI samples Flux with sigma = e^mu / (e^mu + 1/t - 1), mu = 1.15 (ModelSamplingFlux's default, and its value at
+# 1024 px): the shift family with s = e^mu
+FLUX_SAMPLING_SHIFT = math.exp(1.15)
 
 
 @runtime_checkable
@@ -38,6 +43,10 @@ class ModelAdapter(Protocol):
     def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The dataset's (VAE) latents in the model's latent space, before noising (ComfyUI models: the latent
         format's shift and scale)."""
+
+    def sampling_shift(self) -> float:
+        """The timestep shift s the model is sampled with (sigma = s*t / (1 + (s-1)*t)): what training uses for
+        timestep_shift 0 (TrainConfig.resolved)."""
 
     def with_lora_state(self, spec: LoraSpec, state: dict[str, torch.Tensor], strength: float = 1.0) -> Any:
         """The MODEL with a trained LoRA applied at `strength`, as a new object: this one is left as it is."""
@@ -91,6 +100,9 @@ class ReferenceFluxModel(TrainingOnly):
 
     def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
         return latents  # the demo's latents are already the model's
+
+    def sampling_shift(self) -> float:
+        return FLUX_SAMPLING_SHIFT
 
     def with_lora_state(self, spec: LoraSpec, state: dict[str, torch.Tensor],
                         strength: float = 1.0) -> "ReferenceFluxModel":

@@ -40,6 +40,7 @@ from ..lora.targets import LoraError
 from .adapter import ordinary_alias
 from .comfy_dynamic_vram import cast_to_model_dtypes, drop_dynamic_vram_state, share_dynamic_vram_state
 from .comfy_flux_chunks import register_comfy_flux_chunks
+from ..timesteps import shift_of_schedule
 from ..train_config import ConfigError
 
 PREFIX = "diffusion_model."
@@ -171,6 +172,16 @@ class ComfyModelAdapter:
         if dynamic:
             cast_to_model_dtypes(module)
         return module
+
+    def sampling_shift(self) -> float:
+        """The shift ComfyUI samples this MODEL with: its model_sampling, after any ModelSampling* node (Flux,
+        SD3, AuraFlow) patched it: the shift training uses for timestep_shift 0."""
+        sampling = self.patcher.get_model_object("model_sampling")
+        try:
+            return shift_of_schedule(lambda t: sampling.percent_to_sigma(1.0 - t),
+                                     f"this model's sampling ({type(sampling).__name__})")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE latents (the dataset's, or a LATENT's) -> the model's latent space, as ComfyUI's samplers do:

@@ -206,6 +206,7 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
             raise NotThisRun(str(e)) from None
         raise
     info = state.info
+    session = session.with_model_shift()  # the state recorded the number trained with
     if owner is not None and _other_run(path, info.get("owner"), owner, quiet=same_run):
         if same_run:
             raise NotThisRun(f"training state file '{path}' is of another run of this node (it went on from "
