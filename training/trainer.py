@@ -113,7 +113,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     # ComfyUI runs nodes under inference_mode; training needs autograd (restored when this block exits)
     with torch.inference_mode(False), torch.enable_grad(), adapter.training_module() as module:
         if save is not None:
-            run.fingerprints = fingerprints(module, adapter.family, session.dataset)
+            run.fingerprints = fingerprints(module, adapter.family, session.dataset, session.lora)
             _remove_stale_temporaries(save, started)
         with seeding.forked(device):  # LoRA init is seeded by the run's seed, not the global RNG
             seeding.seed(_training_stream_seed(cfg.seed, "lora-init"), device)

@@ -73,7 +73,7 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
         run_start, left = None, steps
-        resumed = _resumed(state_file, session, owner, steps, resume, notify)  # rank 0's
+        resumed = _resumed(state_file, session, owner, steps, resume, notify, strategy)  # rank 0's
         if resumed is not None:
             session, state = resumed
             run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
@@ -103,12 +103,13 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
 
 
 def _resumed(state_file: Path, session: TrainingSession, owner: StateOwner, steps: int, mode: str,
-             notify: Callable[[str], None] | None) -> tuple[TrainingSession, Any] | None:
+             notify: Callable[[str], None] | None, strategy: Any = None) -> tuple[TrainingSession, Any] | None:
     """The session and state to go on from, or None to train anew (see run_training_node's `resume`)."""
     if mode == "off":
         return None
     try:
-        return resume_agreed(state_file, session, owner=owner, steps=steps, same_run=mode == "same run")
+        return resume_agreed(state_file, session, owner=owner, steps=steps, same_run=mode == "same run",
+                             strategy=strategy)
     except NotThisRun as e:
         if notify is not None:
             notify(f"Train node{_named(owner.node)} trains from its input, not from its saved state: {e}; the file "

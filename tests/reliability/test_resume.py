@@ -15,7 +15,8 @@ from tightrope.nodes import host
 from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.lora.layers import LoraError, LoraSpec
 from tightrope.training.models.reference_flux import Flux, FluxParams
-from tightrope.training.state.resume import _model_mismatch, load_state, model_fingerprint, resume_session, state_path
+from tightrope.training.state.fingerprints import model_mismatch
+from tightrope.training.state.resume import load_state, model_fingerprint, resume_session, state_path
 from tightrope.training.trainer import SaveTarget, train
 
 CPU = torch.device("cpu")
@@ -143,10 +144,10 @@ def test_cli_ctrl_c_then_resume_equals_an_uninterrupted_run(tmp_path, monkeypatc
 def test_model_fingerprint_tells_other_models_from_the_same_one_in_another_dtype(tmp_path):
     flux = demo_session(tmp_path).model.flux
     saved = model_fingerprint(flux, "flux")
-    assert _model_mismatch(saved, model_fingerprint(flux.to(torch.bfloat16), "flux")) is None
+    assert model_mismatch(saved, model_fingerprint(flux.to(torch.bfloat16), "flux")) is None
     shallower = Flux(dataclasses.replace(FluxParams.tiny(), depth=1))
-    assert "other layers" in _model_mismatch(saved, model_fingerprint(shallower, "flux"))
-    assert "sd3 model" in _model_mismatch(saved, {**saved, "family": "sd3"})
+    assert "other layers" in model_mismatch(saved, model_fingerprint(shallower, "flux"))
+    assert "sd3 model" in model_mismatch(saved, {**saved, "family": "sd3"})
 
 
 def test_resume_with_changed_settings_or_data_warns_and_goes_on(tmp_path):

@@ -2,12 +2,15 @@
 last completed step to the uninterrupted run's LoRA, bit for bit; from nothing but the very same run (another input,
 setting, step count, model or a damaged file: it trains anew and says why); a finished node returns its result
 untrained; the widget off always trains anew."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from reliability_kit import lora, train_node, world
+from reliability_kit import load_dataset, lora, strategy, train_node, world
 
 from tightrope.nodes import host
-from tightrope.nodes.demo_nodes import TightropeDemoModel
+from tightrope.nodes.demo_nodes import TightropeDemoImages, TightropeDemoModel
 from tightrope.training import trainer
 from tightrope.training.state.resume import load_state, state_path
 
@@ -108,3 +111,63 @@ def test_the_widget_off_always_trains_anew(out, comfy):
     again, _, _ = train_node(*inputs, **KW, resume=False)
     assert comfy["calls"][:1] == [1] and again.step == 6
     assert not any("goes on from step" in n for n in comfy["notes"])
+
+
+# -- changes the settings do not show: what feeds the node changed, not its widgets (found in a real ComfyUI server:
+# each of these resumed, or returned the finished result, from the other inputs' run) --------------------------
+def _trained_lora(out, seed):
+    model, dataset, spec, strat = world(out)
+    session, _, _ = train_node(model, dataset, spec, strat, steps=1, seed=seed, save_every=1,
+                               filename_prefix=f"rt/src{seed}", resume=False)
+    return session
+
+
+def _change_model(out, model, dataset, spec, strat):
+    """A LoRA applied to the MODEL at strength 1.0, then at 0.3 (LoraLoaderModelOnly's strength in front of Train)."""
+    src = _trained_lora(out, seed=5)
+    return (model.with_lora_state(src.lora, src.lora_state, 1.0), dataset, spec, strat), \
+        (model.with_lora_state(src.lora, src.lora_state, 0.3), dataset, spec, strat), "other base weights"
+
+
+def _change_image(out, model, dataset, spec, strat):
+    """The middle one of 5 images replaced by another, under the same name."""
+    folder, other = (Path(TightropeDemoImages().make(name, 5, 32, seed)[0]) for name, seed in (("five", 0), ("other", 1)))
+    before = load_dataset(folder)
+    shutil.copyfile(sorted(other.glob("*.png"))[2], sorted(folder.glob("*.png"))[2])
+    return (model, before, spec, strat), (model, load_dataset(folder), spec, strat), "another dataset"
+
+
+def _change_precision(out, model, dataset, spec, strat):
+    return (model, dataset, spec, strat), (model, dataset, spec, strategy(compute_dtype="bf16")), "precision"
+
+
+def _change_existing_lora(out, model, dataset, spec, strat):
+    """The LoRA Setup continues from a file that is then replaced under the same name."""
+    path = out / "continue_from.safetensors"
+    shutil.copyfile(_trained_lora(out, seed=5).last_saved, path)
+    inputs = (model, dataset, lora(existing_lora=str(path)), strat)
+    replacement = _trained_lora(out, seed=6).last_saved
+
+    def replaced():
+        shutil.copyfile(replacement, path)
+        return inputs
+    return inputs, replaced, "existing_lora: the same name, another file"
+
+
+@pytest.mark.parametrize("change", [_change_model, _change_image, _change_precision, _change_existing_lora])
+@pytest.mark.parametrize("finished", [False, True])
+def test_changed_inputs_train_anew_and_say_what(out, comfy, change, finished):
+    """Interrupted (or finished), then queued with one input changed: the node must train from its input, to what
+    a fresh run of the changed graph gives, and name the change."""
+    first, second, named = change(out, *world(out))
+    if finished:
+        train_node(*first, **KW)
+    else:
+        _interrupted(comfy, *first)
+    second = second() if callable(second) else second
+    fresh, _, _ = train_node(*second, **KW, filename_prefix="rt/fresh", resume=False)
+    comfy["notes"].clear()
+    again, _, _ = train_node(*second, **KW)
+    assert any("trains from its input, not from its saved state" in n and named in n for n in comfy["notes"]), \
+        comfy["notes"]
+    assert again.losses == fresh.losses and _same(again.lora_state, fresh.lora_state)

@@ -304,6 +304,32 @@ class TrainingDataset(EpochBatches):
     def caption(self, index: int) -> str:
         return self._samples[index].caption
 
+    def content_digest(self) -> str:
+        """A hash of everything a step reads, exactly: each image's latent and loss mask and its caption's text
+        encoding (a cache file by its path, whose name is the hash of what made it; a tensor by its bytes, once per
+        tensor object: a LATENT's rows, a CONDITIONING shared by all images), in sample order."""
+        h, seen = hashlib.sha256(), {}
+
+        def add(x) -> None:
+            if isinstance(x, Path):
+                h.update(f"file {x.name};".encode())
+            elif x is None:
+                h.update(b"none;")
+            elif isinstance(x, tuple):
+                for part in x:
+                    add(part)
+            elif id(x) in seen:
+                h.update(f"again {seen[id(x)]};".encode())
+            else:
+                seen[id(x)] = len(seen)
+                t = x.detach().to("cpu").contiguous()
+                h.update(f"{t.dtype}{tuple(t.shape)};".encode() + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        for sample in self._samples:
+            h.update(sample.caption.encode() + b"\0")
+            add(sample.latent), add(sample.mask), add(self._texts[sample.text])
+        add(None if self._empty_text is None else self._texts[self._empty_text])
+        return h.hexdigest()
+
     def text(self, index: int) -> tuple[Tensor, Tensor]:
         """(context, pooled) of distinct image `index`'s caption."""
         return self._text(self._samples[index].text)

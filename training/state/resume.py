@@ -6,8 +6,8 @@ atomically whenever it saves a LoRA and when the node's run ends, so a finished 
 It holds tensors under `lora.<peft name>` and `optimizer.<index>.<key>`; everything else is JSON in the metadata key
 `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of the session the
 node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups and non-tensor
-state, losses, stats, saved LoRA paths and fingerprints of the model (family, parameter names + shapes, a sample of
-base weights) and of the dataset. No random state: every draw of a step (data order, noise, timesteps, dropout) is a
+state, losses, stats, saved LoRA paths and fingerprints of the model, the dataset and an existing_lora file
+(fingerprints.py). No random state: every draw of a step (data order, noise, timesteps, dropout) is a
 function of (seed, step), so resuming sets no global RNG (files of earlier versions hold `rng.*` tensors, ignored).
 With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`; the JSON also holds the validation losses.
 """
@@ -30,12 +30,11 @@ from .. import distributed
 from .atomic_write import atomic_save_file, safe_output_path
 from ..finite_check import check_finite
 from ..lora.targets import LoraError
+from .fingerprints import dataset_fingerprint, fingerprints, lora_file_digest, model_fingerprint, model_mismatch
 
 STATE_SUFFIX = ".state.safetensors"
 FORMAT = "tightrope-training-state-v1"
 _META = "tightrope.resume_state"
-_SAMPLE = 64            # base-weight values sampled per tensor for the model fingerprint
-_SAME_WEIGHTS = 0.98    # cosine similarity of the samples above which weights count as the same (fp8 vs bf16 is)
 LORA_SHAPING = ("algorithm", "rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
 _LORA_BEFORE = {"algorithm": "lora"}  # what a state file written before a shaping field existed was trained with
 
@@ -82,53 +81,6 @@ def session_digest(session: Any) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-# ------------------------------------------------------------------------------------------------ fingerprints
-def model_fingerprint(module: torch.nn.Module, family: str) -> dict:
-    """Family, a hash of parameter names + shapes, and a few base-weight values (compared by cosine similarity,
-    so the same model loaded in another dtype still matches)."""
-    params = list(module.named_parameters())
-    h = hashlib.sha256()
-    for name, p in params:
-        h.update(f"{name}:{tuple(p.shape)};".encode())
-    weights = [p for _, p in params if p.ndim >= 2 and not p.is_meta]
-    picks = weights[:2] + weights[len(weights) // 2:len(weights) // 2 + 1] + weights[-1:] if weights else []
-    try:
-        sample = [v for p in picks for v in p.detach().reshape(-1)[:_SAMPLE].float().cpu().tolist()]
-    except (RuntimeError, TypeError, NotImplementedError):  # a weight type that cannot be read that way: names only
-        sample = []
-    return {"family": family, "structure": h.hexdigest(), "tensors": len(params), "sample": sample}
-
-
-def dataset_fingerprint(dataset: Any) -> str:
-    """Size, buckets, captions and the first and last latent (and mask): changes when the training data changes."""
-    try:
-        n = dataset.num_images
-        h = hashlib.sha256(repr((len(dataset), n, sorted(dataset.bucket_counts.items()))).encode())
-        for i in range(n):
-            h.update(dataset.caption(i).encode() + b"\0")
-        for i in sorted({0, n - 1}):
-            h.update(dataset.latent(i).detach().float().cpu().numpy().tobytes())
-            mask = dataset.mask(i) if hasattr(dataset, "mask") else None  # loss masks (training/masks.py)
-            if mask is not None:
-                h.update(mask.numpy().tobytes())
-        return h.hexdigest()
-    except (AttributeError, TypeError):  # a dataset type without these views: not checked
-        return "unknown"
-
-
-def _model_mismatch(saved: dict, now: dict) -> str | None:
-    if saved["family"] != now["family"]:
-        return f"it was trained on a {saved['family']} model, this is a {now['family']} model"
-    if saved["structure"] != now["structure"]:
-        return (f"its model has other layers ({saved['tensors']} parameter tensors, this one {now['tensors']}, or "
-                "other names/shapes)")
-    a, b = torch.tensor(saved["sample"], dtype=torch.float64), torch.tensor(now["sample"], dtype=torch.float64)
-    if a.numel() and a.shape == b.shape and a.norm() * b.norm() > 0 \
-            and float(a @ b / (a.norm() * b.norm())) < _SAME_WEIGHTS:
-        return "same architecture, different base weights"
-    return None
 
 
 # ------------------------------------------------------------------------------------------------ save / load
@@ -191,13 +143,14 @@ def load_state(path: str | os.PathLike) -> TrainingState:
 
 # ------------------------------------------------------------------------------------------------ resume
 def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None, steps: int | None = None,
-                   same_run: bool = False) -> tuple[Any, TrainingState] | None:
+                   same_run: bool = False, strategy: Any = None) -> tuple[Any, TrainingState] | None:
     """`session` (built from the node's inputs) advanced to the state in `path`, checked against its owner, model
     and LoRA settings, and the state; restores the strategy the state was trained with.
     owner: this node (None: not checked); a state of another node is refused, one of another run of this node
     (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed).
     same_run (ComfyUI's `resume` widget): go on only from this very run, whose end equals an uninterrupted run's:
-    another input, model, dataset, setting or step count raises NotThisRun naming it (the caller trains anew)."""
+    another input, model, dataset, setting or step count raises NotThisRun naming it (the caller trains anew).
+    strategy: the node's (a Strategy: its precision must be the state's to count as the same run)."""
     from ..models import adapter_for
     try:
         state = load_state(path)
@@ -220,13 +173,21 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     diff += [f"LoRA {k}: {v!r} -> {spec.get(k)!r}" for k, v in info["lora"].items() if spec.get(k) != v]
     if steps is not None and steps != state.run_end - state.run_start:
         diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
+    diff += _changed_inputs(info, session, strategy)
     other_data = info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset))
     if same_run and (other_data or diff):  # before the model's fingerprint (a ComfyUI model is unloaded for it)
         raise NotThisRun(f"training state file '{path}' is of a run with "
                          f"{'; '.join(['another dataset'] * other_data + diff)}")
     adapter = adapter_for(session.model)
     with torch.inference_mode(False), adapter.training_module() as module:
-        problem = _model_mismatch(info["model"], model_fingerprint(module, adapter.family))
+        model_now = model_fingerprint(module, adapter.family)
+    problem = model_mismatch(info["model"], model_now)
+    if not problem and info["model"].get("exact", model_now["exact"]) != model_now["exact"]:
+        if same_run:
+            problem = ("other base weights: another file or weight dtype, or another LoRA or strength applied to the "
+                       "MODEL")
+        else:
+            diff.append("the base weights (another weight dtype, or a LoRA applied to the MODEL)")
     if same_run and problem:
         raise NotThisRun(f"training state file '{path}' is of a run with another model ({problem})")
     if problem:
@@ -258,25 +219,27 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
 
 
 def resume_agreed(path: Path, session: Any, *, owner: StateOwner | None = None, steps: int | None = None,
-                  same_run: bool = False) -> tuple[Any, TrainingState] | None:
+                  same_run: bool = False, strategy: Any = None) -> tuple[Any, TrainingState] | None:
     """resume_session from `path` if it exists, the same on every rank under torchrun. Each rank reads `path` in its
     own --output-dir, which another machine may not share, see late or hold an older copy of: so rank 0 decides
     (whether to resume, and from which state), the others load that same state or every rank stops (one line each),
     never some ranks at step k and others at 0, whose collectives would hang or mix."""
     par = distributed.current()
     if not par.distributed:
-        return resume_session(path, session, owner=owner, steps=steps, same_run=same_run) if path.is_file() else None
+        return resume_session(path, session, owner=owner, steps=steps, same_run=same_run, strategy=strategy) \
+            if path.is_file() else None
     mine: list = [None]
 
     def decide() -> tuple[int, str] | None:  # rank 0: a refusal there is every rank's (on_main_rank)
-        mine[0] = resume_session(path, session, owner=owner, steps=steps, same_run=same_run) if path.is_file() \
-            else None
+        mine[0] = resume_session(path, session, owner=owner, steps=steps, same_run=same_run, strategy=strategy) \
+            if path.is_file() else None
         return None if mine[0] is None else _identity(mine[0][1])
 
     chosen = distributed.on_main_rank(decide)
     if chosen is None:
         return None  # every rank starts this node anew
-    return distributed.on_every_rank(lambda: mine[0] if par.is_main else _follow(path, session, owner, steps, chosen))
+    return distributed.on_every_rank(lambda: mine[0] if par.is_main else _follow(path, session, owner, steps, chosen,
+                                                                                 strategy))
 
 
 def _identity(state: TrainingState) -> tuple[int, str]:
@@ -285,7 +248,7 @@ def _identity(state: TrainingState) -> tuple[int, str]:
 
 
 def _follow(path: Path, session: Any, owner: StateOwner | None, steps: int | None,
-            chosen: tuple[int, str]) -> tuple[Any, TrainingState]:
+            chosen: tuple[int, str], strategy: Any = None) -> tuple[Any, TrainingState]:
     """A rank other than 0: the state rank 0 resumes from (`chosen`), read from its own `path`, or a ResumeError."""
     rank, step = distributed.current().rank, chosen[0]
     where = f"rank {rank} cannot resume step {step} as rank 0 does: its training state file '{path}'"
@@ -294,7 +257,7 @@ def _follow(path: Path, session: Any, owner: StateOwner | None, steps: int | Non
     if not path.is_file():
         raise ResumeError(f"{where} does not exist; {fix}")
     try:
-        resumed = resume_session(path, session, owner=owner, steps=steps)
+        resumed = resume_session(path, session, owner=owner, steps=steps, strategy=strategy)
     except ResumeError as e:
         raise ResumeError(f"{where} cannot be used ({e}); {fix}") from None
     if resumed is None or _identity(resumed[1]) != chosen:
@@ -322,13 +285,24 @@ def _other_run(path: Path, saved: dict | None, owner: StateOwner, quiet: bool = 
     return True
 
 
+def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
+    """What changed besides the settings, as resume's diff lists it: the bytes of the existing_lora file (its name
+    can stay), and the precision of the node's strategy (the memory parts give the same numbers; dtypes do not)."""
+    out = []
+    if "lora_file" in info and info["lora_file"] != lora_file_digest(session.lora):
+        out.append("existing_lora: the same name, another file")
+    saved = (info.get("strategy") or {}).get("precision")
+    precision = getattr(strategy, "precision", None)
+    if saved is not None and precision is not None and _as_saved(precision.to_dict()) != saved:
+        out.append(f"precision: {saved} -> {_as_saved(precision.to_dict())}")
+    return out
+
+
 def _as_saved(values: dict) -> dict:
     """`values` as they read back from the state file's JSON (tuples become lists), so equal settings compare equal."""
     return json.loads(json.dumps(values))
 
 
-def fingerprints(module: torch.nn.Module, family: str, dataset: Any) -> dict:
-    return {"model": model_fingerprint(module, family), "dataset": dataset_fingerprint(dataset)}
 
 
 __all__ = ["STATE_SUFFIX", "ResumeError", "NotThisRun", "StateOwner", "TrainingState", "state_path", "session_digest",
