@@ -6,7 +6,6 @@ depends on: the updates (bit for bit, with the same optimizer implementation), t
 hook that copies it out (at most one on the device at any time), one host copy of each weight, the micro-batches
 adding up on the host, page-locked buffers that no copy straddles, and a state that goes on with the offload on or
 off."""
-import functools
 import gc
 import mmap
 
@@ -20,7 +19,6 @@ from two_stream import make_batch, make_lora_model
 from tightrope.memory.host_pinning import interior_ranges, storage_spans
 from tightrope.memory.strategy import Strategy, StrategyError
 from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer, _page_aligned, gradient_holders
-from tightrope.training import optimizer as optimizer_module
 from tightrope.training.optimizer import load_optimizer_state
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import train
@@ -196,16 +194,11 @@ def test_page_aligned_buffers_own_the_pages_they_lie_in():
         assert t.data_ptr() == start and t.data_ptr() + t.nbytes <= start + nbytes
 
 
-def test_a_run_with_optimizer_offload_trains_as_one_without(tmp_path, monkeypatch):
-    """The host steps with the fused CPU AdamW; so does the run without offload here (on this CPU "device" the
-    default AdamW is the loop, whose rounding differs: Adam turns ulp-sized gradient differences at near-cancelling
-    entries into update differences of ~1e-3 of the learning rate, which no tolerance argues well). With one kernel
-    on both sides the runs must agree bit for bit: the gradients reach the host whole (both micro-batches, added in
-    the same order), clipping sees the same values, and the updated weights come back."""
-    fused = functools.partial(torch.optim.AdamW, fused=True)
-    monkeypatch.setattr(optimizer_module, "optimizer_class",
-                        lambda name, device, real=optimizer_module.optimizer_class:
-                        fused if name == "adamw" else real(name, device))
+def test_a_run_with_optimizer_offload_trains_as_one_without(tmp_path):
+    """On the CPU both runs step with the fused AdamW (make_optimizer), so they must agree bit for bit: the
+    gradients reach the host whole (both micro-batches, added in the same order), clipping sees the same values,
+    and the updated weights come back. (With the loop AdamW on one side, Adam turned ulp-sized gradient
+    differences at near-cancelling entries into update differences of ~1e-3 of the learning rate.)"""
     base = train(demo_session(tmp_path, strategy=Strategy.of(**OFFLOADED), grad_accumulation=2), 3, device=CPU)
     offloaded = train(demo_session(tmp_path, strategy=Strategy.of(**OFFLOADED, optimizer_offload=True),
                                    grad_accumulation=2), 3, device=CPU)
