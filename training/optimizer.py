@@ -90,8 +90,9 @@ def make_optimizer(params: dict[str, nn.Parameter], config: TrainConfig, device:
         # eps2 = 1e-3 B moved 1000x slower than the learning rate says. eps2 = 1 makes the step the learning rate
         # (LoRA weights have RMS < 1), as Adafactor(scale_parameter=False) does in kohya's and HF's LoRA recipes.
         extra = {"eps": (None, 1.0)}
-    if config.optimizer == "adamw" and (on_host or device.type == "cpu"):  # the CPU's fastest AdamW, and one kernel
-        # for training on the CPU with and without optimizer offload (the loop's rounding differs)
+    # on the CPU (host copies, or a CPU device) the fused AdamW: the fastest, and one kernel for training on the
+    # CPU with and without optimizer offload (the loop's rounding differs)
+    if config.optimizer == "adamw" and (on_host or torch.device(device).type == "cpu"):
         return host_adamw(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay)
     return cls(_groups(params), lr=config.learning_rate, weight_decay=config.weight_decay, **extra)
 
