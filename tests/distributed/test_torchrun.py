@@ -34,6 +34,7 @@ from dist_workflow import workflow
 from merge_lora import with_lora_file
 from tightrope.demo.model import demo_model
 from tightrope.training.lora.files import read_lora_file
+from tightrope.training.optimizer import host_adamw
 
 HERE = os.path.dirname(__file__)
 LOSS_RTOL = 1e-6
@@ -112,11 +113,9 @@ def _recorded(run, kind: str, step: int) -> list[torch.Tensor]:
     return [record[f"{kind}{step}.{i}"] for i in range(count)]
 
 
-def _assert_same_lora(run, reference_run, fused: bool = False):
+def _assert_same_lora(run, reference_run):
     """Same start, first-step gradients equal up to rounding, first-step weights within what Adam makes of that, and
-    every later step exactly what AdamW makes of the recorded gradients (`fused`: the run's AdamW is the fused one,
-    as optimizer offload's on the host; it rounds differently from the loop in the last bit of an update, far under
-    the weights' ulp that the step-1 bound allows)."""
+    every later step exactly what AdamW makes of the recorded gradients."""
     w0, want_w0 = _recorded(run, "weight", 0), _recorded(reference_run, "weight", 0)
     assert len(w0) == len(want_w0) > 0 and all(torch.equal(a, b) for a, b in zip(w0, want_w0))
     g0, want_g0 = _recorded(run, "grad", 0), _recorded(reference_run, "grad", 0)
@@ -130,7 +129,7 @@ def _assert_same_lora(run, reference_run, fused: bool = False):
     worst = max((a - b).abs().max().item() for a, b in zip(w1, want_w1))
     assert worst <= bound, (f"weights after step 1 differ by up to {worst}, more than the {bound} that first-step "
                             f"gradient differences of up to {worst_dg} allow")
-    _assert_weights_follow_adamw(run, fused)
+    _assert_weights_follow_adamw(run)
     _assert_weights_follow_adamw(reference_run)
     (path,), (reference,) = _loras(run["out"]), _loras(reference_run["out"])
     (got, meta), (want, _) = read_lora_file(path), read_lora_file(reference)
@@ -138,11 +137,12 @@ def _assert_same_lora(run, reference_run, fused: bool = False):
     assert meta["tightrope.steps"] == str(STEPS)
 
 
-def _assert_weights_follow_adamw(run, fused: bool = False):
-    """Replay: plain AdamW (and gradient clipping at the workflow's max_grad_norm, 1.0) on the recorded gradients
-    from the recorded first weights gives every recorded later weight bit for bit (same ops on the same CPU)."""
+def _assert_weights_follow_adamw(run):
+    """Replay: AdamW as the trainer makes it on the CPU (the fused kernel, with and without optimizer offload) and
+    gradient clipping at the workflow's max_grad_norm, 1.0, on the recorded gradients from the recorded first weights
+    gives every recorded later weight bit for bit (same ops on the same CPU)."""
     params = [torch.nn.Parameter(w.clone()) for w in _recorded(run, "weight", 0)]
-    optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0, fused=fused)
+    optimizer = host_adamw(params, lr=LEARNING_RATE, weight_decay=0.0)
     for step in range(STEPS - 1):
         for p, g in zip(params, _recorded(run, "grad", step)):
             p.grad = g.clone()
@@ -165,7 +165,7 @@ def test_two_processes_with_the_optimizer_on_the_host_train_what_one_process_tra
     single, dp = runs["single"], runs["dp_host_optimizer"]
     for rank in (0, 1):
         _assert_same_losses(dp["records"][rank]["losses"], single["records"][0]["losses"])
-    _assert_same_lora(dp, single, fused=True)
+    _assert_same_lora(dp, single)
 
 
 def test_only_rank_0_writes_and_reports(runs):
