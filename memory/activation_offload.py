@@ -10,6 +10,10 @@ one unpack; the store keeps the copy only until the last expected unpack has han
 backward use (a later unexpected unpack, e.g. a second recompute, fetches it again from the host copy). The host
 copy lives as long as autograd keeps the packed object. Copies back are allocated on the compute stream (its
 allocator pool, where they are freed) and written on the side stream.
+
+Host copies: page-locked on CUDA (pin_memory), carved out of one arena registered in place and reused step after
+step (activation_host.py), not torch's pinned allocator (a power of two per buffer, kept for the life of the
+process); pageable otherwise. `close()` (at the runtime's undo) waits for the copies and gives the arena back.
 """
 from __future__ import annotations
 
@@ -17,25 +21,28 @@ import weakref
 
 import torch
 
-from .devices import host_buffer, normalize_device
+from .activation_host import ActivationHost, copy_parts
+from .devices import normalize_device
 
 
 class _Stored:
     """A host copy of one saved activation, and its device copy while it is on its way back."""
 
-    def __init__(self, host: torch.Tensor, event):
-        self.host, self.d2h_event = host, event
+    def __init__(self, host: torch.Tensor, parts: list[tuple[int, int]] | None, pinned: bool, event):
+        self.host, self.parts, self.pinned, self.d2h_event = host, parts, pinned, event
         self.back: torch.Tensor | None = None
         self.h2d_event = None
         self.pending = 1  # unpacks still expected: one per pack
 
 
 class ActivationOffload:
-    def __init__(self, device: torch.device, *, pin_memory: bool, min_bytes: int = 1 << 16):
+    def __init__(self, device: torch.device, *, pin_memory: bool, min_bytes: int = 1 << 16, cudart=None):
+        """cudart: the CUDA runtime that page-locks (default torch's); the CPU simulation passes a model of it, and
+        then runs the page-locked path's bookkeeping and copies on the CPU."""
         self.device = normalize_device(device)
         self.cuda = self.device.type == "cuda"
-        self.pin = pin_memory and self.cuda
-        self.pinned = self.pin  # False once the system refused page-locked memory for a copy
+        self.pin = pin_memory and (self.cuda or cudart is not None)
+        self.host = ActivationHost(self.device, cudart=cudart) if self.pin else None
         self.min_bytes = min_bytes
         self.d2h_bytes = 0
         self.live_copies = 0       # device copies brought back and not yet freed
@@ -56,20 +63,22 @@ class ActivationOffload:
         if stored is not None:
             stored.pending += 1
             return stored
-        host = host_buffer(lambda pin: torch.empty_like(t, device="cpu", pin_memory=pin), self.pin)
+        if self.host is not None:
+            buf = self.host.buffer_like(t)
+            host, parts, pinned = buf.tensor, buf.parts, buf.pinned
+        else:
+            host, parts, pinned = torch.empty_like(t, device="cpu"), None, False
         event = None
         if self.cuda:
-            pinned = host.is_pinned()
-            self.pinned = self.pinned and pinned
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                host.copy_(t, non_blocking=pinned)  # into pageable memory the copy is blocking anyway: say so
+                copy_parts(host, t, parts, non_blocking=pinned)  # into pageable memory it blocks anyway: say so
                 event = torch.cuda.Event()
                 event.record(self.stream)
             t.record_stream(self.stream)  # the allocator must not hand t's memory out before the copy has read it
         else:
-            host.copy_(t)
-        stored = _Stored(host, event)
+            copy_parts(host, t, parts, non_blocking=pinned)
+        stored = _Stored(host, parts, pinned, event)
         self._by_tensor[id(t)] = (weakref.ref(t), weakref.ref(stored))
         self._by_block.setdefault(block, []).append(weakref.ref(stored))
         self.d2h_bytes += host.numel() * host.element_size()
@@ -103,12 +112,13 @@ class ActivationOffload:
             self.stream.wait_stream(compute)  # its memory may have been another tensor's, still read by compute
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(stored.d2h_event)
-                back.copy_(stored.host, non_blocking=stored.host.is_pinned())
+                copy_parts(back, stored.host, stored.parts, non_blocking=stored.pinned)
                 stored.h2d_event = torch.cuda.Event()
                 stored.h2d_event.record(self.stream)
             back.record_stream(self.stream)  # freed unused (never waited on), it must outlive the copy into it
         else:
-            back = stored.host.clone()
+            back = torch.empty_like(stored.host)
+            copy_parts(back, stored.host, stored.parts, non_blocking=stored.pinned)
         stored.back = back
         self.live_copies += 1
         self.peak_live_copies = max(self.peak_live_copies, self.live_copies)
@@ -133,8 +143,24 @@ class ActivationOffload:
         torch.cuda.synchronize(self.device)
         return sum(s.elapsed_time(e) for s, e in events) / 1000.0
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the host copies are page-locked (from the second step on: activation_host.py)."""
+        return self.host is not None and self.host.pinned
+
     def start_step(self) -> None:
         self.peak_live_copies = self.live_copies
+        if self.host is not None and self.host.outgrown():
+            if self.cuda:
+                self.stream.synchronize()  # the last step's copies have read and written the arena it replaces
+            self.host.settle()
+
+    def close(self) -> None:
+        """Wait for the copies, then give the host arena back (the runtime's undo)."""
+        if self.cuda:
+            self.stream.synchronize()
+        if self.host is not None:
+            self.host.release()
 
     def end_step(self) -> None:
         """Forget this step's bookkeeping (the stored copies themselves die with the autograd graph)."""

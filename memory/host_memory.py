@@ -122,9 +122,10 @@ def _mkl_free_buffers():
 
 def _empty_pinned_host_cache() -> None:
     """Page-locked blocks freed by the run go back to the OS. PyTorch's caching host allocator (behind
-    `pin_memory=True`: activation offload's host copies) keeps every freed pinned block cached for the life of the
-    process, each rounded up to a power of two, so a ComfyUI server would keep a run's pinned activations (GBs at
-    2048 px) page-locked after it. Only when CUDA is initialised: otherwise nothing was pinned."""
+    `pin_memory=True`: the probe's bandwidth measurement; activation offload has its own arena, activation_host.py)
+    keeps every freed pinned block cached for the life of the process, each rounded up to a power of two, so a
+    ComfyUI server would keep them page-locked after the run. Only when CUDA is initialised: otherwise nothing was
+    pinned."""
     if not torch.cuda.is_initialized():
         return
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \

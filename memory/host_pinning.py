@@ -72,8 +72,11 @@ def interior_ranges(spans: Iterable[tuple[int, int]], page: int = mmap.PAGESIZE)
 class PinnedRanges:
     """Host memory registered with CUDA for the duration of a run. `cudart` defaults to torch.cuda.cudart()."""
 
-    def __init__(self, device: torch.device, cudart: Any = None):
+    def __init__(self, device: torch.device, cudart: Any = None, *, what: str = "host weights",
+                 fallback: str = "streaming them from pageable memory"):
+        """what, fallback: the refusal note's words for the memory and for what happens instead."""
         self.device = device
+        self._words = (what, fallback)
         self._cudart = cudart
         self.registered: list[tuple[int, int]] = []
         self.refused_bytes = 0
@@ -152,8 +155,9 @@ class PinnedRanges:
 
     def _note(self, nbytes: int, reason: str, fix: str = "") -> None:
         self.refused_bytes += nbytes
-        warnings.warn(f"tightrope: could not page-lock {_size(nbytes)} of host weights in place ({reason}); "
-                      f"streaming them from pageable memory (slower copies{'; ' + fix if fix else ''})",
+        what, fallback = self._words
+        warnings.warn(f"tightrope: could not page-lock {_size(nbytes)} of {what} in place ({reason}); "
+                      f"{fallback} (slower copies{'; ' + fix if fix else ''})",
                       RuntimeWarning, stacklevel=3)
 
 

@@ -15,8 +15,8 @@ Peak memory = resident weights (memory_model.predict_resident_weight_bytes: resi
   (2026-11-23) a fixed 256 MiB allowance let the 8 and 12 GB plans for Flux-dev at 1024 px run out of memory with
   0.3 GiB reserved but unallocated; the probe measured 0.74-1.0 GiB there.
 Host memory for offloaded activations (breakdown "host_activations_pinned", what host_memory.HostNeeds counts) is
-what the buffers take: pinned on CUDA, each comes from torch's caching host allocator rounded up to a power of two
-(`pinned_host_bytes`); "host_activations" is the bytes copied.
+what the buffers take: page-locked on CUDA, in one arena of the step's buffers at activation_host.ALIGN apart
+(`_arena_bytes`), pageable buffers of the same sizes elsewhere; "host_activations" is the bytes copied.
 A strategy with token_chunks > 1 takes, for each block measured chunked (`Profile.chunked`), the chunked figures in
 place of the block's own: bytes saved without checkpointing, the peak over forward + backward, and the forward and
 backward times (the backward includes the chunks' recompute; a checkpointed block adds the forward its checkpoint
@@ -51,8 +51,10 @@ element), and with grad_accumulation > 1 a third flat buffer of trainable_bytes 
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 
+from .activation_host import aligned
 from .layer_offload import prefetch_window
 from .memory_model import predict_resident_weight_bytes, predict_slot_bytes
 from .offload_selection import select_offloaded
@@ -185,10 +187,11 @@ def predict(profile: Profile, strategy: Strategy, *, batch_scale: float = 1.0, m
                  "activations": int(activations), "transient": int(transient), "margin": int(margin),
                  "host_weights": int(sum(profile.block_frozen[i] for i in off)), "host_activations": int(sum(act_host)),
                  "host_optimizer": int(host_optimizer)}
-    # what the host buffers take: pinned ones come from torch's caching host allocator, a power of two each
+    # what the host buffers take: page-locked ones are carved out of one arena (activation_host.py)
     pinned = profile.device == "cuda" and strategy.offload.pin_memory
-    breakdown["host_activations_pinned"] = sum(_pinned_activation_bytes(profile, i, act_host[i], s, inputs_only[i])
-                                               for i in range(n) if act_host[i]) if pinned else int(sum(act_host))
+    breakdown["host_activations_pinned"] = _arena_bytes([
+        _activation_buffers(profile, i, act_host[i], s, inputs_only[i]) for i in range(n) if act_host[i]]) \
+        if pinned else int(sum(act_host))
     other = profile.other_s * s + (host_step_s(profile) if strategy.optimizer.enabled else profile.optimizer_s)
     compute = sum(c_fwd) + sum(c_bwd) + other
     bw = max(profile.h2d_bytes_per_s, 1.0)
@@ -236,20 +239,19 @@ def host_step_s(profile: Profile) -> float:
     return max(cpu, profile.optimizer_s) + profile.trainable_bytes / max(profile.h2d_bytes_per_s, 1.0)
 
 
-def pinned_host_bytes(nbytes: float) -> int:
-    """What torch's caching host allocator (`pin_memory=True`) takes for a buffer of `nbytes`: it rounds every
-    allocation up to the next power of two (ATen's CachingHostAllocator, `PowerOf2Ceil`) and caches it so."""
-    n = math.ceil(nbytes)
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
-def _pinned_activation_bytes(profile: Profile, i: int, kept: float, scale: float, inputs_only: bool) -> int:
-    """Pinned host bytes for block i's offloaded activations (`kept` bytes): one buffer per saved tensor, each
-    rounded (`pinned_host_bytes`). A block kept at its inputs offloads the storages the probe measured
-    (`Profile.act_ckpt_allocs`); where their sizes are unknown (older profiles, a compiled block's own saves) the
-    block's bytes count as one buffer."""
+def _activation_buffers(profile: Profile, i: int, kept: float, scale: float, inputs_only: bool) -> list[int]:
+    """The sizes of block i's offloaded activation buffers (`kept` bytes in all): a block kept at its inputs offloads
+    the storages the probe measured (`Profile.act_ckpt_allocs`); where their sizes are unknown (older profiles, a
+    compiled block's own saves) the block's bytes count as one buffer."""
     allocs = profile.act_ckpt_allocs[i] if inputs_only and profile.act_ckpt_allocs else None
-    return sum(pinned_host_bytes(a * scale) for a in allocs) if allocs else pinned_host_bytes(kept)
+    return [math.ceil(a * scale) for a in allocs] if allocs else [math.ceil(kept)]
+
+
+def _arena_bytes(buffers: list[list[int]]) -> int:
+    """What the page-locked arena of activation offload takes for a step's buffers: each at ALIGN, the whole in
+    pages (activation_host.ActivationHost.settle)."""
+    total = sum(aligned(b) for block in buffers for b in block)
+    return -(-total // mmap.PAGESIZE) * mmap.PAGESIZE if total else 0
 
 
 def loaded_at_turnaround(packed: list[int], offloaded: list[int], prefetch_depth: int) -> set[int]:

@@ -128,7 +128,9 @@ class MemoryRuntime:
         if self.offload is not None:
             self.offload.detach()
             self.offload = None
-        self.acts = None
+        if self.acts is not None:
+            self.acts.close()  # its page-locked host arena goes back (activation_host.py)
+            self.acts = None
         self._param_storages = set()
         for t, kept, dev, dtype in reversed(self._placed):
             t.data = kept if kept is not None else t.data.to(dev, dtype)

@@ -1,7 +1,7 @@
 """Host RAM in the plan: a refusal names only the changes that would fit by the planner's own host model (else the
-least host RAM the run needs), and pinned activation buffers count as torch's caching host allocator takes them (each
-rounded up to a power of two)."""
+least host RAM the run needs), and page-locked activation buffers count as activation offload's arena takes them."""
 import dataclasses
+import mmap
 import re
 
 import pytest
@@ -10,13 +10,14 @@ from two_stream import make_lora_model
 
 from tightrope.memory.blocks import discover_blocks
 from tightrope.memory.host_memory import HostNeeds
-from tightrope.memory.plan_cost import Prediction, pinned_host_bytes, predict
+from tightrope.memory.activation_host import ALIGN, aligned
+from tightrope.memory.plan_cost import Prediction, predict
 from tightrope.memory.planner import plan
 from tightrope.memory.profile import Profile
 from tightrope.memory.strategy import Strategy, StrategyError
 
-MiB, GiB = 1 << 20, 1 << 30
-ABOVE = MiB + 1  # one byte above a power of two: the host allocator takes 2 MiB for it
+MiB, GiB, PAGE = 1 << 20, 1 << 30, mmap.PAGESIZE
+ABOVE = MiB + 1  # one byte above a power of two: torch's pinned allocator would take 2 MiB for it
 OFFLOADED = Strategy.of(offload_fraction=1.0, checkpoint="all", activation_offload=True)
 AUTO = "set weight_dtype auto (offloaded blocks stream from the model's own weights)"
 EIGHT_BIT = "load the model with 8-bit weights (e.g. weight_dtype fp8_e4m3fn in Load Diffusion Model)"
@@ -43,31 +44,33 @@ def _refusal(needs: HostNeeds, fitting, scored=()) -> str:
     return str(e.value)
 
 
-# -- pinned activation buffers -------------------------------------------------------------------------------------
-def test_pinned_buffers_round_up_to_a_power_of_two():
-    sizes = (0, 1, 3, MiB, ABOVE, 2 * MiB - 1, 2 * MiB + 1)
-    assert [pinned_host_bytes(n) for n in sizes] == [0, 1, 4, MiB, 2 * MiB, 2 * MiB, 4 * MiB]
+# -- page-locked activation buffers ---------------------------------------------------------------------------------
+def _arena(*sizes: int) -> int:
+    """What activation offload's page-locked arena takes for buffers of these sizes (memory/activation_host.py)."""
+    return -(-sum(aligned(n) for n in sizes) // PAGE) * PAGE
 
 
-def test_pinned_activation_buffers_count_as_the_host_allocator_takes_them():
-    # 4 blocks x 3 inputs of 1 MiB + 1 byte: 12 MiB + 12 bytes copied out, in buffers of 2 MiB each (3 MiB + 3 bytes
-    # as one buffer per block would take 4 MiB)
+def test_page_locked_activation_buffers_count_as_the_arena_takes_them():
+    # 4 blocks x 3 inputs of 1 MiB + 1 byte: 12 MiB + 12 bytes copied out, ALIGN apart in one arena of whole pages;
+    # torch's pinned allocator would take 2 MiB for each (24 MiB)
+    arena = _arena(*[ABOVE] * 12)
+    assert 12 * ABOVE < arena < 12 * ABOVE + 12 * ALIGN + PAGE < 12 * 2 * MiB
     needs = HostNeeds(budget_bytes=GiB, model_bytes=100 * MiB, model_8bit_bytes=100 * MiB, copy_bytes=[0] * 4)
-    assert needs.need(predict(_profile(), OFFLOADED)) == 100 * MiB + 4 * 3 * 2 * MiB
-    # so a host budget that holds the bytes but not the pinned buffers refuses activation offload, which 822 MiB of
-    # VRAM needs (without optimizer offload, which would fit there instead: 16 MiB of host memory, 10.5 MiB less VRAM)
+    assert needs.need(predict(_profile(), OFFLOADED)) == 100 * MiB + arena
+    # a host budget below that refuses activation offload, which 822 MiB of VRAM needs (without optimizer offload,
+    # which would fit there instead: 16 MiB of host memory, 10.5 MiB less VRAM)
     with pytest.raises(StrategyError, match=r"\(the model's 100\.0 MiB \+ 0\.0 MiB of converted weight copies \+ "
-                                            r"24\.0 MiB of offloaded activations\)"):
-        plan(_profile(), 822 * MiB, host=dataclasses.replace(needs, budget_bytes=120 * MiB), optimizer_offload=False)
-    p = plan(_profile(), 822 * MiB, host=dataclasses.replace(needs, budget_bytes=124 * MiB), optimizer_offload=False)
-    assert p.strategy.activations.enabled and "Host RAM: 124.0 MiB of your 124.0 MiB" in p.explanation
+                                            r"12\.0 MiB of offloaded activations\)"):
+        plan(_profile(), 822 * MiB, host=dataclasses.replace(needs, budget_bytes=112 * MiB), optimizer_offload=False)
+    p = plan(_profile(), 822 * MiB, host=dataclasses.replace(needs, budget_bytes=113 * MiB), optimizer_offload=False)
+    assert p.strategy.activations.enabled and "Host RAM: 112.0 MiB of your 113.0 MiB" in p.explanation
     b = predict(_profile(), OFFLOADED).breakdown
-    assert b["host_activations"] == 4 * 3 * ABOVE and b["host_activations_pinned"] == 4 * 3 * 2 * MiB
+    assert b["host_activations"] == 4 * 3 * ABOVE and b["host_activations_pinned"] == arena
     # a profile that did not measure the tensors (older ones): each block's bytes as one buffer
-    assert predict(_profile(measured=False), OFFLOADED).breakdown["host_activations_pinned"] == 4 * 4 * MiB
-    # at batch 2 each input is 2 MiB + 2 bytes: 4 MiB pinned
-    assert predict(_profile().at_batch(2), OFFLOADED).breakdown["host_activations_pinned"] == 4 * 3 * 4 * MiB
-    assert predict(_profile(), OFFLOADED, batch_scale=2).breakdown["host_activations_pinned"] == 4 * 3 * 4 * MiB
+    assert predict(_profile(measured=False), OFFLOADED).breakdown["host_activations_pinned"] == _arena(*[3 * ABOVE] * 4)
+    # at batch 2 each input is 2 MiB + 2 bytes
+    assert predict(_profile().at_batch(2), OFFLOADED).breakdown["host_activations_pinned"] == _arena(*[2 * ABOVE] * 12)
+    assert predict(_profile(), OFFLOADED, batch_scale=2).breakdown["host_activations_pinned"] == _arena(*[2 * ABOVE] * 12)
     # pageable buffers (a CPU device, pin_memory off) take what they hold
     for prof, s in ((_profile(device="cpu"), OFFLOADED), (_profile(), OFFLOADED.replace(pin_memory=False))):
         b = predict(prof, s).breakdown
