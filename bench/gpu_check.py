@@ -185,6 +185,8 @@ def _summarise_headline(run: Run, headline: dict) -> None:
                   f"{gib(r['peak_allocated_bytes'])}, device used {gib(r['device_used_bytes'])}"
                   if r["peak_reserved_bytes"] else "not measured (CPU)")
         run.add(f"{px} {r['label']}: peak", memory, target)
+        if r.get("activation_host"):
+            run.add(f"{px} {r['label']}: activation host memory", _arena_line(r["activation_host"], r["d2h_bytes"]))
         if "allocator_trace" in r:
             run.add(f"{px} {r['label']}: allocator trace", _trace_line(r["allocator_trace"]))
         if off:
@@ -194,6 +196,14 @@ def _summarise_headline(run: Run, headline: dict) -> None:
         else:
             run.add(f"{px} {r['label']}: compute (offload-0 twin)", f"{r['step_s']:.3g} s/step (fwd {r['fwd_s']:.3g}"
                     f", bwd {r['bwd_s']:.3g}, optimizer {r['opt_s']:.3g})")
+
+
+def _arena_line(host: dict[str, Any], d2h_bytes: float) -> str:
+    """Activation offload's host memory: its page-locked arena against the bytes a step copies out (torch's pinned
+    allocator took a power of two per buffer: 7.1 GiB for 5.5 GiB at 2048 px, memory/activation_host.py)."""
+    locked = "page-locked" if host["pinned"] else "pageable (page-locking refused)"
+    return (f"arena {gib(host['arena_bytes'])} {locked} for {gib(d2h_bytes)} copied out per step; "
+            f"{host['pageable_buffers']} pageable buffers (the first step's)")
 
 
 def _summarise_capped(run: Run, px: str, rows: list[dict[str, Any]]) -> None:

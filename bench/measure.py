@@ -47,6 +47,10 @@ def run_config(bench: BenchModel, config: BenchConfig, device: torch.device | st
                     steps_data.append(_one_step(model, rt, opt, inputs, target, device))
                 if trace and device.type == "cuda":
                     record["allocator_trace"] = _traced_step(model, rt, opt, inputs, target, device)
+                if rt.acts is not None and rt.acts.host is not None:  # activation offload's page-locked arena
+                    host = rt.acts.host
+                    record["activation_host"] = {"arena_bytes": host.arena_bytes, "high_water_bytes": host.high_water,
+                                                 "pinned": host.pinned, "pageable_buffers": host.pageable_buffers}
             finally:
                 if isinstance(opt, HostOptimizer):
                     opt.close()

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .host_pinning import PinnedRanges
+from .host_pinning import PinnedRanges, page_aligned
 
 ALIGN = 512  # bytes between buffers in the arena: every dtype's alignment, and DMA-friendly
 
@@ -114,12 +114,9 @@ class ActivationHost:
         is alive (the caller has synchronised the copies)."""
         if self.outgrown():
             self._free_arena()
-            page = mmap.PAGESIZE
-            nbytes = -(-self.high_water // page) * page
-            raw = torch.empty(nbytes + page, dtype=torch.uint8)  # a page more: a whole page-aligned range inside
-            start = -raw.data_ptr() % page
-            self._pinned.register([raw], read_only_ok=False)  # the device writes into it
-            self._arena, self._top = raw[start: start + nbytes], 0
+            arena = page_aligned(-(-self.high_water // mmap.PAGESIZE) * mmap.PAGESIZE, torch.uint8)
+            self._pinned.register([arena], read_only_ok=False)  # the device writes into it
+            self._arena, self._top = arena, 0
 
     def release(self) -> None:
         """Unregister and drop the arena (the caller has synchronised the copies). Buffers still alive keep their

@@ -69,6 +69,15 @@ def interior_ranges(spans: Iterable[tuple[int, int]], page: int = mmap.PAGESIZE)
     return out
 
 
+def page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat host tensor whose bytes lie wholly inside whole pages of an allocation of its own: page-locking
+    registers only whole pages, and a copy from a buffer partly outside them fails."""
+    page = mmap.PAGESIZE
+    raw = torch.empty(numel * dtype.itemsize + 2 * page, dtype=torch.uint8)
+    start = -raw.data_ptr() % page
+    return raw[start:start + numel * dtype.itemsize].view(dtype)
+
+
 class PinnedRanges:
     """Host memory registered with CUDA for the duration of a run. `cudart` defaults to torch.cuda.cudart()."""
 

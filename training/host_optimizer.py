@@ -20,7 +20,6 @@ themselves between train and eval) and bitsandbytes' 8-bit AdamW (CUDA only) can
 from __future__ import annotations
 
 import contextlib
-import mmap
 import warnings
 import weakref
 from typing import Callable
@@ -28,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..memory.host_pinning import PinnedRanges
+from ..memory.host_pinning import PinnedRanges, page_aligned
 from .train_config import ConfigError
 
 NOT_OFFLOADABLE = {"adamw_schedulefree": "it swaps the weights between train and eval itself",
@@ -47,15 +46,6 @@ def check_offloadable(optimizer: str) -> None:
                           "optimizer_offload=False in the Memory Strategy node")
 
 
-def _page_aligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat host tensor whose bytes lie wholly inside whole pages of an allocation of its own: page-locking
-    registers only whole pages, and a copy from a buffer partly outside them fails (host_pinning.py)."""
-    page = mmap.PAGESIZE
-    raw = torch.empty(numel * dtype.itemsize + 2 * page, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    return raw[start:start + numel * dtype.itemsize].view(dtype)
-
-
 def _flat_like(tensors: list[torch.Tensor], pinned: PinnedRanges | None) -> tuple[list[torch.Tensor], bool]:
     """Host tensors shaped like `tensors`, views into one flat buffer per dtype, page-locked when `pinned` (never
     read-only: the device writes into some); and whether all of them are page-locked."""
@@ -63,7 +53,7 @@ def _flat_like(tensors: list[torch.Tensor], pinned: PinnedRanges | None) -> tupl
     locked = pinned is not None
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         index = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = _page_aligned(sum(tensors[i].numel() for i in index), dtype)
+        flat = page_aligned(sum(tensors[i].numel() for i in index), dtype)
         if pinned is not None:
             refused = pinned.refused_bytes
             pinned.register([flat], read_only_ok=False)

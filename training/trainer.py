@@ -135,8 +135,10 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                                          cfg.weight_decay)
                 enter_train_mode(optimizer)  # schedule-free: its exact train weights (schedule_free.py)
                 run.ema = CpuEma(ema_weights(updated_weights(optimizer, params), optimizer), cfg.ema_decay,
-                                 session.ema_state) \
+                                 session.ema_state, pin=strategy.offload.pin_memory) \
                     if cfg.ema_decay else None
+                if run.ema is not None:
+                    ending.callback(run.ema.close)  # its copy in flight and page-locked buffer
                 oom = _run_loop(session, run, _RunParts(adapter, model, module, runtime, optimizer, params, save,
                                                         progress, should_stop), interrupts)
                 if oom is not None:

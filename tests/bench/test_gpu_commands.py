@@ -212,3 +212,33 @@ def test_a_crash_under_a_cap_keeps_the_headline_rows_measured_before_it(tmp_path
     assert "illegal memory access" in sections["headline"]["error"]
     rows = sections["headline_rows_so_far"]
     assert len(rows) == 10 and all(r["step_s"] > 0 for r in rows)
+
+
+def test_a_headline_row_reports_activation_offloads_arena_against_the_bytes_copied(monkeypatch):
+    """The measured record holds the page-locked arena of activation offload (memory/activation_host.py), and the
+    summary sets it against the bytes a step copies out: the host-memory figure issue 13 asks of a GPU."""
+    from fake_cudart import FakeCudart
+
+    from tightrope.bench.grid import BenchConfig
+    from tightrope.bench.models import build_bench_model
+    from tightrope.memory.activation_offload import ActivationOffload
+    from tightrope.memory.strategy import Strategy
+
+    fake, real_init = FakeCudart(), ActivationOffload.__init__
+    monkeypatch.setattr(ActivationOffload, "__init__", lambda self, device, **kw: real_init(self, device, **kw,
+                                                                                             cudart=fake))
+    strategy = Strategy.of(checkpoint="all", activation_offload=True, compute_dtype="fp32")
+    bench = build_bench_model("tiny", lora_rank=4, init_device="cpu")
+    r = measure.run_config(bench, BenchConfig(strategy, batch=1, resolution=256), "cpu", steps=2, warmup=1)
+    host = r["activation_host"]
+    assert host["pinned"] and 0 < host["high_water_bytes"] <= host["arena_bytes"] < host["high_water_bytes"] + 2**16
+    assert host["pageable_buffers"] > 0 and not fake.live  # the first step's; the arena given back at undo
+    run = Run("gpu-check", torch.device("cpu"), True, Path("."), log=lambda line: None)
+    r |= {"peak_reserved_bytes": 2**30, "peak_allocated_bytes": 2**29, "device_used_bytes": 2**30, "bound_ratio": 1.0,
+          "bound_s": 1.0, "label": "off0.00 ckpt-all actoff", "d2h_bytes": 3 * 2**30}
+    r["activation_host"] = {"arena_bytes": 3 * 2**30 + 4096, "high_water_bytes": 3 * 2**30, "pinned": True,
+                            "pageable_buffers": 12}
+    gpu_check._summarise_headline(run, {"model": "flux-dev", "resolution": 2048, "configs": [r]})
+    line = next(s for s in run.summary if s[0].endswith("activation host memory"))
+    assert line[1] == "arena 3.00 GiB page-locked for 3.00 GiB copied out per step; 12 pageable buffers (the " \
+                      "first step's)"

@@ -1,16 +1,22 @@
 """EMA of the LoRA weights: equals a hand-computed EMA, carries over continued sessions, and the Save node writes it
-as a second ComfyUI LoRA file ending in _ema. (Resume restoring it bit for bit: test_optimizers.py.)"""
+as a second ComfyUI LoRA file ending in _ema. (Resume restoring it bit for bit: test_optimizers.py.) Its copy to a
+page-locked host buffer, folded in on a worker thread, runs here through the CUDA runtime's model (fake_cudart.py)."""
 import dataclasses
+import gc
+import re
+import threading
 
 import pytest
 import torch
 from demo_setup import demo_session
+from fake_cudart import FakeCudart, StraddleCheck
 
 from tightrope.memory.ema import UPDATES_KEY, CpuEma, ema_weights
 from tightrope.nodes import host
 from tightrope.nodes.save_node import TightropeSaveLora
 from tightrope.training.lora.files import lora_file_tensors, read_lora_file
 from tightrope.training.train_config import ConfigError, TrainConfig
+from tightrope.training import trainer
 from tightrope.training.trainer import train
 
 CPU = torch.device("cpu")
@@ -114,3 +120,139 @@ def test_new_inputs_follow_the_0_1_inputs_with_tooltips_so_saved_workflows_keep_
         assert optional[:len(optional_0_1) + 1] == optional_0_1 + [name]
         optional = node.INPUT_TYPES()["optional"]
         assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]
+
+
+def _weights(seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    """A few LoRA-like weights, one over a page (4 KiB) and one bf16 (gathered to fp32 as a LoRA in bf16 is)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.nn.Parameter(torch.randn(16, 3, generator=g)),
+            "b": torch.nn.Parameter(torch.randn(3000, generator=g)),
+            "c": torch.nn.Parameter(torch.randn(4, 8, generator=g).bfloat16())}
+
+
+def _step(params: dict, g: torch.Generator) -> None:
+    """An optimizer-like change of every weight."""
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype), alpha=0.1)
+
+
+def _reference(params: dict, decay: float, steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The EMA after each of `steps` changes, by the plain loop: shadow = lerp(shadow, w, 1 - d), d = min(decay, (1 + n)
+    / (10 + n)), in fp32."""
+    g, out = torch.Generator().manual_seed(seed), []
+    shadow = {k: p.detach().float().clone() for k, p in params.items()}
+    for n in range(steps):
+        _step(params, g)
+        d = min(decay, (1 + n) / (10 + n))
+        shadow = {k: torch.lerp(shadow[k], p.detach().float(), 1 - d) for k, p in params.items()}
+        out.append(shadow)
+    return out
+
+
+def test_updates_folded_in_later_are_the_eager_ema_bit_for_bit():
+    steps, decay = 30, 0.75  # past the warm-up: (1 + n) / (10 + n) reaches 0.75 at n = 26
+    expected = _reference(_weights(), decay, steps)
+    for cudart in (FakeCudart(), None):  # page-locked (the copy folded in later), and the eager CPU path
+        params, g = _weights(), torch.Generator().manual_seed(1)
+        ema = CpuEma(params, decay, cudart=cudart)
+        for n in range(steps):
+            _step(params, g)
+            ema.update()
+        state = ema.state_dict()
+        assert state[UPDATES_KEY].item() == steps
+        assert all(torch.equal(state[k], v) for k, v in expected[-1].items())
+        ema.close()
+
+
+def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the_main_thread(monkeypatch):
+    fake, params, g = FakeCudart(), _weights(), torch.Generator().manual_seed(1)
+    expected = _reference(_weights(), 0.9, 4)
+    ema = CpuEma(params, 0.9, cudart=fake)
+    assert len(fake.registered) == 1 and 8 not in fake.flags.values()  # one buffer, writable: the device writes it
+    (start, nbytes), = fake.live.items()
+    assert start <= ema._flat.data_ptr() and ema._flat.data_ptr() + ema._flat.nbytes <= start + nbytes
+    gate, folds = threading.Event(), []
+    real_fold = CpuEma._fold
+
+    def held_fold(self, flat, decay):  # the fold waits for the test's word: update() must not wait for it
+        folds.append(threading.current_thread() is not threading.main_thread())
+        assert gate.wait(30)
+        real_fold(self, flat, decay)
+    monkeypatch.setattr(CpuEma, "_fold", held_fold)
+    for n in range(4):
+        gate.clear()
+        _step(params, g)
+        with StraddleCheck(fake):  # the copy into the buffer lies wholly inside the registered range
+            ema.update()  # returns with its fold still held
+        gate.set()
+        read = ema.state_dict() if n % 2 else ema.shadow  # any read sees the last update
+        assert all(torch.equal(read[k], v) for k, v in expected[n].items())
+    assert folds == [True] * 4  # each folded in on the worker thread, not in update()
+    assert len(fake.registered) == 1  # allocated and registered once, not per update
+    _step(params, g)
+    ema.update()
+    ema.close()
+    assert not fake.live  # unpinned: a long-lived process (a ComfyUI server) keeps no pinned memory after a run
+    after_close = ema.state_dict()  # close folded the update in flight in
+    assert not torch.equal(after_close["a"], expected[-1]["a"]) and after_close[UPDATES_KEY].item() == 5
+    _step(params, g)
+    ema.update()  # closed: a blocking copy, folded in at once
+    assert not torch.equal(ema._shadow["a"], after_close["a"])
+
+
+def test_an_ema_dropped_without_close_unpins_its_buffer():
+    fake, params = FakeCudart(), _weights()
+    ema = CpuEma(params, 0.9, cudart=fake)
+    ema.update()
+    ema.state_dict()  # its fold is done: nothing on the worker holds it
+    assert fake.live
+    del ema
+    gc.collect()
+    assert not fake.live
+
+
+def test_refused_pinning_is_one_warning_and_the_same_ema():
+    params, g = _weights(), torch.Generator().manual_seed(1)
+    expected = _reference(_weights(), 0.9, 3)
+    fake = FakeCudart(refuse=2)
+    with pytest.warns(RuntimeWarning) as record:
+        ema = CpuEma(params, 0.9, cudart=fake)
+    assert len(record) == 1
+    assert re.fullmatch(r"tightrope: could not page-lock [\d.]+ KiB of host memory for the EMA in place \(out of memory "
+                        r"that can be page-locked: out of memory, error 2\); each step's copy of the LoRA weights to "
+                        r"it waits for the GPU \(slower copies; free host RAM\)", str(record[0].message))
+    assert not fake.live
+    for n in range(3):
+        _step(params, g)
+        ema.update()  # a blocking copy, folded in at once
+        assert all(torch.equal(ema._shadow[k], v) for k, v in expected[n].items())
+    ema.close()
+
+
+def test_the_trainer_closes_the_ema_at_the_end_of_a_run_and_when_it_fails(ema_run, monkeypatch):
+    """Page-locked through the model of the CUDA runtime: the run's EMA is the eager one bit for bit (the saves and
+    the session read it after the last update, and after close), and nothing stays pinned."""
+    fake, made, closed = FakeCudart(), [], []
+
+    class Recorded(CpuEma):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, cudart=fake, **kwargs)
+            made.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+    monkeypatch.setattr(trainer, "CpuEma", Recorded)
+    steps, whole = ema_run
+    pinned = train(steps[0], 3, device=CPU)
+    assert len(made) == 1 and closed == made and fake.registered and not fake.live
+    assert pinned.ema_state.keys() == whole.ema_state.keys()
+    assert all(torch.equal(pinned.ema_state[k], v) for k, v in whole.ema_state.items())
+
+    def broken(*args):
+        raise RuntimeError("the step failed")
+    monkeypatch.setattr(trainer, "_update", broken)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        train(steps[0], 1, device=CPU)
+    assert len(made) == 2 and closed == made and not fake.live

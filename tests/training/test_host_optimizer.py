@@ -18,7 +18,8 @@ from two_stream import make_batch, make_lora_model
 
 from tightrope.memory.host_pinning import interior_ranges, storage_spans
 from tightrope.memory.strategy import Strategy, StrategyError
-from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer, _page_aligned, gradient_holders
+from tightrope.memory.host_pinning import page_aligned
+from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer, gradient_holders
 from tightrope.training.optimizer import load_optimizer_state
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import train
@@ -189,7 +190,7 @@ def test_an_optimizer_dropped_without_close_unhooks_and_unpins():
 def test_page_aligned_buffers_own_the_pages_they_lie_in():
     page = mmap.PAGESIZE
     for numel in (1, 1000, page // 4 + 3):
-        t = _page_aligned(numel, torch.float32)
+        t = page_aligned(numel, torch.float32)
         (start, nbytes), = interior_ranges(storage_spans([t]))
         assert t.data_ptr() == start and t.data_ptr() + t.nbytes <= start + nbytes
 
