@@ -32,7 +32,7 @@ from torch import nn
 from .activation_offload import ActivationOffload
 from .block_compile import compile_block, compiled_graph_count
 from .blocks import MUTATES_INPUTS, Block, discover_blocks
-from .checkpointing import checkpointed_call
+from .checkpointing import InPlaceInputs, checkpointed_call
 from .dtypes import TORCH_DTYPES
 from .host_memory import release_freed_host_memory
 from .devices import normalize_device
@@ -195,7 +195,10 @@ class MemoryRuntime:
             plain = _cloning_inputs(inner) if checkpointed else inner
             ctx = self._chunk_context(index, plain, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
-        clone_inputs = compiled or chunked is None
+        # a compiled block copies every input, as its graphs were compiled for (inputs that stopped being copies after
+        # the first call could compile them again); a chunked forward changes none; any other block copies those it
+        # was seen to change in place (checkpointing.InPlaceInputs)
+        clone_inputs = True if compiled else InPlaceInputs() if chunked is None else False
 
         def body(*args, **kwargs):
             self._enter_block(index)
