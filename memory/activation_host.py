@@ -13,7 +13,8 @@ apart, out of one ordinary host allocation page-locked in place (host_pinning.Pi
   next micro-batch reuses it);
 - `release()` (at the runtime's undo) unregisters and frees it: a long-lived process gets its memory back.
 PinnedRanges registers at most 1 GiB per call and a refused piece stays pageable, so a buffer's copies are made in
-`parts` that lie wholly inside or outside one registration (the driver refuses a copy that straddles an edge).
+`parts` that lie wholly inside or outside one registration (the driver refuses a copy that straddles an edge:
+host_pinning.copy_parts).
 Where page-locking is refused the arena stays pageable (PinnedRanges' one-line note) and its copies block.
 """
 from __future__ import annotations
@@ -44,23 +45,15 @@ class HostBuffer:
         self.tensor, self.parts, self.pinned = tensor, parts, pinned
 
 
-def copy_parts(dst: torch.Tensor, src: torch.Tensor, parts: list[tuple[int, int]] | None, non_blocking: bool) -> None:
-    """dst.copy_(src) for tensors of one dtype, shape and strides (dense), in the byte ranges `parts` if given."""
-    if parts is None:
-        dst.copy_(src, non_blocking=non_blocking)
-        return
-    d, s = _bytes(dst), _bytes(src)
-    for a, b in parts:
-        d[a:b].copy_(s[a:b], non_blocking=non_blocking)
-
-
 class ActivationHost:
     def __init__(self, device: torch.device, cudart: Any = None):
         """cudart: the CUDA runtime that page-locks (default torch's); the CPU simulation passes a model of it."""
         self._pinned = PinnedRanges(device, cudart=cudart, what="host memory for offloaded activations",
                                     fallback="their copies block the host")
-        self._lock = threading.Lock()  # buffers die on autograd's device thread during backward
+        self._lock = threading.RLock()  # buffers die on autograd's device thread during backward, or in a garbage
+        # collection that runs while this thread holds the lock
         self._arena: torch.Tensor | None = None  # page-aligned uint8, wholly inside the registered interior
+        self._locked = False  # the arena's registration was accepted whole
         self._top = 0      # the next free byte of the arena
         self._in_arena = 0  # buffers alive in the arena
         self.held = 0      # bytes of every buffer alive (arena and pageable), as they take them
@@ -73,8 +66,9 @@ class ActivationHost:
 
     @property
     def pinned(self) -> bool:
-        """False once the system refused to page-lock the arena."""
-        return self._pinned.refused_bytes == 0
+        """Whether the arena is page-locked whole: False until the first step has sized it, or where the system
+        refused some of it (its copies then block)."""
+        return self._arena is not None and self._locked
 
     def buffer_like(self, t: torch.Tensor) -> HostBuffer:
         """A host buffer with t's dtype, shape and strides (t dense), alive as long as its tensor."""
@@ -115,8 +109,9 @@ class ActivationHost:
         if self.outgrown():
             self._free_arena()
             arena = page_aligned(-(-self.high_water // mmap.PAGESIZE) * mmap.PAGESIZE, torch.uint8)
+            refused = self._pinned.refused_bytes
             self._pinned.register([arena], read_only_ok=False)  # the device writes into it
-            self._arena, self._top = arena, 0
+            self._arena, self._top, self._locked = arena, 0, self._pinned.refused_bytes == refused
 
     def release(self) -> None:
         """Unregister and drop the arena (the caller has synchronised the copies). Buffers still alive keep their
@@ -127,7 +122,3 @@ class ActivationHost:
         self._pinned.release()
         self._arena, self._top = None, 0
 
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements in memory order, as bytes."""
-    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)

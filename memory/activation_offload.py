@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-from .activation_host import ActivationHost, copy_parts
+from .activation_host import ActivationHost
+from .host_pinning import copy_parts
 from .devices import normalize_device
 
 
@@ -145,7 +146,8 @@ class ActivationOffload:
 
     @property
     def pinned(self) -> bool:
-        """Whether the host copies are page-locked (from the second step on: activation_host.py)."""
+        """Whether the host copies are page-locked: from the second step on, where the system allowed it
+        (activation_host.py)."""
         return self.host is not None and self.host.pinned
 
     def start_step(self) -> None:

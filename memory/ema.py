@@ -94,11 +94,11 @@ class CpuEma:
         """Queue flat's copy into the page-locked buffer after the current stream's work (the optimizer step); the
         event to wait for before reading the buffer (None: the CPU simulation copied at once)."""
         if self._stream is None:
-            self._flat.copy_(flat)
+            self._pinned.copy(self._flat, flat, self._flat, non_blocking=False)
             return None
         self._stream.wait_stream(torch.cuda.current_stream(flat.device))
         with torch.cuda.stream(self._stream):
-            self._flat.copy_(flat, non_blocking=True)
+            self._pinned.copy(self._flat, flat, self._flat, non_blocking=True)  # in parts at registrations' edges
             event = torch.cuda.Event()
             event.record(self._stream)
         flat.record_stream(self._stream)  # its device memory is reused only after the copy

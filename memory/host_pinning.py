@@ -158,6 +158,11 @@ class PinnedRanges:
         cuts = sorted(cuts)  # adjacent ranges (chunks) share an edge: one cut, no empty part
         return None if len(cuts) == 1 else list(zip(cuts, cuts[1:] + [nbytes]))
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, host: torch.Tensor, non_blocking: bool) -> None:
+        """dst.copy_(src) (one dtype, shape and strides) where `host`, dst or src, may lie in registered memory: in
+        parts at every registration's edge, as the driver refuses a copy that spans one."""
+        copy_parts(dst, src, self.split(host.data_ptr(), host.numel() * host.element_size()), non_blocking)
+
     @property
     def pinned_bytes(self) -> int:
         return sum(n for _, n in self.registered)
@@ -235,3 +240,18 @@ def _clear_last_error(device: torch.device, text: str) -> None:
     except RuntimeError as e:
         if text not in str(e):
             raise
+
+
+def copy_parts(dst: torch.Tensor, src: torch.Tensor, parts: list[tuple[int, int]] | None, non_blocking: bool) -> None:
+    """dst.copy_(src) for tensors of one dtype, shape and strides (dense), in the byte ranges `parts` if given."""
+    if parts is None:
+        dst.copy_(src, non_blocking=non_blocking)
+        return
+    d, s = _bytes(dst), _bytes(src)
+    for a, b in parts:
+        d[a:b].copy_(s[a:b], non_blocking=non_blocking)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as bytes."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)

@@ -93,7 +93,7 @@ class HostOptimizer:
                 _warn_pageable(refusals)
             with torch.no_grad():
                 for h, p in zip(host, weights):
-                    h.copy_(p.detach())
+                    self._copy_host(h, p.detach(), h, non_blocking=False)
             self.host = {name: nn.Parameter(h) for name, h in zip(params, host)}
             self.inner = make(self.host)
         except BaseException:
@@ -151,7 +151,7 @@ class HostOptimizer:
         self.inner.step()
         non_blocking = self._weights_locked  # from page-locked memory: queued, the host goes on
         for p, h in zip(self.params.values(), self._host_list):
-            p.copy_(h, non_blocking=non_blocking)  # on the compute stream: before the next forward
+            self._copy_host(p, h, h, non_blocking)  # on the compute stream: before the next forward
         if self._stream is not None:
             self._copied_back = torch.cuda.Event()
             self._copied_back.record(torch.cuda.current_stream(self.device))
@@ -198,15 +198,22 @@ class HostOptimizer:
 
     def _copy(self, target: torch.Tensor, g: torch.Tensor):
         if self._stream is None:  # CPU: a synchronous copy
-            target.copy_(g)
+            self._copy_host(target, g, target, non_blocking=False)
             return None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the kernels that made g
         with torch.cuda.stream(self._stream):
-            target.copy_(g, non_blocking=True)
+            self._copy_host(target, g, target, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         g.record_stream(self._stream)  # its memory is reused only after the copy
         return event
+
+    def _copy_host(self, dst: torch.Tensor, src: torch.Tensor, host: torch.Tensor, non_blocking: bool) -> None:
+        """A copy to or from `host`, one of the buffers: in parts where it spans registrations (host_pinning)."""
+        if self._pinned is None:
+            dst.copy_(src, non_blocking=non_blocking)
+        else:
+            self._pinned.copy(dst, src, host, non_blocking)
 
     def close(self) -> None:
         """Remove the hooks, wait for the copies and unpin the host buffers (idempotent)."""

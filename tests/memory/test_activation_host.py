@@ -2,6 +2,7 @@
 one arena page-locked in place, of exactly the bytes a step holds (no power-of-two rounding), reused from the second
 step on, never a copy that straddles a registration's edge, given back at undo; refused page-locking is a note."""
 import mmap
+import threading
 import warnings
 
 import pytest
@@ -31,13 +32,13 @@ def test_from_the_second_step_the_copies_live_in_one_registered_arena_of_the_ste
     sizes = [3000, 70_000, 129, 70_000, 5]  # bytes 4x these: none a multiple of ALIGN, some over a page
     first = _step(host, sizes)
     assert host.pageable_buffers == len(sizes) and not fake.registered  # nothing to reuse yet: exact pageable buffers
-    assert not any(b.pinned for b in first)
+    assert not any(b.pinned for b in first) and not host.pinned  # no arena yet: the step's copies block
     expected = sum(aligned(4 * n) for n in sizes)
     assert host.high_water == host.held == expected
     del first
     assert host.held == 0 and host.outgrown()
     host.settle()
-    assert len(fake.registered) == 1 and host.arena_bytes == -(-expected // PAGE) * PAGE
+    assert len(fake.registered) == 1 and host.arena_bytes == -(-expected // PAGE) * PAGE and host.pinned
     # the arena is the step's bytes, where torch's pinned allocator takes a power of two per buffer
     assert host.arena_bytes < sum(1 << (4 * n - 1).bit_length() for n in sizes)
     (start, nbytes), = fake.registered
@@ -160,3 +161,34 @@ def test_without_page_locking_the_copies_are_plain_host_tensors():
         assert rt.acts.host is None and not rt.acts.pinned
         result = train_steps(model, steps=2, runtime=rt)
     assert_equivalent(result)
+
+
+def test_a_buffer_freed_while_its_arena_holds_the_lock_does_not_deadlock():
+    """A garbage collection inside the arena's locked section can free a buffer held in a reference cycle (a caught
+    out-of-memory error's traceback): its finalizer takes the same lock again on the same thread."""
+    host = ActivationHost(torch.device("cpu"), cudart=FakeCudart())
+    done = threading.Event()
+
+    def free_inside_the_lock():
+        buf = host.buffer_like(torch.empty(10))
+        with host._lock:
+            del buf  # its finalizer runs here, on this thread
+        done.set()
+
+    worker = threading.Thread(target=free_inside_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(10), "the finalizer waited for a lock its own thread held"
+    assert host.held == 0
+
+
+def test_an_arena_page_locked_after_a_refusal_copies_asynchronously_again():
+    """A refusal (host memory the driver could not lock at that moment) makes that arena's copies block, not the
+    next one's."""
+    host = ActivationHost(torch.device("cpu"), cudart=FakeCudart(refuse=2, refuse_first=1))
+    _step(host, [1000])
+    with pytest.warns(RuntimeWarning, match="could not page-lock"):
+        host.settle()
+    assert not host.pinned and not any(b.pinned for b in _step(host, [1000]))
+    _step(host, [1000, 1000])  # a larger step: a new arena, accepted
+    host.settle()
+    assert host.pinned and all(b.pinned for b in _step(host, [1000, 1000]))

@@ -3,6 +3,7 @@ as a second ComfyUI LoRA file ending in _ema. (Resume restoring it bit for bit: 
 page-locked host buffer, folded in on a worker thread, runs here through the CUDA runtime's model (fake_cudart.py)."""
 import dataclasses
 import gc
+import mmap
 import re
 import threading
 
@@ -11,6 +12,7 @@ import torch
 from demo_setup import demo_session
 from fake_cudart import FakeCudart, StraddleCheck
 
+from tightrope.memory import host_pinning
 from tightrope.memory.ema import UPDATES_KEY, CpuEma, ema_weights
 from tightrope.nodes import host
 from tightrope.nodes.save_node import TightropeSaveLora
@@ -199,6 +201,22 @@ def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the
     _step(params, g)
     ema.update()  # closed: a blocking copy, folded in at once
     assert not torch.equal(ema._shadow["a"], after_close["a"])
+
+
+def test_a_buffer_over_several_registrations_is_copied_in_parts(monkeypatch):
+    """One registration per page (as 1 GiB pieces cut a LoRA of more than 1 GiB): no copy spans an edge."""
+    monkeypatch.setattr(host_pinning, "CHUNK_BYTES", mmap.PAGESIZE)
+    fake, params, g = FakeCudart(), _weights(), torch.Generator().manual_seed(1)
+    expected = _reference(_weights(), 0.9, 3)
+    ema = CpuEma(params, 0.9, cudart=fake)
+    assert len(fake.registered) > 1
+    with StraddleCheck(fake):
+        for _ in range(3):
+            _step(params, g)
+            ema.update()
+        state = ema.state_dict()
+    ema.close()
+    assert all(torch.equal(state[k], v) for k, v in expected[-1].items())
 
 
 def test_an_ema_dropped_without_close_unpins_its_buffer():

@@ -16,9 +16,9 @@ from demo_setup import demo_session
 from fake_cudart import FakeCudart, StraddleCheck
 from two_stream import make_batch, make_lora_model
 
-from tightrope.memory.host_pinning import interior_ranges, storage_spans
+from tightrope.memory import host_pinning
+from tightrope.memory.host_pinning import interior_ranges, page_aligned, storage_spans
 from tightrope.memory.strategy import Strategy, StrategyError
-from tightrope.memory.host_pinning import page_aligned
 from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer, gradient_holders
 from tightrope.training.optimizer import load_optimizer_state
 from tightrope.training.train_config import ConfigError
@@ -91,16 +91,22 @@ def test_a_gradient_lives_on_the_device_only_until_its_hook_copies_it_out():
     assert max(on_device) == len(params)
 
 
-def test_host_buffers_are_page_locked_whole_and_no_copy_straddles_them():
+@pytest.mark.parametrize("registration_bytes", [host_pinning.CHUNK_BYTES, mmap.PAGESIZE])
+def test_host_buffers_are_page_locked_whole_and_no_copy_straddles_them(monkeypatch, registration_bytes):
+    """With one registration per page (as 1 GiB pieces cut a LoRA of more than 1 GiB) weights and gradients cross
+    registrations' edges: their copies are made in parts, none across an edge (the driver's 'invalid argument')."""
+    monkeypatch.setattr(host_pinning, "CHUNK_BYTES", registration_bytes)
     fake = FakeCudart()
     model = make_lora_model()
     params = _lora(model)
-    optimizer = HostOptimizer(params, _adamw, CPU, cudart=fake)
+    with StraddleCheck(fake):
+        optimizer = HostOptimizer(params, _adamw, CPU, cudart=fake)
     registered = sorted(fake.live.items())
     buffers = list(optimizer.host.values()) + optimizer._grads
-    for t in buffers:  # each weight's and gradient's bytes lie wholly inside a registered range
+    for t in buffers:  # each weight's and gradient's bytes lie wholly inside registered memory
         a, n = t.data_ptr(), t.numel() * t.element_size()
-        assert any(s <= a and a + n <= s + size for s, size in registered)
+        assert sum(max(0, min(a + n, s + size) - max(a, s)) for s, size in registered) == n
+    assert (len(registered) > 3) == (registration_bytes == mmap.PAGESIZE)
     with StraddleCheck(fake) as check:
         _steps(model, optimizer, params, steps=2, micro=2)
     assert fake.live  # the staging buffer of the second micro-batch is registered too
