@@ -8,7 +8,9 @@
 2. The same matrix with `torch.cuda._sleep` queued on the compute stream (before every matmul and attention, in
    forward, recompute and backward) and on the side streams (on entering every `torch.cuda.stream` context the
    runtime opens): a missing wait between the streams then reads a slot before its copy lands, or overwrites it
-   while a queued kernel still needs it, and the gradients show it.
+   while a queued kernel still needs it, and the gradients show it. Two rows train 3 steps of 2 micro-batches each
+   (`accumulation_matrix`): nothing synchronises between micro-batches, so host buffers reused within a step
+   (the activation arena, the host optimizer's staging buffer) are reused with copies still queued.
 3. The CUDA tests of the test suite, in their own process: the leak tests (tests/reliability/test_leaks.py: device
    memory flat over ten runs, pinned host memory given back after a run) and weights streamed from a read-only file
    mapping, page-locked read-only (tests/memory/test_host_pinning.py; ComfyUI's dynamic VRAM holds weights so), and
@@ -38,6 +40,7 @@ from ..memory.strategy import Strategy
 ROOT = Path(__file__).resolve().parents[1]
 HELPERS = ROOT / "tests" / "helpers"
 STEPS = 2
+ACCUMULATION = (3, 2)  # steps, micro-batches per step (accumulation_matrix)
 # fp32 on both sides with TF32 off: only the summation order differs (cuBLAS/SDPA vs CPU kernels), ~1e-6 relative
 # per op over ~20 ops per pass; 1e-4 relative leaves ~5x above that, while a stale or poisoned weight is off by O(1)
 # or NaN. On the CPU dry run the kernels are the same ones: the test suite's 1e-5.
@@ -78,7 +81,18 @@ def matrix(tiny: bool = False) -> list[tuple[str, Strategy]]:
     out.append(("off1 ckpt-all actoff chunks3 optoff",  # AdamW on the host: training/host_optimizer.py
                 Strategy.of(compute_dtype="fp32", offload_fraction=1.0, checkpoint="all", activation_offload=True,
                             token_chunks=3, optimizer_offload=True)))
-    return [out[k] for k in (3, 8, 9, -1)] if tiny else out
+    return [out[k] for k in (3, 8, 9, -1)] if tiny else out + accumulation_matrix()
+
+
+def accumulation_matrix() -> list[tuple[str, Strategy, int, int]]:
+    """Rows of (name, strategy, steps, micro-batches): three steps of two micro-batches each, nothing synchronised
+    between a step's micro-batches. Activation offload's host arena starts over for the second micro-batch while
+    its first one's copies may still be queued (memory/activation_host.py), and the host optimizer adds the second
+    micro-batch's gradients from its staging buffer (training/host_optimizer.py)."""
+    return [(f"off{off:g} ckpt-all actoff{' optoff' if opt else ''} {ACCUMULATION[0]}x{ACCUMULATION[1]} micro",
+             Strategy.of(compute_dtype="fp32", offload_fraction=off, checkpoint="all", activation_offload=True,
+                         optimizer_offload=opt), *ACCUMULATION)
+            for off, opt in ((1.0, False), (0.5, True))]
 
 
 def compiled_matrix(backend: str) -> list[tuple[str, Strategy]]:
@@ -132,24 +146,29 @@ INJECTIONS: dict[str, Callable[[], Any]] = {"none": contextlib.nullcontext, "sle
                                             "sleep on copy streams": slow_side_streams}
 
 
-def run_matrix(device_type: str, configs: list[tuple[str, Strategy]], *, injections: tuple[str, ...] = ("none",),
+def run_matrix(device_type: str, configs: list[tuple], *, injections: tuple[str, ...] = ("none",),
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """One row per (injection, strategy): passed, the largest differences, and the bytes moved per spelling."""
+    """One row per (injection, strategy): passed, the largest differences, and the bytes moved per spelling. A
+    config is (name, strategy), or (name, strategy, steps, micro-batches)."""
     ts = two_stream()
     with exact_fp32():
-        reference = ts.train_steps(ts.make_lora_model(), steps=STEPS)
+        references: dict[tuple[int, int], Any] = {}
         spellings = (device_type, f"{device_type}:0")
         rows = []
         for injection in injections:
-            for name, strategy in configs:
+            for name, strategy, *schedule in configs:  # schedule: (steps, micro-batches), default (STEPS, 1)
                 if injection != "none" and strategy.compiler.per_block:
                     continue  # a dispatch mode or patched stream context under the compiler tests the compiler
-                rows.append(_one(ts, reference, name, strategy, spellings, injection, device_type))
+                schedule = tuple(schedule) or (STEPS, 1)
+                if schedule not in references:
+                    references[schedule] = ts.train_steps(ts.make_lora_model(), steps=schedule[0], micro=schedule[1])
+                rows.append(_one(ts, references[schedule], name, strategy, spellings, injection, device_type,
+                                 schedule))
                 log(f"  [{'PASS' if rows[-1]['passed'] else 'FAIL'}] {injection}: {name}")
     return rows
 
 
-def _one(ts, reference, name, strategy, spellings, injection, device_type) -> dict[str, Any]:
+def _one(ts, reference, name, strategy, spellings, injection, device_type, schedule=(STEPS, 1)) -> dict[str, Any]:
     row: dict[str, Any] = {"check": "equivalence", "injection": injection, "config": name,
                            "strategy": strategy.to_flat(), "passed": False}
     t0 = time.perf_counter()
@@ -162,7 +181,7 @@ def _one(ts, reference, name, strategy, spellings, injection, device_type) -> di
             model = ts.make_lora_model()
             inject = INJECTIONS[injection] if device_type == "cuda" else contextlib.nullcontext
             with MemoryRuntime(model, strategy, spelling, poison_slots=True, activation_min_bytes=0) as rt, inject():
-                losses, grads = ts.train_steps(model, steps=STEPS, runtime=rt)
+                losses, grads = ts.train_steps(model, steps=schedule[0], runtime=rt, micro=schedule[1])
                 counters[spelling] = {k: v for k, v in rt.counters().items() if k != "graphs"}  # graphs: global
             row[f"max_diff[{spelling}]"] = _compare(losses, grads, reference, *TOLERANCE[device_type])
         first, second = (counters[s] for s in spellings)

@@ -242,3 +242,25 @@ def test_a_headline_row_reports_activation_offloads_arena_against_the_bytes_copi
     line = next(s for s in run.summary if s[0].endswith("activation host memory"))
     assert line[1] == "arena 3.00 GiB page-locked for 3.00 GiB copied out per step; 12 pageable buffers (the " \
                       "first step's)"
+
+
+def test_the_accumulation_rows_train_micro_batches_as_the_cpu_reference(monkeypatch):
+    """gpu-check's rows of 3 steps x 2 micro-batches (bench/cuda_checks.accumulation_matrix), on the CPU with
+    activation offload's arena page-locked through the driver's model: the arena starts over for each micro-batch."""
+    from fake_cudart import FakeCudart
+
+    from tightrope.bench import cuda_checks
+    from tightrope.memory.activation_offload import ActivationOffload
+
+    real_init, arenas = ActivationOffload.__init__, []
+
+    def init(self, device, **kw):
+        real_init(self, device, **kw, cudart=FakeCudart())
+        arenas.append(self.host)
+    monkeypatch.setattr(ActivationOffload, "__init__", init)
+    rows = cuda_checks.run_matrix("cpu", cuda_checks.accumulation_matrix(), log=lambda line: None)
+    assert [r["config"] for r in rows] == ["off1 ckpt-all actoff 3x2 micro", "off0.5 ckpt-all actoff optoff 3x2 micro"]
+    assert all(r["passed"] for r in rows), [r.get("error") for r in rows]
+    assert arenas and all(a.pageable_buffers and a.high_water for a in arenas)
+    assert cuda_checks.accumulation_matrix()[0] in cuda_checks.matrix() and \
+        cuda_checks.accumulation_matrix()[0] not in cuda_checks.matrix(tiny=True)

@@ -172,44 +172,54 @@ def make_batch(seed=1, b=2, n_img=12, n_txt=5, d_in=8):
                 vec=torch.randn(b, d_in, generator=g)), torch.randn(b, n_img, d_in, generator=g)
 
 
-def train_steps(model, steps=2, runtime=None, lr=1e-2):
+def train_steps(model, steps=2, runtime=None, lr=1e-2, micro=1):
     """Losses and LoRA gradients (cloned, on CPU) of `steps` AdamW steps; under a runtime whose strategy offloads the
-    optimizer, AdamW steps on the host (training/host_optimizer.py) and the gradients are read there."""
+    optimizer, AdamW steps on the host (training/host_optimizer.py) and the gradients are read there. `micro` > 1:
+    each step's batch in that many micro-batches (gradient accumulation, each loss weighted by its share), with no
+    synchronisation between them."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if runtime is not None and runtime.strategy.optimizer.enabled:
-        return _train_steps_offloaded(model, params, steps, runtime, lr)
+        return _train_steps_offloaded(model, params, steps, runtime, lr, micro)
     opt = torch.optim.AdamW(params.values(), lr=lr)
     losses, grads = [], []
     for step in range(steps):
-        inputs, target = make_batch(seed=100 + step)
         dev = runtime.device if runtime else torch.device("cpu")
-        inputs, target = {k: v.to(dev) for k, v in inputs.items()}, target.to(dev)
         if runtime:
             runtime.start_step()
-        loss = F.mse_loss(model(**inputs), target)
-        loss.backward()
+        loss = _accumulate(model, step, micro, dev)
         if runtime:
             runtime.end_step()
-        losses.append(loss.item())
+        losses.append(loss)
         grads.append({n: p.grad.detach().cpu().clone() for n, p in params.items()})
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, grads
 
 
-def _train_steps_offloaded(model, params, steps, runtime, lr):
+def _accumulate(model, step, micro, dev):
+    """Forward and backward of step `step`'s batch in `micro` micro-batches; the step's loss."""
+    inputs, target = make_batch(seed=100 + step)
+    size = target.shape[0]
+    total = 0.0
+    for k in range(micro):
+        part = slice(k * size // micro, (k + 1) * size // micro)
+        share = (part.stop - part.start) / size
+        loss = F.mse_loss(model(**{n: v[part].to(dev) for n, v in inputs.items()}), target[part].to(dev))
+        (loss * share if micro > 1 else loss).backward()
+        total += loss.item() * share
+    return total
+
+
+def _train_steps_offloaded(model, params, steps, runtime, lr, micro=1):
     optimizer = HostOptimizer(params, lambda host: torch.optim.AdamW(host.values(), lr=lr), runtime.device,
-                              pin=runtime.strategy.offload.pin_memory)
+                              pin=runtime.strategy.offload.pin_memory, micro_batches=micro)
     losses, grads = [], []
     try:
         for step in range(steps):
-            inputs, target = make_batch(seed=100 + step)
-            inputs, target = {k: v.to(runtime.device) for k, v in inputs.items()}, target.to(runtime.device)
             runtime.start_step()
-            loss = F.mse_loss(model(**inputs), target)
-            loss.backward()
+            loss = _accumulate(model, step, micro, runtime.device)
             runtime.end_step()
-            losses.append(loss.item())
+            losses.append(loss)
             grads.append({n: p.grad.clone() for n, p in gradient_holders(optimizer, params).items()})
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
