@@ -84,6 +84,10 @@ def _run(run: Run, device: torch.device, tiny: bool, log) -> int:
         device.type, configs if device.type == "cuda" else configs[:1],
         injections=("sleep on compute stream", "sleep on copy streams"), log=log))
     _summarise_matrix(run, "with injected stream sleeps", ordering)
+    edges = run.section("adjacent_registrations", lambda: cuda_checks.adjacent_registrations(device.type))
+    if isinstance(edges, dict) and "registered" in edges:
+        run.add("driver: copies across two adjacent page-locked registrations", "; ".join(
+            f"{k}: {v}" for k, v in edges.items() if k.startswith(("D2H", "H2D"))), "informational")
     leak = run.section("leak_test", lambda: cuda_checks.run_leak_test(device.type, run.folder))
     if isinstance(leak, dict) and "passed" in leak:
         run.add(f"leak test ({leak['config']})", "passed" if leak["passed"] else leak["output"][-200:], "flat",

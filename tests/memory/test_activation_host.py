@@ -192,3 +192,27 @@ def test_an_arena_page_locked_after_a_refusal_copies_asynchronously_again():
     _step(host, [1000, 1000])  # a larger step: a new arena, accepted
     host.settle()
     assert host.pinned and all(b.pinned for b in _step(host, [1000, 1000]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking and copy streams exist only with CUDA")
+def test_on_cuda_copies_split_at_page_sized_registrations_train_as_the_cpu(monkeypatch):
+    """On a GPU with one registration per page (as 1 GiB pieces cut GBs of activations, a LoRA of over 1 GiB): the
+    activation arena's, the host optimizer's and the layer offload's copies cross registrations' edges only in
+    parts, and 3 steps of 2 micro-batches (nothing synchronised between them) train as plain PyTorch on the CPU."""
+    monkeypatch.setattr(host_pinning, "CHUNK_BYTES", PAGE)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 both sides: only the summation order differs
+    try:
+        reference = train_steps(make_lora_model(), steps=3, micro=2)
+        model = make_lora_model()
+        strategy = Strategy.of(offload_fraction=0.5, checkpoint="all", activation_offload=True, optimizer_offload=True,
+                               compute_dtype="fp32")
+        with MemoryRuntime(model, strategy, "cuda", poison_slots=True, activation_min_bytes=0) as rt:
+            losses, grads = train_steps(model, steps=3, runtime=rt, micro=2)
+            assert rt.acts.pinned and len(rt.acts.host._pinned.registered) > 1
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), rtol=1e-4, atol=1e-5)
+    for g, rg in zip(grads, reference[1]):
+        for name in rg:
+            torch.testing.assert_close(g[name].cpu(), rg[name], rtol=1e-4, atol=1e-5)
