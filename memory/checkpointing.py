@@ -5,8 +5,9 @@ saved-tensor hooks (where activation offload can move them) rather than captured
 residuals in place to its inputs (ComfyUI's Flux: `img += ...`) would change the tensors the recompute starts from,
 so those are cloned inside the checkpointed region; other inputs are not (each clone is a whole-sequence tensor, and
 the recompute's lives through the block's backward). Which ones, a block's InPlaceInputs learns from autograd's
-version counters: its first call clones all, later calls those it changed; an input changed uncloned is an error.
-Each call fixes its clones when it starts, so its recompute makes the same ones.
+version counters: its first forward clones all, every later run (the recompute of that first call included, which
+makes the step's backward peak) those the block changed; an input changed uncloned is an error. A recompute that
+clones fewer inputs than its forward did computes the same values: what it leaves uncloned the block never changes.
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def checkpointed_call(fn: Callable, args: tuple, kwargs: dict[str, Any], *,
     inputs = (*args, *(kwargs[k] for k in tensor_keys))
     names = [n for n, t in zip(keys, inputs) if isinstance(t, torch.Tensor)]
     learnt = clone_inputs if isinstance(clone_inputs, InPlaceInputs) else None
-    cloned = learnt.to_clone(names) if learnt else frozenset(names if clone_inputs else ())
+    fixed = None if learnt else frozenset(names if clone_inputs else ())
 
-    def run(*flat):
+    def run(*flat):  # the forward, then (in backward) the recompute
+        cloned = fixed if fixed is not None else learnt.to_clone(names)
         flat = tuple(t.clone() if n in cloned else t for n, t in zip(keys, flat))
         tensors = [t for t in flat if isinstance(t, torch.Tensor)]
         before = [t._version for t in tensors] if learnt else []
