@@ -1,0 +1,399 @@
+"""CUDA streams and events modelled on the CPU, so the runtime's CUDA branches run (and can fail) in CPU tests.
+
+The model is a GPU whose host runs ahead as far as it may:
+- The compute ("current", default) stream executes at once: its work is the plain CPU ops.
+- A side stream (`torch.cuda.Stream(...)`) defers its copies. Inside `with torch.cuda.stream(side):` a dispatch mode
+  (pushed on that thread only, for that block) takes every `aten.copy_`: the destination is poisoned at once (NaN
+  for floats, all-ones bytes for uint8, -1 for other integers) and the copy is queued on the stream, to run later
+  and read its source as it is THEN (a source changed before the copy runs gives the changed bytes). Every other op
+  there runs at once. A blocking copy (`non_blocking=False`) flushes its stream's queue, then runs.
+- A queued copy runs (for real, the dispatch mode off) when something waits for it: `Event.synchronize()`,
+  `Event.query()`, `Event.wait()`, `<stream>.wait_event(e)` flush e's stream up to where e was recorded (an event
+  recorded on the compute stream, or never recorded, is complete); `s.wait_stream(other)` flushes all of `other`
+  (conservative); `Stream.synchronize()` flushes it; `torch.cuda.synchronize()` flushes every stream. Running a
+  copy earlier than a GPU might is always a schedule the GPU could have picked: waits never hide a bug, they only
+  land copies no later than the hardware guarantees.
+- Within one stream copies keep their order: before a copy poisons its destination, the copies queued before it on
+  the same stream that read those bytes run first (the hardware would run them first). A copy on another stream
+  that still reads them is not protected: that reuse is a race, and the poison shows it.
+- `torch.Tensor.record_stream` is a no-op, counted. Timing events report 0 ms. Any device argument is accepted.
+- Queues are shared by threads under one lock (the EMA waits for its copy on a worker thread).
+
+What it cannot see:
+- The compute stream is never deferred: a side-stream copy that overwrites memory still read by compute kernels
+  queued earlier (a slot refilled under a block still running) cannot race here, and neither can compute writing
+  memory a copy will read later unless the compute happens (in program order) before the copy runs.
+- The caching allocator: a queued copy keeps its tensors alive, so a missing `record_stream` (memory freed and
+  handed out again while a copy still reads or writes it) never shows; only the calls are counted.
+- Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
+- Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_COPY = torch.ops.aten.copy_.default
+
+
+@dataclass
+class Counters:
+    deferred: int = 0          # copies queued on side streams
+    deferred_bytes: int = 0
+    flushed: int = 0           # queued copies run (landed)
+    blocking: int = 0          # blocking copies issued on a side stream (each flushed its stream first)
+    ordered_flushes: int = 0   # queued copies run early: a later copy on their stream writes what they read
+    events_recorded: int = 0   # on a side stream (an event on the compute stream is complete at once)
+    event_syncs: int = 0       # Event.synchronize / query / wait
+    wait_events: int = 0       # <stream>.wait_event
+    wait_streams: int = 0      # <stream>.wait_stream
+    stream_syncs: int = 0      # Stream.synchronize
+    device_syncs: int = 0      # torch.cuda.synchronize
+    record_streams: int = 0    # Tensor.record_stream calls
+    max_pending: int = 0       # the most copies queued at once on one stream
+    pending_at_exit: int = 0   # copies still queued when the simulation ended (it ran them)
+
+
+@dataclass
+class CopyRecord:
+    """One deferred copy: its stream and the [start, end) byte spans of its destination and source."""
+    stream: "SimStream"
+    dst: tuple[int, int]
+    src: tuple[int, int]
+    nbytes: int
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes tensor t may touch."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def poison(t: torch.Tensor) -> None:
+    """All-ones bytes where it is cheap to say so, NaN for floats: what a copy not yet landed leaves."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.dtype == torch.uint8:
+        t.fill_(255)
+    else:
+        t.fill_(-1)
+
+
+class _Entry:
+    __slots__ = ("seq", "dst", "src", "dst_span", "src_span")
+
+    def __init__(self, seq, dst, src):
+        self.seq, self.dst, self.src = seq, dst, src
+        self.dst_span, self.src_span = span(dst), span(src)
+
+
+class SimStream:
+    """A stream of the model. The compute stream (`side=False`) never queues anything."""
+
+    def __init__(self, sim: "StreamSim", name: str, side: bool, device=None):
+        self.sim, self.name, self.side, self.device = sim, name, side, device
+        self.queue: collections.deque[_Entry] = collections.deque()
+        self.enqueued = 0  # copies ever queued (an event's mark is this count when recorded)
+        self.deferred = 0
+        self.flushed = 0
+
+    def __repr__(self) -> str:
+        return f"<SimStream {self.name}: {len(self.queue)} pending>"
+
+    # -- what the runtime calls ----------------------------------------------------------------------------------
+    def wait_event(self, event: "SimEvent") -> None:
+        self.sim.counters.wait_events += 1
+        event._land()
+
+    def wait_stream(self, other: "SimStream") -> None:
+        self.sim.counters.wait_streams += 1
+        other.flush()
+
+    def synchronize(self) -> None:
+        self.sim.counters.stream_syncs += 1
+        self.flush()
+
+    def query(self) -> bool:
+        self.flush()
+        return True
+
+    def record_event(self, event: "SimEvent | None" = None) -> "SimEvent":
+        event = event if event is not None else SimEvent(self.sim)
+        event.record(self)
+        return event
+
+    # -- the queue -------------------------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self.queue)
+
+    def enqueue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        sim = self.sim
+        with sim.lock:
+            entry = _Entry(self.enqueued, dst, src)
+            # same stream, FIFO: a queued copy that reads (or writes) these bytes runs before this one writes them
+            last = max((e.seq for e in self.queue if _overlap(e.src_span, entry.dst_span)), default=None)
+            if last is not None:
+                n = self.flush(upto=last + 1)
+                sim.counters.ordered_flushes += n
+            poison(dst)
+            self.queue.append(entry)
+            self.enqueued += 1
+            self.deferred += 1
+            c = sim.counters
+            c.deferred += 1
+            c.deferred_bytes += dst.numel() * dst.element_size()
+            c.max_pending = max(c.max_pending, len(self.queue))
+            sim.log.append(CopyRecord(self, entry.dst_span, entry.src_span, dst.numel() * dst.element_size()))
+
+    def flush(self, upto: int | None = None) -> int:
+        """Run the queued copies whose position is below `upto` (all by default), in order; how many ran."""
+        sim, ran = self.sim, 0
+        with sim.lock:
+            while self.queue and (upto is None or self.queue[0].seq < upto):
+                entry = self.queue.popleft()
+                sim._execute(entry)
+                self.flushed += 1
+                sim.counters.flushed += 1
+                ran += 1
+        return ran
+
+
+class SimEvent:
+    def __init__(self, sim: "StreamSim", enable_timing: bool = False, **_):
+        self.sim = sim
+        self.enable_timing = enable_timing
+        self.stream: SimStream | None = None
+        self.mark: int | None = None  # the stream's copy count when recorded: the copies before it
+
+    def record(self, stream: SimStream | None = None) -> None:
+        stream = stream if stream is not None else self.sim.current()
+        with self.sim.lock:
+            if stream.side:
+                self.stream, self.mark = stream, stream.enqueued
+                self.sim.counters.events_recorded += 1
+            else:
+                self.stream, self.mark = None, None  # the compute stream ran everything already
+
+    def _land(self) -> None:
+        if self.stream is not None:
+            self.stream.flush(upto=self.mark)
+
+    def synchronize(self) -> None:
+        self.sim.counters.event_syncs += 1
+        self._land()
+
+    def query(self) -> bool:
+        self.sim.counters.event_syncs += 1
+        self._land()
+        return True
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        self.sim.counters.event_syncs += 1
+        self._land()
+
+    def elapsed_time(self, end: "SimEvent") -> float:
+        return 0.0
+
+
+class _SideStreamCopies(TorchDispatchMode):
+    """Pushed on one thread while a side stream is current there: defers its copies."""
+
+    def __init__(self, sim: "StreamSim"):
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sim = self.sim
+        stream = sim.current()
+        if func is _COPY and stream.side and not getattr(sim._local, "executing", False):
+            dst, src = args[0], args[1]
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            if not non_blocking:
+                sim.counters.blocking += 1
+                stream.flush()
+                return func(*args, **kwargs)
+            stream.enqueue(dst, src)
+            return dst
+        return func(*args, **kwargs)
+
+
+class StreamSim:
+    """The state of the model: its streams, their queues, the counters, and every deferred copy (`log`)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.counters = Counters()
+        self.log: list[CopyRecord] = []
+        self.flush_threads: set[str] = set()  # names of the threads that ran queued copies
+        self.compute = SimStream(self, "compute", side=False)
+        self.streams: list[SimStream] = []
+        self._local = threading.local()
+
+    # -- torch.cuda's functions, simulated -------------------------------------------------------------------------
+    def new_stream(self, device=None, priority: int = 0, **_) -> SimStream:
+        with self.lock:
+            s = SimStream(self, f"side{len(self.streams)}", side=True, device=device)
+            self.streams.append(s)
+        return s
+
+    def new_event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_):
+        return SimEvent(self, enable_timing=enable_timing)
+
+    def _stack(self) -> list[SimStream]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current(self, device=None) -> SimStream:
+        stack = self._stack()
+        return stack[-1] if stack else self.compute
+
+    def default_stream(self, device=None) -> SimStream:
+        return self.compute
+
+    @contextlib.contextmanager
+    def stream(self, s: SimStream | None):
+        if s is None:  # torch.cuda.stream(None) changes nothing
+            yield
+            return
+        stack = self._stack()
+        stack.append(s)
+        mode = _SideStreamCopies(self) if s.side else None
+        if mode is not None:
+            mode.__enter__()
+        try:
+            yield
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            stack.pop()
+
+    def synchronize(self, device=None) -> None:
+        self.counters.device_syncs += 1
+        self.flush_all()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        self.counters.record_streams += 1
+
+    # -- for tests -------------------------------------------------------------------------------------------------
+    def flush_all(self) -> int:
+        with self.lock:
+            return sum(s.flush() for s in list(self.streams))
+
+    def pending(self) -> int:
+        with self.lock:
+            return sum(s.pending for s in self.streams)
+
+    def _execute(self, entry: _Entry) -> None:
+        """Run a queued copy for real: the dispatch mode passes it through on this thread, and autograd neither
+        records it nor bumps the destination's version (a copy landing on a GPU does neither)."""
+        self._local.executing = True
+        self.flush_threads.add(threading.current_thread().name)
+        try:
+            with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+                _COPY(entry.dst, entry.src, True)
+        finally:
+            self._local.executing = False
+
+    def __enter__(self) -> "StreamSim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Land what is still queued (as a GPU eventually would), counting it."""
+        self.counters.pending_at_exit += self.pending()
+        self.flush_all()
+
+
+def simulated_cuda(monkeypatch) -> StreamSim:
+    """For the rest of the test: torch.cuda's Stream, Event, current_stream, default_stream, stream and synchronize,
+    and Tensor.record_stream, simulated (see the module's docstring). Returns the simulation to inspect; usable as
+    `with simulated_cuda(monkeypatch) as sim:` to land leftover copies at the end."""
+    sim = StreamSim()
+    monkeypatch.setattr(torch.cuda, "Stream", sim.new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", sim.new_event)
+    monkeypatch.setattr(torch.cuda, "current_stream", sim.current)
+    monkeypatch.setattr(torch.cuda, "default_stream", sim.default_stream)
+    monkeypatch.setattr(torch.cuda, "stream", sim.stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", sim.synchronize)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: sim.record_stream(self, stream))
+    return sim
+
+
+def cuda_branches(monkeypatch, cudart=None):
+    """Make the runtime's objects on the "cpu" device run their CUDA branches (under `simulated_cuda`): LayerOffload,
+    ActivationOffload, HostOptimizer and CpuEma take simulated side streams (their `cuda` flag / stream attribute
+    set as on CUDA), and page-lock through `cudart` (default a new FakeCudart), as the CUDA path does. Returns the
+    cudart."""
+    from fake_cudart import FakeCudart
+
+    from tightrope.memory.activation_offload import ActivationOffload
+    from tightrope.memory.ema import CpuEma
+    from tightrope.memory.host_pinning import PinnedRanges
+    from tightrope.memory.layer_offload import LayerOffload
+    from tightrope.training.host_optimizer import HostOptimizer
+
+    fake = cudart if cudart is not None else FakeCudart()
+
+    real_layer = LayerOffload.__init__
+
+    def layer_init(self, *args, **kwargs):
+        real_layer(self, *args, **kwargs)
+        if self.device.type == "cpu":
+            self.cuda = True
+            self.copy_stream = torch.cuda.Stream(self.device)
+            if kwargs.get("pin_memory"):
+                self.pin = self.pinned = True
+                self._pinned = PinnedRanges(self.device, cudart=fake)
+
+    real_acts = ActivationOffload.__init__
+
+    def acts_init(self, device, **kwargs):
+        kwargs.setdefault("cudart", fake)
+        real_acts(self, device, **kwargs)
+        if self.device.type == "cpu":
+            self.cuda = True
+            self.stream = torch.cuda.Stream(self.device)
+
+    real_opt = HostOptimizer.__init__
+
+    def opt_init(self, params, make, device, **kwargs):
+        kwargs.setdefault("cudart", fake)
+        real_opt(self, params, make, device, **kwargs)
+        if torch.device(device).type == "cpu":
+            self._stream = torch.cuda.Stream(device)
+
+    real_ema = CpuEma.__init__
+
+    def ema_init(self, params, decay, state=None, **kwargs):
+        kwargs.setdefault("cudart", fake)
+        real_ema(self, params, decay, state, **kwargs)
+
+    real_page_lock = CpuEma._page_lock
+
+    def page_lock(self, device, cudart):
+        real_page_lock(self, device, cudart)
+        if self._pinned is not None and self._stream is None and device.type == "cpu":
+            self._stream = torch.cuda.Stream(device)
+
+    monkeypatch.setattr(LayerOffload, "__init__", layer_init)
+    monkeypatch.setattr(ActivationOffload, "__init__", acts_init)
+    monkeypatch.setattr(HostOptimizer, "__init__", opt_init)
+    monkeypatch.setattr(CpuEma, "__init__", ema_init)
+    monkeypatch.setattr(CpuEma, "_page_lock", page_lock)
+    return fake

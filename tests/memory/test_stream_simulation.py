@@ -1,0 +1,414 @@
+"""The runtime's CUDA branches, run on the CPU under a model of CUDA stream ordering (tests/helpers/sim_streams.py).
+
+The model: the compute stream runs at once; a side stream's copies are queued, their destinations poisoned (NaN)
+at once, and run only when something waits for them (an event's synchronize, a stream's wait_event up to the
+event's mark, wait_stream, a stream or device synchronize), reading their sources as they are then. So a consumer
+that reads a copy's destination without the wait reads NaN, a source changed before the copy runs is what is
+copied, and a buffer refilled while someone still reads it shows the poison. LayerOffload, ActivationOffload (and
+its page-locked arena), HostOptimizer and CpuEma take these streams on the "cpu" device, their `cuda` flag / stream
+attributes set as on CUDA and page-locking through the driver's model (fake_cudart.FakeCudart): every
+`if self.cuda:` / `self._stream is not None` branch runs. No production code is changed for it.
+
+What the model cannot see (the helper's docstring has the whole list): the compute stream is never deferred, so a
+side-stream copy overwriting memory that compute kernels queued before it still read (a slot refilled under a block
+still running on the GPU) cannot race here; a missing `record_stream` (the allocator handing a tensor's memory out
+while a copy still uses it) never shows, as the queue keeps every tensor it copies alive (the calls are counted);
+memory unpinned or freed under a queued copy is not modelled either.
+
+The negative controls below remove one wait each and must fail here; run without the simulated streams (the plain
+CPU path, where every copy is eager), the same removals go unseen: that is what the model adds.
+"""
+import threading
+
+import pytest
+import torch
+from equivalence import assert_equivalent
+from sim_streams import SimStream, cuda_branches, simulated_cuda
+from two_stream import make_lora_model, train_steps
+
+from tightrope.memory.activation_host import ActivationHost
+from tightrope.memory.activation_offload import ActivationOffload
+from tightrope.memory.ema import UPDATES_KEY, CpuEma
+from tightrope.memory.layer_offload import LayerOffload
+from tightrope.memory.runtime import MemoryRuntime
+from tightrope.memory.strategy import Strategy
+from tightrope.training.host_optimizer import HostOptimizer
+
+FP32 = dict(compute_dtype="fp32")
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    with simulated_cuda(monkeypatch) as s:
+        yield s
+
+
+@pytest.fixture
+def branches(sim, monkeypatch):
+    """The runtime's objects on the "cpu" device take their CUDA branches under the simulated streams."""
+    return cuda_branches(monkeypatch)
+
+
+def _side_copy(stream, dst, src, non_blocking=True):
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=non_blocking)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+# -- 1. the simulator itself ------------------------------------------------------------------------------------------
+def test_a_deferred_copy_poisons_its_destination_until_waited(sim):
+    side = torch.cuda.Stream("cuda")  # any device spelling
+    src = torch.arange(6.0)
+    dst, raw = torch.zeros(6), torch.zeros(8, dtype=torch.uint8)
+    strided = torch.zeros(4, 6)[:, ::2]  # a non-contiguous destination
+    ints = torch.zeros(3, dtype=torch.int64)
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        raw.copy_(torch.arange(8, dtype=torch.uint8), non_blocking=True)
+        strided.copy_(torch.ones(4, 3), non_blocking=True)
+        ints.copy_(torch.tensor([1, 2, 3]), non_blocking=True)
+        doubled = src * 2  # any other op runs at once
+        event = torch.cuda.Event()
+        event.record()  # on the current stream: the side one
+    assert torch.isnan(dst).all() and (raw == 255).all() and torch.isnan(strided).all() and (ints == -1).all()
+    assert torch.equal(doubled, torch.arange(6.0) * 2)
+    assert sim.counters.deferred == 4 and sim.pending() == 4 and side.pending == 4
+    torch.cuda.current_stream().wait_event(event)
+    assert torch.equal(dst, src) and torch.equal(raw, torch.arange(8, dtype=torch.uint8))
+    assert torch.equal(strided, torch.ones(4, 3)) and torch.equal(ints, torch.tensor([1, 2, 3]))
+    assert sim.pending() == 0 and sim.counters.flushed == 4 and sim.counters.wait_events == 1
+
+
+def test_an_event_wait_flushes_exactly_up_to_its_mark(sim):
+    side = torch.cuda.Stream("cpu")
+    a, b, c = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    first = _side_copy(side, a, torch.ones(3))
+    second = _side_copy(side, b, torch.full((3,), 2.0))
+    with torch.cuda.stream(side):
+        c.copy_(torch.full((3,), 3.0), non_blocking=True)  # after the second mark
+    first.synchronize()
+    assert torch.equal(a, torch.ones(3)) and torch.isnan(b).all() and torch.isnan(c).all()
+    assert first.query() and side.pending == 2
+    side.wait_event(second)  # a side stream waiting: the event's stream is flushed to the mark, not further
+    assert torch.equal(b, torch.full((3,), 2.0)) and torch.isnan(c).all() and side.pending == 1
+    on_compute = torch.cuda.Event(enable_timing=True)
+    on_compute.record()  # on the compute stream: complete at once, flushes nothing
+    on_compute.synchronize()
+    assert side.pending == 1 and on_compute.elapsed_time(first) == 0.0
+    torch.cuda.Event().synchronize()  # never recorded: complete
+    assert side.pending == 1
+
+
+def test_a_source_changed_before_the_copy_runs_is_what_gets_copied(sim):
+    side = torch.cuda.Stream("cpu")
+    src, dst = torch.ones(4), torch.zeros(4)
+    event = _side_copy(side, dst, src)
+    src.mul_(5)  # on the compute stream, before anything waited for the copy: the hazard
+    event.synchronize()
+    assert torch.equal(dst, torch.full((4,), 5.0))
+
+
+def test_wait_stream_and_synchronize_flush(sim):
+    one, two = torch.cuda.Stream("cpu"), torch.cuda.Stream("cpu")
+    a, b, c = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    _side_copy(one, a, torch.ones(2))
+    torch.cuda.current_stream("cpu").wait_stream(one)
+    assert torch.equal(a, torch.ones(2))
+    _side_copy(one, b, torch.ones(2))
+    _side_copy(two, c, torch.ones(2))
+    two.wait_stream(torch.cuda.current_stream())  # the compute stream has nothing queued
+    one.synchronize()
+    assert torch.equal(b, torch.ones(2)) and torch.isnan(c).all()
+    torch.cuda.synchronize("cuda:0")  # every stream
+    assert torch.equal(c, torch.ones(2)) and sim.pending() == 0
+    assert (sim.counters.wait_streams, sim.counters.stream_syncs, sim.counters.device_syncs) == (2, 1, 1)
+
+
+def test_a_blocking_copy_on_a_side_stream_flushes_its_queue_first(sim):
+    side = torch.cuda.Stream("cpu")
+    a, b = torch.zeros(2), torch.zeros(2)
+    _side_copy(side, a, torch.ones(2))
+    _side_copy(side, b, torch.full((2,), 2.0), non_blocking=False)
+    assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.full((2,), 2.0)) and side.pending == 0
+    assert sim.counters.blocking == 1 and sim.counters.deferred == 1
+
+
+def test_copies_on_one_stream_keep_their_order_and_another_stream_races(sim):
+    """A copy that reads a buffer, then one that refills it: on the same stream the first runs first (the hardware's
+    order); on another stream, not made to wait, the reader gets the poison (the reuse hazard)."""
+    side, other = torch.cuda.Stream("cpu"), torch.cuda.Stream("cpu")
+    buf, out = torch.ones(3), torch.zeros(3)
+    _side_copy(side, out, buf)
+    _side_copy(side, buf, torch.full((3,), 7.0))
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.ones(3)) and sim.counters.ordered_flushes == 1
+    buf, out = torch.ones(3), torch.zeros(3)
+    _side_copy(side, out, buf)
+    _side_copy(other, buf, torch.full((3,), 7.0))  # the bug: no other.wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+
+
+def test_the_side_stream_is_per_thread_and_copies_land_from_any_thread(sim):
+    side = torch.cuda.Stream("cpu")
+    theirs, dst = torch.zeros(2), torch.zeros(2)
+    event = _side_copy(side, dst, torch.ones(2))
+    with torch.cuda.stream(side):  # this thread's side stream is not another thread's current one
+        worker = threading.Thread(target=lambda: (theirs.copy_(torch.ones(2), non_blocking=True), event.synchronize()),
+                                  name="waiter")
+        worker.start()
+        worker.join()
+    assert torch.equal(theirs, torch.ones(2)) and torch.equal(dst, torch.ones(2))
+    assert sim.flush_threads == {"waiter"} and sim.counters.deferred == 1
+    torch.ones(2).record_stream(side)
+    assert sim.counters.record_streams == 1
+
+
+# -- 2. the runtime under the simulated streams: equivalent to plain PyTorch ------------------------------------------
+def _run(strategy, steps=2, micro=1, inspect=None):
+    """run_managed, the model trained `steps` steps of `micro` micro-batches; inspect(rt) runs before the undo."""
+    model = make_lora_model()
+    with MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) as rt:
+        losses, grads = train_steps(model, steps=steps, runtime=rt, micro=micro)
+        seen = inspect(rt) if inspect is not None else None
+    return (losses, grads, None), seen
+
+
+def _streams(rt):
+    """The runtime's side streams, by owner (each must be a simulated one: the CUDA branch ran)."""
+    out = {}
+    if rt.offload is not None:
+        out["layers"] = rt.offload.copy_stream
+    if rt.acts is not None:
+        out["acts"] = rt.acts.stream
+    return out
+
+
+STRATEGIES = {
+    "offload": (Strategy.of(offload_fraction=1.0, **FP32), 2, ["layers"]),
+    "half+acts": (Strategy.of(offload_fraction=0.5, checkpoint="all", activation_offload=True, **FP32), 2,
+                  ["layers", "acts"]),
+    "optimizer": (Strategy.of(offload_fraction=0.5, optimizer_offload=True, **FP32), 2, ["layers", "optimizer"]),
+    "token_chunks": (Strategy.of(offload_fraction=1.0, checkpoint="all", token_chunks=2, **FP32), 2, ["layers"]),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_the_cuda_branches_train_as_plain_pytorch(branches, sim, name):
+    strategy, steps, owners = STRATEGIES[name]
+    result, streams = _run(strategy, steps, inspect=_streams)
+    assert_equivalent(result, steps=steps)
+    if "optimizer" in owners:
+        streams["optimizer"] = next(s for s in sim.streams if s not in streams.values())
+    assert sorted(streams) == sorted(owners) and all(isinstance(s, SimStream) and s.side for s in streams.values())
+    for owner, stream in streams.items():
+        assert stream.deferred > 0, f"{owner}: no copy was deferred"
+        assert stream.flushed == stream.deferred, f"{owner}: copies left in flight"
+    # the host ran ahead of the copies, and only the runtime's own waits landed them
+    assert sim.counters.max_pending > 1 and sim.pending() == 0 and sim.counters.wait_events > 0
+    assert sim.counters.events_recorded > 0
+    if "acts" in owners or "optimizer" in owners:
+        assert sim.counters.record_streams > 0
+    if "layers" in owners:
+        assert branches.registered  # the weights were page-locked through the driver's model
+
+
+def test_the_activation_arena_takes_deferred_copies_from_the_second_step(branches, sim, monkeypatch):
+    """3 steps: the first copies into pageable buffers (blocking), the arena is sized at the second's start and
+    both directions of later steps' copies go through it, queued. The arena's own synchronize at start_step finds
+    nothing queued: end_step's wait-time read (collect_wait_seconds) synchronised the device already, and every
+    copy had been waited for by then. So skipping that synchronize is a hazard this model cannot show."""
+    queued_at_start = []
+    real_start = ActivationOffload.start_step
+
+    def start_step(self):
+        queued_at_start.append((self.host.outgrown(), self.stream.pending))
+        real_start(self)
+
+    monkeypatch.setattr(ActivationOffload, "start_step", start_step)
+
+    def inspect(rt):
+        arena = rt.acts.host._arena
+        lo, hi = arena.data_ptr(), arena.data_ptr() + arena.numel()
+        mine = [r for r in sim.log if r.stream is rt.acts.stream]
+        into = sum(lo <= r.dst[0] and r.dst[1] <= hi for r in mine)
+        out_of = sum(lo <= r.src[0] and r.src[1] <= hi for r in mine)
+        return rt.acts.stream, rt.acts.pinned, into, out_of, len(mine)
+
+    strategy = Strategy.of(checkpoint="all", activation_offload=True, **FP32)
+    result, (stream, pinned, into, out_of, deferred) = _run(strategy, steps=3, inspect=inspect)
+    assert_equivalent(result, steps=3)
+    assert pinned and deferred == stream.deferred == stream.flushed > 0
+    assert into > 0 and out_of > 0 and into + out_of == deferred  # device-to-host and back, all through the arena
+    assert sim.counters.blocking > 0  # the first step's, into pageable buffers
+    assert queued_at_start == [(False, 0), (True, 0), (False, 0)]
+
+
+def test_micro_batches_reuse_the_arena_and_the_staging_buffer_with_copies_queued(branches, sim, monkeypatch):
+    """Nothing synchronises between a step's micro-batches (gpu-check's 3 steps x 2 micro-batches row): the second
+    starts the activation arena over while the first's gradient copies to the host are still queued (on the
+    optimizer's stream), and its gradients go to the staging buffer, added once landed."""
+    queued_at_reuse = []
+    real_buffer = ActivationHost.buffer_like
+
+    def buffer_like(self, t):
+        if self._arena is not None and self._in_arena == 0 and self._top > 0:  # the arena starts over
+            queued_at_reuse.append(sim.pending())
+        return real_buffer(self, t)
+
+    monkeypatch.setattr(ActivationHost, "buffer_like", buffer_like)
+    strategy = Strategy.of(offload_fraction=0.5, checkpoint="all", activation_offload=True, optimizer_offload=True,
+                           **FP32)
+    result, _ = _run(strategy, steps=3, micro=2)
+    reference = train_steps(make_lora_model(), steps=3, micro=2)
+    torch.testing.assert_close(torch.tensor(result[0]), torch.tensor(reference[0]), rtol=1e-5, atol=1e-6)
+    for grads, ref in zip(result[1], reference[1]):
+        assert grads.keys() == ref.keys()
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-6)
+    assert len(sim.streams) == 3 and all(s.deferred > 0 and s.flushed == s.deferred for s in sim.streams)
+    assert any(queued_at_reuse), queued_at_reuse  # the arena was reused with copies in flight
+
+
+# -- 3. the EMA with its stream simulated -----------------------------------------------------------------------------
+def _weights(seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    """tests/training/test_ema.py's: one over a page, one bf16."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.nn.Parameter(torch.randn(16, 3, generator=g)),
+            "b": torch.nn.Parameter(torch.randn(3000, generator=g)),
+            "c": torch.nn.Parameter(torch.randn(4, 8, generator=g).bfloat16())}
+
+
+def _step(params: dict, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype), alpha=0.1)
+
+
+def _reference(params: dict, decay: float, steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The eager EMA loop of tests/training/test_ema.py: shadow = lerp(shadow, w, 1 - d), d = min(decay,
+    (1 + n) / (10 + n)), in fp32."""
+    g, out = torch.Generator().manual_seed(seed), []
+    shadow = {k: p.detach().float().clone() for k, p in params.items()}
+    for n in range(steps):
+        _step(params, g)
+        d = min(decay, (1 + n) / (10 + n))
+        shadow = {k: torch.lerp(shadow[k], p.detach().float(), 1 - d) for k, p in params.items()}
+        out.append(shadow)
+    return out
+
+
+def test_ema_updates_copied_on_a_side_stream_equal_the_eager_ema_bit_for_bit(branches, sim):
+    steps, decay = 30, 0.75
+    expected = _reference(_weights(), decay, steps)
+    params, g = _weights(), torch.Generator().manual_seed(1)
+    ema = CpuEma(params, decay)
+    stream = ema._stream
+    assert isinstance(stream, SimStream) and stream.side and ema._pinned is not None
+    for _ in range(steps):
+        _step(params, g)
+        ema.update()
+    state = ema.state_dict()
+    ema.close()
+    assert state[UPDATES_KEY].item() == steps
+    assert all(torch.equal(state[k], v) for k, v in expected[-1].items())
+    assert stream.deferred == steps == stream.flushed and sim.counters.record_streams == steps
+    assert any(name.startswith("tightrope-ema") for name in sim.flush_threads)  # the worker waited for the copies
+
+
+# -- 4. negative controls: one wait removed, the run must fail --------------------------------------------------------
+def _no_layer_wait(monkeypatch):
+    monkeypatch.setattr(LayerOffload, "_wait", lambda self, index: None)
+
+
+def _no_activation_wait(monkeypatch):
+    monkeypatch.setattr(ActivationOffload, "_wait", lambda self, event: None)
+
+
+def _settle_without_synchronize(monkeypatch):
+    def settle(self, i):  # HostOptimizer._settle, the bug: the gradients are read without waiting for their copies
+        self._copied[i] = None
+        if self._to_add[i] is not None:
+            self._to_add[i] = None
+            self._grads[i].add_(self._staging[i])
+    monkeypatch.setattr(HostOptimizer, "_settle", settle)
+
+
+CONTROLS = {
+    # the compute stream reads a slot before its weights' copy landed
+    "layer_wait": (_no_layer_wait, Strategy.of(offload_fraction=1.0, **FP32)),
+    # backward reads an activation brought back before its copy landed (from step 2: step 1's copies go to pageable
+    # buffers and block)
+    "activation_wait": (_no_activation_wait, Strategy.of(checkpoint="all", activation_offload=True, **FP32)),
+    # the optimizer reads gradients before their copies to the host landed. With layer (or activation) offload on,
+    # end_step's collect_wait_seconds synchronises the whole device every step, which lands them too: the optimizer
+    # alone is offloaded here, so _settle's wait is the only one
+    "optimizer_settle": (_settle_without_synchronize, Strategy.of(optimizer_offload=True, **FP32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_a_missing_wait_is_caught(branches, sim, monkeypatch, name):
+    remove_wait, strategy = CONTROLS[name]
+    remove_wait(monkeypatch)
+    result, _ = _run(strategy, steps=2)
+    with pytest.raises(AssertionError):
+        assert_equivalent(result)
+    finite = [all(torch.isfinite(g).all() for g in step.values()) for step in result[1]]
+    if name == "activation_wait":
+        assert finite == [True, False]  # the first step's blocking copies needed no wait
+    else:
+        assert not all(finite)
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_without_the_simulated_streams_the_same_missing_wait_goes_unseen(monkeypatch, name):
+    """The plain CPU path copies eagerly: the removed wait changes nothing there (why the model is needed)."""
+    remove_wait, strategy = CONTROLS[name]
+    remove_wait(monkeypatch)
+    result, _ = _run(strategy, steps=2)
+    assert_equivalent(result)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["settled", "reused_unsettled"])
+def test_the_ema_buffer_reused_before_the_last_fold_read_it_is_caught(branches, sim, monkeypatch, waits):
+    """Reuse hazard: update() waits for the previous fold (_settle) before copying into the one page-locked buffer.
+    The first fold is held after its copy landed, just before it reads the buffer; the next update is made; then
+    the fold goes on. Settled, the EMA is the eager one bit for bit; unsettled, the next copy's destination (the
+    buffer the fold is about to read) is what the fold reads: poison (on a GPU, the next step's weights)."""
+    expected = _reference(_weights(), 0.9, 2)
+    params, g = _weights(), torch.Generator().manual_seed(1)
+    entered, gate, held = threading.Event(), threading.Event(), []
+    real_fold, real_settle = CpuEma._fold, CpuEma._settle
+
+    def fold(self, flat, decay):
+        if threading.current_thread() is not threading.main_thread() and not held:
+            held.append(True)
+            entered.set()  # its copy has landed (event.synchronize returned): it reads the buffer next
+            assert gate.wait(30)
+        real_fold(self, flat, decay)
+
+    def settle(self):
+        if waits:
+            if self.updates >= 1:
+                gate.set()  # the next update waits for the held fold: let it go on (else it waits forever)
+            real_settle(self)
+
+    monkeypatch.setattr(CpuEma, "_fold", fold)
+    monkeypatch.setattr(CpuEma, "_settle", settle)
+    ema = CpuEma(params, 0.9)
+    _step(params, g)
+    ema.update()
+    assert entered.wait(30)
+    _step(params, g)
+    ema.update()
+    gate.set()
+    ema._worker.shutdown(wait=True)  # every fold done (the settle that would wait may be the one removed)
+    shadow = ema._shadow
+    ema.close()
+    if waits:
+        assert all(torch.equal(shadow[k], v) for k, v in expected[-1].items())
+    else:
+        assert not all(torch.isfinite(v).all() for v in shadow.values())
