@@ -60,13 +60,18 @@ def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
                  "| 24 GB | "):
         assert what in text
     # the planner finds a plan at 4 GB (predicted from shapes; the allocator's gap is a GPU's to measure), in token
-    # chunks, and gpu-check measures it; with optimizer offload allowed it takes it, faster by the model (the
-    # device memory it frees buys a deeper prefetch), and the breakdown shows its host memory
-    assert "No plan" not in text
+    # chunks, and gpu-check measures it; with optimizer offload allowed it finds one at least as fast by the model
+    # (it takes optimizer offload where the device memory that frees buys a deeper prefetch), and where it takes it
+    # the breakdown shows its host memory
+    assert "No plan" not in text and "optimizer offload allowed" in text
     off, allowed = (Strategy.from_json(part.split("`")[0]) for part in text.split("Strategy: `")[1:3])
     assert off.checkpointing.token_chunks == TOKEN_CHUNKS and not off.optimizer.enabled
     assert off in [c.strategy for c in headline_configs("cuda", 2048, 1)]
-    assert allowed.optimizer.enabled and "optimizer offload allowed" in text
     assert allowed in [c.strategy for c in headline_configs("cuda", 2048, 1)]
-    assert "the LoRA's optimizer state and gradients wait in host memory" in text
-    assert "| host memory: the LoRA, its gradients and AdamW state (optimizer offload) |" in text
+    seconds = [float(part.split(" s/step")[0].rsplit("~", 1)[1]) for part in text.split("Predicted ")[1:3]]
+    assert seconds[1] <= seconds[0]
+    if allowed.optimizer.enabled:
+        assert "the LoRA's optimizer state and gradients wait in host memory" in text
+        assert "| host memory: the LoRA, its gradients and AdamW state (optimizer offload) |" in text
+    else:
+        assert allowed == off

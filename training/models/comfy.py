@@ -36,6 +36,7 @@ import comfy.sd
 import comfy.utils
 
 from ...memory.blocks import MUTATES_INPUTS, discover_blocks
+from ...memory.norms import layer_norm, upcasts
 from ..lora.targets import LoraError
 from .adapter import ordinary_alias
 from .comfy_dynamic_vram import cast_to_model_dtypes, drop_dynamic_vram_state, share_dynamic_vram_state
@@ -77,11 +78,24 @@ def _check_flow(name: str, sampling) -> None:
 def _guard_in_place_residuals(module: nn.Module) -> None:
     """ComfyUI's blocks add residuals in place (Flux: `img += ...` after `img_norm1(img)`), which autograd forbids
     when an earlier op saved that tensor for backward: the norm layers' inputs. While grads are on, each norm inside a
-    block normalises (and so saves) a copy of its input; the in-place add then changes a tensor nothing saved."""
-    def guarded(forward):
+    block normalises (and so saves) a copy of its input; the in-place add then changes a tensor nothing saved. A
+    LayerNorm without affine weights (ComfyUI's or torch's own forward) saves that bf16 copy under CUDA autocast, not
+    the fp32 cast autocast would make of it (memory/norms.py: half the bytes through the block's backward)."""
+    import comfy.ops
+
+    plain_forwards = {nn.LayerNorm.forward, getattr(comfy.ops.disable_weight_init.LayerNorm, "forward", None)}
+    every_op = getattr(comfy.ops, "run_every_op", lambda: None)  # ComfyUI's interrupt check, as its forward makes
+
+    def guarded(m, forward):
+        plain = isinstance(m, nn.LayerNorm) and type(m).forward in plain_forwards and m.weight is None \
+            and m.bias is None
+
         def norm_forward(x, *args, **kwargs):
             if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
                 x = x.clone()
+                if plain and not args and not kwargs and upcasts(x):
+                    every_op()
+                    return layer_norm(x, m.normalized_shape, m.eps)
             return forward(x, *args, **kwargs)
         return norm_forward
 
@@ -89,7 +103,7 @@ def _guard_in_place_residuals(module: nn.Module) -> None:
         setattr(block.module, MUTATES_INPUTS, True)  # compiled blocks work on copies (memory/runtime.py)
         for m in block.module.modules():
             if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm"):
-                m.forward = guarded(m.forward)
+                m.forward = guarded(m, m.forward)
 
 
 def _first_linear_in_features(module: nn.Module, path: str) -> int:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...memory.norms import LayerNorm
+
 PATCH = 2  # Flux packs 2x2 latent patches into one token
 
 
@@ -204,7 +206,9 @@ def _mlp(hidden: int, mlp_hidden: int) -> nn.Sequential:
 
 
 def _ln(hidden: int) -> nn.LayerNorm:
-    return nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)  # affine comes from modulation instead
+    # affine comes from modulation instead; under CUDA autocast it keeps its bf16 input for backward, not the fp32
+    # copy autocast makes (memory/norms.py)
+    return LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
 
 
 class DoubleStreamBlock(nn.Module):
