@@ -22,6 +22,7 @@ import threading
 
 import pytest
 import torch
+from ema_reference import change_weights, lora_like_weights, reference_ema
 from equivalence import assert_equivalent
 from sim_streams import SimStream, cuda_branches, simulated_cuda
 from two_stream import make_lora_model, train_steps
@@ -273,42 +274,15 @@ def test_micro_batches_reuse_the_arena_and_the_staging_buffer_with_copies_queued
 
 
 # -- 3. the EMA with its stream simulated -----------------------------------------------------------------------------
-def _weights(seed: int = 0) -> dict[str, torch.nn.Parameter]:
-    """tests/training/test_ema.py's: one over a page, one bf16."""
-    g = torch.Generator().manual_seed(seed)
-    return {"a": torch.nn.Parameter(torch.randn(16, 3, generator=g)),
-            "b": torch.nn.Parameter(torch.randn(3000, generator=g)),
-            "c": torch.nn.Parameter(torch.randn(4, 8, generator=g).bfloat16())}
-
-
-def _step(params: dict, g: torch.Generator) -> None:
-    with torch.no_grad():
-        for p in params.values():
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype), alpha=0.1)
-
-
-def _reference(params: dict, decay: float, steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    """The eager EMA loop of tests/training/test_ema.py: shadow = lerp(shadow, w, 1 - d), d = min(decay,
-    (1 + n) / (10 + n)), in fp32."""
-    g, out = torch.Generator().manual_seed(seed), []
-    shadow = {k: p.detach().float().clone() for k, p in params.items()}
-    for n in range(steps):
-        _step(params, g)
-        d = min(decay, (1 + n) / (10 + n))
-        shadow = {k: torch.lerp(shadow[k], p.detach().float(), 1 - d) for k, p in params.items()}
-        out.append(shadow)
-    return out
-
-
 def test_ema_updates_copied_on_a_side_stream_equal_the_eager_ema_bit_for_bit(branches, sim):
     steps, decay = 30, 0.75
-    expected = _reference(_weights(), decay, steps)
-    params, g = _weights(), torch.Generator().manual_seed(1)
+    expected = reference_ema(lora_like_weights(), decay, steps)
+    params, g = lora_like_weights(), torch.Generator().manual_seed(1)
     ema = CpuEma(params, decay)
     stream = ema._stream
     assert isinstance(stream, SimStream) and stream.side and ema._pinned is not None
     for _ in range(steps):
-        _step(params, g)
+        change_weights(params, g)
         ema.update()
     state = ema.state_dict()
     ema.close()
@@ -378,8 +352,8 @@ def test_the_ema_buffer_reused_before_the_last_fold_read_it_is_caught(branches, 
     The first fold is held after its copy landed, just before it reads the buffer; the next update is made; then
     the fold goes on. Settled, the EMA is the eager one bit for bit; unsettled, the next copy's destination (the
     buffer the fold is about to read) is what the fold reads: poison (on a GPU, the next step's weights)."""
-    expected = _reference(_weights(), 0.9, 2)
-    params, g = _weights(), torch.Generator().manual_seed(1)
+    expected = reference_ema(lora_like_weights(), 0.9, 2)
+    params, g = lora_like_weights(), torch.Generator().manual_seed(1)
     entered, gate, held = threading.Event(), threading.Event(), []
     real_fold, real_settle = CpuEma._fold, CpuEma._settle
 
@@ -399,10 +373,10 @@ def test_the_ema_buffer_reused_before_the_last_fold_read_it_is_caught(branches, 
     monkeypatch.setattr(CpuEma, "_fold", fold)
     monkeypatch.setattr(CpuEma, "_settle", settle)
     ema = CpuEma(params, 0.9)
-    _step(params, g)
+    change_weights(params, g)
     ema.update()
     assert entered.wait(30)
-    _step(params, g)
+    change_weights(params, g)
     ema.update()
     gate.set()
     ema._worker.shutdown(wait=True)  # every fold done (the settle that would wait may be the one removed)

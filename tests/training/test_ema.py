@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 from demo_setup import demo_session
+from ema_reference import change_weights, lora_like_weights, reference_ema
 from fake_cudart import FakeCudart, StraddleCheck
 
 from tightrope.memory import host_pinning
@@ -124,42 +125,14 @@ def test_new_inputs_follow_the_0_1_inputs_with_tooltips_so_saved_workflows_keep_
         assert optional[name][1]["default"] == default and optional[name][1]["tooltip"]
 
 
-def _weights(seed: int = 0) -> dict[str, torch.nn.Parameter]:
-    """A few LoRA-like weights, one over a page (4 KiB) and one bf16 (gathered to fp32 as a LoRA in bf16 is)."""
-    g = torch.Generator().manual_seed(seed)
-    return {"a": torch.nn.Parameter(torch.randn(16, 3, generator=g)),
-            "b": torch.nn.Parameter(torch.randn(3000, generator=g)),
-            "c": torch.nn.Parameter(torch.randn(4, 8, generator=g).bfloat16())}
-
-
-def _step(params: dict, g: torch.Generator) -> None:
-    """An optimizer-like change of every weight."""
-    with torch.no_grad():
-        for p in params.values():
-            p.add_(torch.randn(p.shape, generator=g).to(p.dtype), alpha=0.1)
-
-
-def _reference(params: dict, decay: float, steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    """The EMA after each of `steps` changes, by the plain loop: shadow = lerp(shadow, w, 1 - d), d = min(decay, (1 + n)
-    / (10 + n)), in fp32."""
-    g, out = torch.Generator().manual_seed(seed), []
-    shadow = {k: p.detach().float().clone() for k, p in params.items()}
-    for n in range(steps):
-        _step(params, g)
-        d = min(decay, (1 + n) / (10 + n))
-        shadow = {k: torch.lerp(shadow[k], p.detach().float(), 1 - d) for k, p in params.items()}
-        out.append(shadow)
-    return out
-
-
 def test_updates_folded_in_later_are_the_eager_ema_bit_for_bit():
     steps, decay = 30, 0.75  # past the warm-up: (1 + n) / (10 + n) reaches 0.75 at n = 26
-    expected = _reference(_weights(), decay, steps)
+    expected = reference_ema(lora_like_weights(), decay, steps)
     for cudart in (FakeCudart(), None):  # page-locked (the copy folded in later), and the eager CPU path
-        params, g = _weights(), torch.Generator().manual_seed(1)
+        params, g = lora_like_weights(), torch.Generator().manual_seed(1)
         ema = CpuEma(params, decay, cudart=cudart)
         for n in range(steps):
-            _step(params, g)
+            change_weights(params, g)
             ema.update()
         state = ema.state_dict()
         assert state[UPDATES_KEY].item() == steps
@@ -168,8 +141,8 @@ def test_updates_folded_in_later_are_the_eager_ema_bit_for_bit():
 
 
 def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the_main_thread(monkeypatch):
-    fake, params, g = FakeCudart(), _weights(), torch.Generator().manual_seed(1)
-    expected = _reference(_weights(), 0.9, 4)
+    fake, params, g = FakeCudart(), lora_like_weights(), torch.Generator().manual_seed(1)
+    expected = reference_ema(lora_like_weights(), 0.9, 4)
     ema = CpuEma(params, 0.9, cudart=fake)
     assert len(fake.registered) == 1 and 8 not in fake.flags.values()  # one buffer, writable: the device writes it
     (start, nbytes), = fake.live.items()
@@ -184,7 +157,7 @@ def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the
     monkeypatch.setattr(CpuEma, "_fold", held_fold)
     for n in range(4):
         gate.clear()
-        _step(params, g)
+        change_weights(params, g)
         with StraddleCheck(fake):  # the copy into the buffer lies wholly inside the registered range
             ema.update()  # returns with its fold still held
         gate.set()
@@ -192,13 +165,13 @@ def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the
         assert all(torch.equal(read[k], v) for k, v in expected[n].items())
     assert folds == [True] * 4  # each folded in on the worker thread, not in update()
     assert len(fake.registered) == 1  # allocated and registered once, not per update
-    _step(params, g)
+    change_weights(params, g)
     ema.update()
     ema.close()
     assert not fake.live  # unpinned: a long-lived process (a ComfyUI server) keeps no pinned memory after a run
     after_close = ema.state_dict()  # close folded the update in flight in
     assert not torch.equal(after_close["a"], expected[-1]["a"]) and after_close[UPDATES_KEY].item() == 5
-    _step(params, g)
+    change_weights(params, g)
     ema.update()  # closed: a blocking copy, folded in at once
     assert not torch.equal(ema._shadow["a"], after_close["a"])
 
@@ -206,13 +179,13 @@ def test_the_host_buffer_is_registered_once_and_each_update_is_folded_in_off_the
 def test_a_buffer_over_several_registrations_is_copied_in_parts(monkeypatch):
     """One registration per page (as 1 GiB pieces cut a LoRA of more than 1 GiB): no copy spans an edge."""
     monkeypatch.setattr(host_pinning, "CHUNK_BYTES", mmap.PAGESIZE)
-    fake, params, g = FakeCudart(), _weights(), torch.Generator().manual_seed(1)
-    expected = _reference(_weights(), 0.9, 3)
+    fake, params, g = FakeCudart(), lora_like_weights(), torch.Generator().manual_seed(1)
+    expected = reference_ema(lora_like_weights(), 0.9, 3)
     ema = CpuEma(params, 0.9, cudart=fake)
     assert len(fake.registered) > 1
     with StraddleCheck(fake):
         for _ in range(3):
-            _step(params, g)
+            change_weights(params, g)
             ema.update()
         state = ema.state_dict()
     ema.close()
@@ -220,7 +193,7 @@ def test_a_buffer_over_several_registrations_is_copied_in_parts(monkeypatch):
 
 
 def test_an_ema_dropped_without_close_unpins_its_buffer():
-    fake, params = FakeCudart(), _weights()
+    fake, params = FakeCudart(), lora_like_weights()
     ema = CpuEma(params, 0.9, cudart=fake)
     ema.update()
     ema.state_dict()  # its fold is done: nothing on the worker holds it
@@ -231,8 +204,8 @@ def test_an_ema_dropped_without_close_unpins_its_buffer():
 
 
 def test_refused_pinning_is_one_warning_and_the_same_ema():
-    params, g = _weights(), torch.Generator().manual_seed(1)
-    expected = _reference(_weights(), 0.9, 3)
+    params, g = lora_like_weights(), torch.Generator().manual_seed(1)
+    expected = reference_ema(lora_like_weights(), 0.9, 3)
     fake = FakeCudart(refuse=2)
     with pytest.warns(RuntimeWarning) as record:
         ema = CpuEma(params, 0.9, cudart=fake)
@@ -242,7 +215,7 @@ def test_refused_pinning_is_one_warning_and_the_same_ema():
                         r"it waits for the GPU \(slower copies; free host RAM\)", str(record[0].message))
     assert not fake.live
     for n in range(3):
-        _step(params, g)
+        change_weights(params, g)
         ema.update()  # a blocking copy, folded in at once
         assert all(torch.equal(ema._shadow[k], v) for k, v in expected[n].items())
     ema.close()
