@@ -204,7 +204,7 @@ def _summarise_headline(run: Run, headline: dict) -> None:
 
 def _arena_line(host: dict[str, Any], d2h_bytes: float) -> str:
     """Activation offload's host memory: its page-locked arena against the bytes a step copies out (torch's pinned
-    allocator took a power of two per buffer: 7.1 GiB for 5.5 GiB at 2048 px, memory/activation_host.py)."""
+    allocator takes a power of two per buffer: by its rule 7.1 GiB for 5.5 GiB at 2048 px, activation_host.py)."""
     locked = "page-locked" if host["pinned"] else "pageable (page-locking refused)"
     return (f"arena {gib(host['arena_bytes'])} {locked} for {gib(d2h_bytes)} copied out per step; "
             f"{host['pageable_buffers']} pageable buffers (the first step's)")

@@ -1,9 +1,10 @@
 """Host memory for activation offload: one arena page-locked in place, reused step after step, given back at the end.
 
 torch's pinned allocator (`pin_memory=True`) rounds every buffer up to a power of two and keeps each freed block
-page-locked for the life of the process: at Flux-dev 2048 px, 5.5 GiB of checkpointed block inputs took 7.1 GiB of
-pinned host memory, and a ComfyUI server kept it after training. Here a step's host copies are carved, ALIGN bytes
-apart, out of one ordinary host allocation page-locked in place (host_pinning.PinnedRanges), the arena:
+page-locked for the life of the process: by that rule 5.5 GiB of checkpointed block inputs (Flux-dev, 2048 px) take
+7.1 GiB of pinned host memory, which a ComfyUI server would keep after training. Here a step's host copies are
+carved, ALIGN bytes apart, out of one ordinary host allocation page-locked in place (host_pinning.PinnedRanges), the
+arena:
 - the first step, and a later one that needs more than the arena holds (a larger bucket), takes pageable buffers of
   exact size for what does not fit (their copies block the host: once) and records the most bytes held at once;
 - between steps (`settle`), once every buffer is dead (a step's activations die with its graph), an arena smaller
