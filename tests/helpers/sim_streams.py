@@ -1,7 +1,7 @@
 """CUDA streams and events modelled on the CPU, so the runtime's CUDA branches run (and can fail) in CPU tests.
 
 The model is a GPU whose host runs ahead as far as it may:
-- The compute ("current", default) stream executes at once: its work is the plain CPU ops.
+- The compute ("current", default) stream executes at once: its work is the plain CPU ops (but see the lag below).
 - A side stream (`torch.cuda.Stream(...)`) defers its copies. Inside `with torch.cuda.stream(side):` a dispatch mode
   (pushed on that thread only, for that block) takes every `aten.copy_`: the destination is poisoned at once (NaN
   for floats, all-ones bytes for uint8, -1 for other integers) and the copy is queued on the stream, to run later
@@ -19,10 +19,23 @@ The model is a GPU whose host runs ahead as far as it may:
 - `torch.Tensor.record_stream` is a no-op, counted. Timing events report 0 ms. Any device argument is accepted.
 - Queues are shared by threads under one lock (the EMA waits for its copy on a worker thread).
 
+- The compute stream lags (ordering is checked, not replayed): inside `with sim:` a dispatch mode on the main thread
+  numbers every compute op and logs the byte spans it reads and writes (a fresh output, an allocation included, is a
+  write; views and metadata queries touch nothing). A side stream knows how far the compute stream had got when it last waited for it (`wait_stream(compute)`,
+  `wait_event` of an event recorded on compute, or transitively through another side stream's event or queue);
+  the host knows how far it synchronised (an event's or stream's `synchronize`/`query`, `torch.cuda.synchronize`).
+  A side-stream copy that writes bytes compute touched later than its stream waited for (a slot refilled under a
+  block a GPU may still be running; memory handed to a copy while its previous owner is still read) or reads bytes
+  compute wrote later than that (an activation copied out before the kernel that makes it ran), and a host-side
+  region (`sim.host_side()`: the host optimizer's AdamW and gradient sums) that writes bytes compute touched, or
+  reads bytes compute wrote, later than the host synchronised, is a `Hazard`: recorded in `sim.hazards` (with the
+  compute op last seen there) and raised as an AssertionError when the `with` ends, unless the test took them
+  (`sim.take_hazards()`). On a GPU such a race shows only when the compute stream runs late (gpu-check's
+  `torch.cuda._sleep` rows); here it is caught whatever the timing.
+
 What it cannot see:
-- The compute stream is never deferred: a side-stream copy that overwrites memory still read by compute kernels
-  queued earlier (a slot refilled under a block still running) cannot race here, and neither can compute writing
-  memory a copy will read later unless the compute happens (in program order) before the copy runs.
+- Host code outside a `host_side()` region runs as compute ops here (the model cannot tell a host tensor from a
+  device one); that is stricter (more waits required), never laxer, for the copies, and unchecked for the host.
 - The caching allocator: a queued copy keeps its tensors alive, so a missing `record_stream` (memory freed and
   handed out again while a copy still reads or writes it) never shows; only the calls are counted.
 - Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
@@ -33,10 +46,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 _COPY = torch.ops.aten.copy_.default
 
@@ -57,6 +71,25 @@ class Counters:
     record_streams: int = 0    # Tensor.record_stream calls
     max_pending: int = 0       # the most copies queued at once on one stream
     pending_at_exit: int = 0   # copies still queued when the simulation ended (it ran them)
+    compute_ops: int = 0       # compute ops numbered by the ordering log (inside `with sim:`)
+    checked_copies: int = 0    # side-stream copies checked against it
+    host_ops: int = 0          # ops of host_side() regions checked against it
+
+
+@dataclass
+class Hazard:
+    """A race a lagging compute stream would expose: `who` (a side stream's name, or "host") `does` to the bytes
+    `span` while compute's op number `compute_op` (`op`) may not have run yet; `who` had only waited up to `seen`."""
+    who: str
+    does: str
+    span: tuple[int, int]
+    compute_op: int
+    op: str
+    seen: int
+
+    def __str__(self) -> str:
+        return (f"{self.who} {self.does} bytes [{self.span[0]:#x}, {self.span[1]:#x}) that compute op #{self.compute_op}"
+                f" ({self.op}) touched, having waited for compute only up to op #{self.seen}")
 
 
 @dataclass
@@ -92,6 +125,73 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(-1)
 
 
+_PAGE_SHIFT = 12
+# ops that read a tensor's metadata, never its bytes
+_METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.is_same_size.default, torch.ops.aten.sym_size.int,
+             torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
+
+
+class _Timeline:
+    """The compute stream's ops in program order: for each byte span an op touched, the number of the last op that
+    touched it and of the last that wrote it (spans indexed by 4 KiB page, to find the overlapping ones)."""
+
+    def __init__(self):
+        self.pos = 0
+        self.spans: dict[tuple[int, int], list] = {}  # span -> [last access, last write, op name]
+        self.pages: dict[int, set] = collections.defaultdict(set)
+
+    def record(self, reads, writes, op: str) -> None:
+        self.pos += 1
+        for sp, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
+            rec = self.spans.get(sp)
+            if rec is None:
+                rec = self.spans[sp] = [0, 0, op]
+                for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
+                    self.pages[page].add(sp)
+            rec[0], rec[2] = self.pos, op
+            if write:
+                rec[1] = self.pos
+
+    def last(self, sp: tuple[int, int], writes_only: bool) -> tuple[int, str]:
+        """The last compute op (number, name) that touched (or wrote) bytes of `sp`; (0, "") if none."""
+        if sp[0] >= sp[1]:
+            return 0, ""
+        found = set()
+        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
+            found |= self.pages.get(page, set())
+        best = (0, "")
+        for other in found:
+            if _overlap(other, sp):
+                rec = self.spans[other]
+                n = rec[1] if writes_only else rec[0]
+                if n > best[0]:
+                    best = (n, rec[2])
+        return best
+
+
+def _tensor_spans(value) -> list[tuple[int, int]]:
+    out = []
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and t.numel() \
+                and t.data_ptr():
+            out.append(span(t))
+    return out
+
+
+def _accesses(func, args, kwargs, out) -> tuple[list, list]:
+    """The byte spans an op reads and writes: arguments its schema marks written (in place, out=) and every tensor
+    it returns (a fresh one is an allocation: a write) are writes; other tensor arguments are reads."""
+    reads, writes = [], []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if value is None:
+            continue
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        (writes if written else reads).extend(_tensor_spans(value))
+    writes.extend(_tensor_spans(out))
+    return reads, writes
+
+
 class _Entry:
     __slots__ = ("seq", "dst", "src", "dst_span", "src_span")
 
@@ -109,6 +209,7 @@ class SimStream:
         self.enqueued = 0  # copies ever queued (an event's mark is this count when recorded)
         self.deferred = 0
         self.flushed = 0
+        self.compute_seen = 0  # a side stream: the compute op it last waited for (its later work runs after it)
 
     def __repr__(self) -> str:
         return f"<SimStream {self.name}: {len(self.queue)} pending>"
@@ -117,18 +218,37 @@ class SimStream:
     def wait_event(self, event: "SimEvent") -> None:
         self.sim.counters.wait_events += 1
         event._land()
+        self._saw(event.compute_seen)
 
     def wait_stream(self, other: "SimStream") -> None:
         self.sim.counters.wait_streams += 1
         other.flush()
+        self._saw(other.compute_seen if other.side else self.sim.timeline.pos)
 
     def synchronize(self) -> None:
         self.sim.counters.stream_syncs += 1
         self.flush()
+        self.sim._host_saw(self.compute_seen if self.side else self.sim.timeline.pos)
 
     def query(self) -> bool:
         self.flush()
+        self.sim._host_saw(self.compute_seen if self.side else self.sim.timeline.pos)
         return True
+
+    def _saw(self, compute_op: int) -> None:
+        if self.side:  # the compute stream's own order is program order
+            self.compute_seen = max(self.compute_seen, compute_op)
+
+    def check_copy(self, dst: tuple[int, int], src: tuple[int, int]) -> None:
+        """A copy on this side stream, against the compute stream's log (the module's docstring: the lag)."""
+        sim = self.sim
+        if not sim.checking:
+            return
+        sim.counters.checked_copies += 1
+        for sp, writes_only, does in ((dst, False, "writes"), (src, True, "reads")):
+            n, op = sim.timeline.last(sp, writes_only)
+            if n > self.compute_seen:
+                sim.hazards.append(Hazard(self.name, f"{does} (a copy)", sp, n, op, self.compute_seen))
 
     def record_event(self, event: "SimEvent | None" = None) -> "SimEvent":
         event = event if event is not None else SimEvent(self.sim)
@@ -144,6 +264,7 @@ class SimStream:
         sim = self.sim
         with sim.lock:
             entry = _Entry(self.enqueued, dst, src)
+            self.check_copy(entry.dst_span, entry.src_span)
             # same stream, FIFO: a queued copy that reads (or writes) these bytes runs before this one writes them
             last = max((e.seq for e in self.queue if _overlap(e.src_span, entry.dst_span)), default=None)
             if last is not None:
@@ -178,15 +299,18 @@ class SimEvent:
         self.enable_timing = enable_timing
         self.stream: SimStream | None = None
         self.mark: int | None = None  # the stream's copy count when recorded: the copies before it
+        self.compute_seen = 0  # the compute op a wait for this event orders after (0: never recorded)
 
     def record(self, stream: SimStream | None = None) -> None:
         stream = stream if stream is not None else self.sim.current()
         with self.sim.lock:
             if stream.side:
                 self.stream, self.mark = stream, stream.enqueued
+                self.compute_seen = stream.compute_seen
                 self.sim.counters.events_recorded += 1
             else:
                 self.stream, self.mark = None, None  # the compute stream ran everything already
+                self.compute_seen = self.sim.timeline.pos  # ... in program order; a lagging GPU, up to here
 
     def _land(self) -> None:
         if self.stream is not None:
@@ -195,15 +319,18 @@ class SimEvent:
     def synchronize(self) -> None:
         self.sim.counters.event_syncs += 1
         self._land()
+        self.sim._host_saw(self.compute_seen)
 
     def query(self) -> bool:
         self.sim.counters.event_syncs += 1
         self._land()
+        self.sim._host_saw(self.compute_seen)
         return True
 
     def wait(self, stream: SimStream | None = None) -> None:
         self.sim.counters.event_syncs += 1
         self._land()
+        (stream if stream is not None else self.sim.current())._saw(self.compute_seen)
 
     def elapsed_time(self, end: "SimEvent") -> float:
         return 0.0
@@ -225,11 +352,40 @@ class _SideStreamCopies(TorchDispatchMode):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             if not non_blocking:
                 sim.counters.blocking += 1
+                stream.check_copy(span(dst), span(src))
                 stream.flush()
                 return func(*args, **kwargs)
             stream.enqueue(dst, src)
             return dst
         return func(*args, **kwargs)
+
+
+class _ComputeLog(TorchDispatchMode):
+    """Pushed on the main thread inside `with sim:`: numbers the compute stream's ops and logs what they touch
+    (_Timeline); ops of a host_side() region are checked instead. Side-stream ops, landing copies and views (no
+    bytes touched) are left out."""
+
+    def __init__(self, sim: "StreamSim"):
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        sim, local = self.sim, self.sim._local
+        if func.is_view or func in _METADATA or getattr(local, "executing", False):
+            return out
+        host = getattr(local, "host", 0)
+        if not host and sim.current().side:
+            return out
+        reads, writes = _accesses(func, args, kwargs, None if host else out)
+        with sim.lock:
+            if host:  # its fresh outputs are host memory, never a device tensor's old bytes: not checked
+                sim._check_host(reads, writes)
+            else:
+                sim.timeline.record(reads, writes, str(func))
+                sim.counters.compute_ops += 1
+        return out
 
 
 class StreamSim:
@@ -243,6 +399,11 @@ class StreamSim:
         self.compute = SimStream(self, "compute", side=False)
         self.streams: list[SimStream] = []
         self._local = threading.local()
+        self.timeline = _Timeline()
+        self.host_seen = 0  # the compute op the host last synchronised past
+        self.hazards: list[Hazard] = []
+        self.checking = False  # inside `with sim:`
+        self._log: _ComputeLog | None = None
 
     # -- torch.cuda's functions, simulated -------------------------------------------------------------------------
     def new_stream(self, device=None, priority: int = 0, **_) -> SimStream:
@@ -287,9 +448,40 @@ class StreamSim:
     def synchronize(self, device=None) -> None:
         self.counters.device_syncs += 1
         self.flush_all()
+        self._host_saw(self.timeline.pos)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         self.counters.record_streams += 1
+
+    # -- the lag ---------------------------------------------------------------------------------------------------
+    def _host_saw(self, compute_op: int) -> None:
+        self.host_seen = max(self.host_seen, compute_op)
+
+    @contextlib.contextmanager
+    def host_side(self):
+        """Ops in here are the host's (it runs them at once, the GPU's queue possibly behind): checked against the
+        compute log, not logged."""
+        self._local.host = getattr(self._local, "host", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.host -= 1
+
+    def _check_host(self, reads, writes) -> None:
+        if not self.checking:
+            return
+        self.counters.host_ops += 1
+        for spans, writes_only, does in ((writes, False, "writes"), (reads, True, "reads")):
+            for sp in spans:
+                n, op = self.timeline.last(sp, writes_only)
+                if n > self.host_seen:
+                    self.hazards.append(Hazard("host", does, sp, n, op, self.host_seen))
+
+    def take_hazards(self) -> list[Hazard]:
+        """The hazards found so far, cleared (a test that expects them takes them; any left fail the `with`)."""
+        with self.lock:
+            found, self.hazards = self.hazards, []
+        return found
 
     # -- for tests -------------------------------------------------------------------------------------------------
     def flush_all(self) -> int:
@@ -312,12 +504,27 @@ class StreamSim:
             self._local.executing = False
 
     def __enter__(self) -> "StreamSim":
+        """From here on this thread's compute ops are logged and every side-stream copy and host_side() op is
+        checked against them."""
+        self._log = _ComputeLog(self)
+        self._log.__enter__()
+        self.checking = True
         return self
 
-    def __exit__(self, *exc) -> None:
-        """Land what is still queued (as a GPU eventually would), counting it."""
-        self.counters.pending_at_exit += self.pending()
-        self.flush_all()
+    def __exit__(self, exc_type, *exc) -> None:
+        """Land what is still queued (as a GPU eventually would), counting it; then fail on hazards no test took."""
+        try:
+            self.counters.pending_at_exit += self.pending()
+            self.flush_all()
+        finally:
+            self.checking = False
+            if self._log is not None:
+                self._log.__exit__(None, None, None)
+                self._log = None
+        if exc_type is None and self.hazards:
+            found = self.take_hazards()
+            raise AssertionError(f"{len(found)} stream-ordering hazard(s) under a lagging compute stream; the "
+                                 "first: " + "; ".join(map(str, found[:3])))
 
 
 def simulated_cuda(monkeypatch) -> StreamSim:
@@ -349,6 +556,8 @@ def cuda_branches(monkeypatch, cudart=None):
     from tightrope.training.host_optimizer import HostOptimizer
 
     fake = cudart if cudart is not None else FakeCudart()
+    sim = torch.cuda.Stream.__self__  # simulated_cuda's (its bound new_stream)
+    assert isinstance(sim, StreamSim), "cuda_branches runs under simulated_cuda"
 
     real_layer = LayerOffload.__init__
 
@@ -357,6 +566,7 @@ def cuda_branches(monkeypatch, cudart=None):
         if self.device.type == "cpu":
             self.cuda = True
             self.copy_stream = torch.cuda.Stream(self.device)
+            self.copy_stream.name = "layers"
             if kwargs.get("pin_memory"):
                 self.pin = self.pinned = True
                 self._pinned = PinnedRanges(self.device, cudart=fake)
@@ -369,6 +579,7 @@ def cuda_branches(monkeypatch, cudart=None):
         if self.device.type == "cpu":
             self.cuda = True
             self.stream = torch.cuda.Stream(self.device)
+            self.stream.name = "acts"
 
     real_opt = HostOptimizer.__init__
 
@@ -377,6 +588,19 @@ def cuda_branches(monkeypatch, cudart=None):
         real_opt(self, params, make, device, **kwargs)
         if torch.device(device).type == "cpu":
             self._stream = torch.cuda.Stream(device)
+            self._stream.name = "optimizer"
+        inner_step = self.inner.step
+
+        def host_step(*a, **k):  # AdamW on the host buffers: the host's work, not the GPU's queue
+            with sim.host_side():
+                return inner_step(*a, **k)
+        self.inner.step = host_step
+
+    real_settle = HostOptimizer._settle
+
+    def settle(self, i):  # waits for a gradient's copies, then sums them on the host
+        with sim.host_side():
+            real_settle(self, i)
 
     real_ema = CpuEma.__init__
 
@@ -390,10 +614,12 @@ def cuda_branches(monkeypatch, cudart=None):
         real_page_lock(self, device, cudart)
         if self._pinned is not None and self._stream is None and device.type == "cpu":
             self._stream = torch.cuda.Stream(device)
+            self._stream.name = "ema"
 
     monkeypatch.setattr(LayerOffload, "__init__", layer_init)
     monkeypatch.setattr(ActivationOffload, "__init__", acts_init)
     monkeypatch.setattr(HostOptimizer, "__init__", opt_init)
+    monkeypatch.setattr(HostOptimizer, "_settle", settle)
     monkeypatch.setattr(CpuEma, "__init__", ema_init)
     monkeypatch.setattr(CpuEma, "_page_lock", page_lock)
     return fake

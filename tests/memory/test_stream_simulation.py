@@ -9,14 +9,19 @@ its page-locked arena), HostOptimizer and CpuEma take these streams on the "cpu"
 attributes set as on CUDA and page-locking through the driver's model (fake_cudart.FakeCudart): every
 `if self.cuda:` / `self._stream is not None` branch runs. No production code is changed for it.
 
-What the model cannot see (the helper's docstring has the whole list): the compute stream is never deferred, so a
-side-stream copy overwriting memory that compute kernels queued before it still read (a slot refilled under a block
-still running on the GPU) cannot race here; a missing `record_stream` (the allocator handing a tensor's memory out
-while a copy still uses it) never shows, as the queue keeps every tensor it copies alive (the calls are counted);
-memory unpinned or freed under a queued copy is not modelled either.
+The compute stream's lag is checked rather than replayed: compute ops are numbered and logged with the bytes they
+touch, each side stream and the host know how far compute had got when they last waited for it, and a copy (or a
+host-side region: the host optimizer's AdamW and gradient sums) that writes bytes compute may still read, or reads
+bytes compute may not have written yet, is a hazard (a slot refilled under a block still running on the GPU; an
+activation copied out before the kernel that makes it). Hazards a test did not take fail it.
+
+What the model cannot see (the helper's docstring has the whole list): a missing `record_stream` (the allocator
+handing a tensor's memory out while a copy still uses it) never shows, as the queue keeps every tensor it copies
+alive (the calls are counted); memory unpinned or freed under a queued copy is not modelled either.
 
 The negative controls below remove one wait each and must fail here; run without the simulated streams (the plain
-CPU path, where every copy is eager), the same removals go unseen: that is what the model adds.
+CPU path, where every copy is eager), the same removals go unseen: that is what the model adds. Section 5's
+removals (a side stream not waiting for compute) give the right numbers even here: only the lag check sees them.
 """
 import threading
 
@@ -24,7 +29,7 @@ import pytest
 import torch
 from ema_reference import change_weights, lora_like_weights, reference_ema
 from equivalence import assert_equivalent
-from sim_streams import SimStream, cuda_branches, simulated_cuda
+from sim_streams import SimStream, StreamSim, cuda_branches, simulated_cuda
 from two_stream import make_lora_model, train_steps
 
 from tightrope.memory.activation_host import ActivationHost
@@ -51,6 +56,7 @@ def branches(sim, monkeypatch):
 
 
 def _side_copy(stream, dst, src, non_blocking=True):
+    stream.wait_stream(torch.cuda.current_stream())  # dst and src were made by compute: after it (the lag)
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=non_blocking)
         event = torch.cuda.Event()
@@ -65,6 +71,7 @@ def test_a_deferred_copy_poisons_its_destination_until_waited(sim):
     dst, raw = torch.zeros(6), torch.zeros(8, dtype=torch.uint8)
     strided = torch.zeros(4, 6)[:, ::2]  # a non-contiguous destination
     ints = torch.zeros(3, dtype=torch.int64)
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
         raw.copy_(torch.arange(8, dtype=torch.uint8), non_blocking=True)
@@ -124,7 +131,7 @@ def test_wait_stream_and_synchronize_flush(sim):
     assert torch.equal(b, torch.ones(2)) and torch.isnan(c).all()
     torch.cuda.synchronize("cuda:0")  # every stream
     assert torch.equal(c, torch.ones(2)) and sim.pending() == 0
-    assert (sim.counters.wait_streams, sim.counters.stream_syncs, sim.counters.device_syncs) == (2, 1, 1)
+    assert (sim.counters.wait_streams, sim.counters.stream_syncs, sim.counters.device_syncs) == (5, 1, 1)  # 3: _side_copy
 
 
 def test_a_blocking_copy_on_a_side_stream_flushes_its_queue_first(sim):
@@ -167,11 +174,122 @@ def test_the_side_stream_is_per_thread_and_copies_land_from_any_thread(sim):
     assert sim.counters.record_streams == 1
 
 
+# -- 1b. the lagging compute stream: ordering checked against the compute log ----------------------------------------
+def _kinds(found):
+    return sorted({(h.who, h.does) for h in found})
+
+
+def test_a_copy_reading_what_compute_just_wrote_needs_a_wait_for_compute(sim):
+    """An activation copied out: its source was written by a compute op. Without a wait for the compute stream the
+    copy may run before that kernel on a GPU; the values land right here (compute ran at once), the log catches it."""
+    side = torch.cuda.Stream("cpu")
+    src, dst = torch.ones(4) * 3, torch.zeros(4)
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)  # no side.wait_stream(compute)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, torch.full((4,), 3.0))  # the poison model alone sees nothing
+    found = sim.take_hazards()
+    assert _kinds(found) == [("side0", "reads (a copy)"), ("side0", "writes (a copy)")]
+    assert "aten.mul.Tensor" in str(next(h for h in found if h.does.startswith("reads")))
+    src2, dst2 = torch.ones(4) * 3, torch.zeros(4)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dst2.copy_(src2, non_blocking=True)
+    assert not sim.take_hazards() and sim.counters.checked_copies == 2
+
+
+def test_a_buffer_refilled_while_compute_may_still_read_it_is_a_hazard(sim):
+    """The slot-reuse race: compute reads a buffer (a block's weights), then a side copy refills it. Ordered only
+    if the side stream waited for compute after that read: an event recorded before the read is not enough."""
+    side = torch.cuda.Stream("cpu")
+    slot, weights = torch.ones(8), torch.full((8,), 2.0)
+    early = torch.cuda.Event()
+    early.record()  # on compute, before the read
+    side.wait_stream(torch.cuda.current_stream())
+    _ = (slot * 2).sum()  # the block runs: it reads the slot
+    side.wait_event(early)
+    with torch.cuda.stream(side):
+        slot.copy_(weights, non_blocking=True)
+    found = sim.take_hazards()
+    assert _kinds(found) == [("side0", "writes (a copy)")] and found[0].op == "aten.mul.Tensor"
+    _ = (slot * 2).sum()
+    after = torch.cuda.Event()
+    after.record()  # on compute, after the read
+    side.wait_event(after)
+    with torch.cuda.stream(side):
+        slot.copy_(weights, non_blocking=True)
+    torch.cuda.synchronize()
+    assert not sim.take_hazards() and torch.equal(slot, weights)
+
+
+def test_waits_for_compute_pass_through_another_side_stream(sim):
+    """Side stream B waiting for an event A recorded after A waited for compute is ordered after compute too."""
+    a, b = torch.cuda.Stream("cpu"), torch.cuda.Stream("cpu")
+    src, dst = torch.arange(4.0) + 1, torch.zeros(4)
+    a.wait_stream(torch.cuda.current_stream())
+    event = a.record_event()
+    b.wait_event(event)
+    with torch.cuda.stream(b):
+        dst.copy_(src, non_blocking=True)
+    c = torch.cuda.Stream("cpu")
+    c.wait_stream(a)  # a whole stream: what it waited for too
+    with torch.cuda.stream(c):
+        torch.zeros(4).copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert not sim.take_hazards() and torch.equal(dst, src)
+
+
+def test_host_side_writes_wait_for_the_compute_that_reads_them(sim):
+    """The host optimizer's hazard: compute queued a copy that reads the host weights; the host may overwrite them
+    (AdamW) only after synchronising past it. Host ops' fresh outputs are host memory: never a hazard; views touch
+    nothing."""
+    host, device = torch.ones(6), torch.zeros(6)
+    torch.cuda.synchronize()  # both exist (their allocations are on the log)
+    device.copy_(host, non_blocking=True)  # on compute: reads the host weights
+    _ = host[2:]  # a view: no access
+    with sim.host_side():
+        host.add_(1)  # AdamW, too early
+        fresh = host * 2  # reads host (compute never wrote it: fine), its result is the host's own
+    found = sim.take_hazards()
+    assert _kinds(found) == [("host", "writes")] and found[0].op == "aten.copy_.default"
+    done = torch.cuda.Event()
+    device.copy_(host, non_blocking=True)
+    done.record()
+    done.synchronize()
+    with sim.host_side():
+        host.add_(1)
+        fresh.add_(host)
+    assert not sim.take_hazards() and sim.counters.host_ops == 4
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    with sim.host_side():
+        host.mul_(2)
+    assert not sim.take_hazards()
+
+
+def test_hazards_no_test_took_fail_the_simulation():
+    inner = StreamSim()
+    side = inner.new_stream()
+    dst = torch.zeros(3)  # before the log: never touched by compute
+    with pytest.raises(AssertionError, match=r"^1 stream-ordering hazard\(s\) under a lagging compute stream; the "
+                                             r"first: side0 reads \(a copy\) bytes \[0x[0-9a-f]+, 0x[0-9a-f]+\) that "
+                                             r"compute op #2 \(aten\.add\.Tensor\) touched, having waited for "
+                                             r"compute only up to op #0$"):
+        with inner:
+            src = torch.ones(3) + 1
+            with inner.stream(side):
+                dst.copy_(src, non_blocking=True)
+    assert torch.equal(dst, src)  # landed at the end, before the hazards were raised
+    assert not inner.checking and inner.counters.compute_ops == 2 and inner.counters.checked_copies == 1
+    torch.ones(1) + 1  # the log is off again: nothing counted
+    assert inner.counters.compute_ops == 2
+
+
 # -- 2. the runtime under the simulated streams: equivalent to plain PyTorch ------------------------------------------
-def _run(strategy, steps=2, micro=1, inspect=None):
+def _run(strategy, steps=2, micro=1, inspect=None, poison_slots=True):
     """run_managed, the model trained `steps` steps of `micro` micro-batches; inspect(rt) runs before the undo."""
     model = make_lora_model()
-    with MemoryRuntime(model, strategy, "cpu", poison_slots=True, activation_min_bytes=0) as rt:
+    with MemoryRuntime(model, strategy, "cpu", poison_slots=poison_slots, activation_min_bytes=0) as rt:
         losses, grads = train_steps(model, steps=steps, runtime=rt, micro=micro)
         seen = inspect(rt) if inspect is not None else None
     return (losses, grads, None), seen
@@ -210,6 +328,10 @@ def test_the_cuda_branches_train_as_plain_pytorch(branches, sim, name):
     # the host ran ahead of the copies, and only the runtime's own waits landed them
     assert sim.counters.max_pending > 1 and sim.pending() == 0 and sim.counters.wait_events > 0
     assert sim.counters.events_recorded > 0
+    # every side copy was checked against the compute log (none raced it: the fixture fails on hazards left)
+    assert sim.counters.compute_ops > 0 and sim.counters.checked_copies == sim.counters.deferred + sim.counters.blocking
+    if "optimizer" in owners:
+        assert sim.counters.host_ops > 0  # AdamW and the gradient sums, checked as the host's
     if "acts" in owners or "optimizer" in owners:
         assert sim.counters.record_streams > 0
     if "layers" in owners:
@@ -328,6 +450,7 @@ def test_a_missing_wait_is_caught(branches, sim, monkeypatch, name):
     remove_wait, strategy = CONTROLS[name]
     remove_wait(monkeypatch)
     result, _ = _run(strategy, steps=2)
+    sim.take_hazards()  # the optimizer's, whose host never synchronises: found by the lag too (tested below)
     with pytest.raises(AssertionError):
         assert_equivalent(result)
     finite = [all(torch.isfinite(g).all() for g in step.values()) for step in result[1]]
@@ -386,3 +509,47 @@ def test_the_ema_buffer_reused_before_the_last_fold_read_it_is_caught(branches, 
         assert all(torch.equal(shadow[k], v) for k, v in expected[-1].items())
     else:
         assert not all(torch.isfinite(v).all() for v in shadow.values())
+
+
+# -- 5. negative controls the lag catches (and the poison model cannot): a copy not ordered after compute ------------
+def _no_wait_for_compute(owner):
+    def remove(monkeypatch):
+        real = SimStream.wait_stream
+
+        def wait_stream(self, other):
+            if self.name == owner and not other.side:
+                return  # the bug: this owner's copies are not ordered after the compute stream's queued work
+            real(self, other)
+        monkeypatch.setattr(SimStream, "wait_stream", wait_stream)
+    return remove
+
+
+LAG_CONTROLS = {
+    # a slot refilled while the block that last used it may still be running: LayerOffload._fetch's wait (slots
+    # not poisoned: else the last compute op on a slot is the poisoning fill, a hazard too, that hides the matmul)
+    "slot_refill": (_no_wait_for_compute("layers"), Strategy.of(offload_fraction=1.0, **FP32),
+                    {("layers", "writes (a copy)")}),
+    # an activation copied out before the kernel that makes it ran (pack), and one brought back into memory compute
+    # may still read (_bring_back: allocated on the compute stream, perhaps another tensor's bytes)
+    "activations": (_no_wait_for_compute("acts"), Strategy.of(checkpoint="all", activation_offload=True, **FP32),
+                    {("acts", "reads (a copy)"), ("acts", "writes (a copy)")}),
+    # a gradient copied to the host before backward made it (HostOptimizer._copy)
+    "gradient_out": (_no_wait_for_compute("optimizer"), Strategy.of(optimizer_offload=True, **FP32),
+                     {("optimizer", "reads (a copy)")}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAG_CONTROLS))
+def test_a_copy_not_ordered_after_compute_is_caught_by_the_lag(branches, sim, monkeypatch, name):
+    """On a GPU these races show only when the compute stream runs late (gpu-check's sleep rows); the poison model
+    runs compute at once, so the numbers come out right here: only the compute log sees them."""
+    remove, strategy, expected = LAG_CONTROLS[name]
+    remove(monkeypatch)
+    result, _ = _run(strategy, steps=2, poison_slots=name != "slot_refill")
+    assert_equivalent(result)  # what a lagging GPU would get wrong, the CPU did in order
+    found = sim.take_hazards()
+    # the removed wait's own hazards; others may follow from it (a host that synchronised with these copies'
+    # events learnt nothing of compute's progress either)
+    assert expected <= set(_kinds(found)), _kinds(found)
+    if name == "slot_refill":  # the race itself: a block's matmul reading the slot a copy refills
+        assert any(h.who == "layers" and h.does.startswith("writes") and "mm" in h.op for h in found)
