@@ -16,28 +16,31 @@ The model is a GPU whose host runs ahead as far as it may:
 - Within one stream copies keep their order: before a copy poisons its destination, the copies queued before it on
   the same stream that read those bytes run first (the hardware would run them first). A copy on another stream
   that still reads them is not protected: that reuse is a race, and the poison shows it.
-- `torch.Tensor.record_stream` is a no-op, counted. Timing events report 0 ms. Any device argument is accepted.
+- `torch.Tensor.record_stream` is counted (and marks the queued copies it covers: lifetimes, below). Timing events
+  report 0 ms. Any device argument is accepted.
 - Queues are shared by threads under one lock (the EMA waits for its copy on a worker thread).
-
 - The compute stream lags (ordering is checked, not replayed): inside `with sim:` a dispatch mode on the main thread
   numbers every compute op and logs the byte spans it reads and writes (a fresh output, an allocation included, is a
-  write; views and metadata queries touch nothing). A side stream knows how far the compute stream had got when it last waited for it (`wait_stream(compute)`,
-  `wait_event` of an event recorded on compute, or transitively through another side stream's event or queue);
-  the host knows how far it synchronised (an event's or stream's `synchronize`/`query`, `torch.cuda.synchronize`).
-  A side-stream copy that writes bytes compute touched later than its stream waited for (a slot refilled under a
-  block a GPU may still be running; memory handed to a copy while its previous owner is still read) or reads bytes
-  compute wrote later than that (an activation copied out before the kernel that makes it ran), and a host-side
-  region (`sim.host_side()`: the host optimizer's AdamW and gradient sums) that writes bytes compute touched, or
-  reads bytes compute wrote, later than the host synchronised, is a `Hazard`: recorded in `sim.hazards` (with the
-  compute op last seen there) and raised as an AssertionError when the `with` ends, unless the test took them
-  (`sim.take_hazards()`). On a GPU such a race shows only when the compute stream runs late (gpu-check's
-  `torch.cuda._sleep` rows); here it is caught whatever the timing.
+  write; views and metadata queries touch nothing). A side stream knows how far the compute stream had got when it
+  last waited for it (`wait_stream(compute)`, `wait_event` of an event recorded on compute, or transitively through
+  another side stream's event or queue); the host knows how far it synchronised (an event's or stream's
+  `synchronize`/`query`, `torch.cuda.synchronize`). A side-stream copy that writes bytes compute touched later than
+  its stream waited for (a slot refilled under a block a GPU may still be running; memory handed to a copy while its
+  previous owner is still read) or reads bytes compute wrote later than that (an activation copied out before the
+  kernel that makes it ran), and a host-side region (`sim.host_side()`: the host optimizer's AdamW and gradient
+  sums) that writes bytes compute touched, or reads bytes compute wrote, later than the host synchronised, is a
+  `Hazard`: recorded in `sim.hazards` (with the compute op last seen there) and raised as an AssertionError when the
+  `with` ends, unless the test took them (`sim.take_hazards()`). On a GPU such a race shows only when the compute
+  stream runs late (gpu-check's `torch.cuda._sleep` rows); here it is caught whatever the timing.
+- Lifetimes: a queued copy holds aliases of its tensors that keep no view's base alive; when it runs, a tensor
+  whose memory only queued copies still hold (the program let go of it) and that was not `record_stream`ed on the
+  copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again.
 
 What it cannot see:
 - Host code outside a `host_side()` region runs as compute ops here (the model cannot tell a host tensor from a
   device one); that is stricter (more waits required), never laxer, for the copies, and unchecked for the host.
-- The caching allocator: a queued copy keeps its tensors alive, so a missing `record_stream` (memory freed and
-  handed out again while a copy still reads or writes it) never shows; only the calls are counted.
+- The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
+  could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
 - Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
 - Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
 """
@@ -46,7 +49,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,8 +91,11 @@ class Hazard:
     seen: int
 
     def __str__(self) -> str:
-        return (f"{self.who} {self.does} bytes [{self.span[0]:#x}, {self.span[1]:#x}) that compute op #{self.compute_op}"
-                f" ({self.op}) touched, having waited for compute only up to op #{self.seen}")
+        where = f"bytes [{self.span[0]:#x}, {self.span[1]:#x})"
+        if not self.compute_op:  # a lifetime hazard (_Entry.check_alive), not an ordering one
+            return f"{self.who} {self.does}: {where}"
+        return (f"{self.who} {self.does} {where} that compute op #{self.compute_op} ({self.op}) touched, having waited "
+                f"for compute only up to op #{self.seen}")
 
 
 @dataclass
@@ -152,20 +158,29 @@ class _Timeline:
             if write:
                 rec[1] = self.pos
 
+    def forget(self, sp: tuple[int, int]) -> None:
+        """The bytes of `sp` are a new host tensor's: what compute did to a freed tensor there is not its past (on a
+        GPU the two never share memory; on the CPU the allocator reuses the address)."""
+        for other in self._overlapping(sp):
+            rec = self.spans[other]
+            rec[0] = rec[1] = 0
+
+    def _overlapping(self, sp: tuple[int, int]) -> list:
+        found = set()
+        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
+            found |= self.pages.get(page, set())
+        return [other for other in found if _overlap(other, sp)]
+
     def last(self, sp: tuple[int, int], writes_only: bool) -> tuple[int, str]:
         """The last compute op (number, name) that touched (or wrote) bytes of `sp`; (0, "") if none."""
         if sp[0] >= sp[1]:
             return 0, ""
-        found = set()
-        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
-            found |= self.pages.get(page, set())
         best = (0, "")
-        for other in found:
-            if _overlap(other, sp):
-                rec = self.spans[other]
-                n = rec[1] if writes_only else rec[0]
-                if n > best[0]:
-                    best = (n, rec[2])
+        for other in self._overlapping(sp):
+            rec = self.spans[other]
+            n = rec[1] if writes_only else rec[0]
+            if n > best[0]:
+                best = (n, rec[2])
         return best
 
 
@@ -192,12 +207,39 @@ def _accesses(func, args, kwargs, out) -> tuple[list, list]:
     return reads, writes
 
 
+def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
+    """(the storage's address, how many tensors and storage objects hold it, not counting this call's own)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), torch._C._storage_Use_Count(storage._cdata) - 1
+
+
 class _Entry:
-    __slots__ = ("seq", "dst", "src", "dst_span", "src_span")
+    """A queued copy. It holds detached aliases of its tensors (no view's base kept alive), so whether the program
+    still holds their memory shows in the storages' use counts (check_alive)."""
+    __slots__ = ("seq", "dst", "src", "dst_span", "src_span", "recorded")
 
     def __init__(self, seq, dst, src):
-        self.seq, self.dst, self.src = seq, dst, src
+        self.seq, self.dst, self.src = seq, dst.detach(), src.detach()
         self.dst_span, self.src_span = span(dst), span(src)
+        self.recorded = set()  # "dst" / "src": record_stream(this stream) was called on its memory while queued
+
+    def check_alive(self, sim: "StreamSim", stream: "SimStream") -> None:
+        """Before the copy runs: a tensor the program has let go of (only queued copies hold its memory) and that was
+        not record_stream'd on this stream would have been handed out again by the caching allocator, the copy then
+        reading or writing another tensor's bytes."""
+        for name in ("dst", "src"):
+            t = getattr(self, name)
+            if name in self.recorded or not t.numel():
+                continue
+            ptr, refs = _storage_refs(t)
+            queued = sum(other is not None and other.untyped_storage().data_ptr() == ptr
+                         for q in [self, *(e for st in sim.streams for e in st.queue)]
+                         for other in (q.dst, q.src))
+            if refs <= queued:
+                does = "writes into" if name == "dst" else "reads"
+                sim.hazards.append(Hazard(stream.name, f"{does} memory freed while its copy was queued, with no "
+                                          "record_stream on this stream (the caching allocator may have handed it "
+                                          "out again)", getattr(self, name + "_span"), 0, "", 0))
 
 
 class SimStream:
@@ -286,6 +328,8 @@ class SimStream:
         with sim.lock:
             while self.queue and (upto is None or self.queue[0].seq < upto):
                 entry = self.queue.popleft()
+                if sim.checking:
+                    entry.check_alive(sim, self)
                 sim._execute(entry)
                 self.flushed += 1
                 sim.counters.flushed += 1
@@ -380,8 +424,11 @@ class _ComputeLog(TorchDispatchMode):
             return out
         reads, writes = _accesses(func, args, kwargs, None if host else out)
         with sim.lock:
-            if host:  # its fresh outputs are host memory, never a device tensor's old bytes: not checked
+            if host:  # its fresh outputs are host memory, never a device tensor's old bytes: not checked, forgotten
                 sim._check_host(reads, writes)
+                for sp in _tensor_spans(out):
+                    if not any(_overlap(sp, arg) for arg in reads + writes):
+                        sim.timeline.forget(sp)
             else:
                 sim.timeline.record(reads, writes, str(func))
                 sim.counters.compute_ops += 1
@@ -451,7 +498,17 @@ class StreamSim:
         self._host_saw(self.timeline.pos)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Counted; the copies queued on `stream` that use the tensor's memory are marked (check_alive). A call
+        made before the copy is queued is not seen (the runtime records after queueing)."""
         self.counters.record_streams += 1
+        if not isinstance(stream, SimStream) or not tensor.numel():
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        with self.lock:
+            for entry in stream.queue:
+                for name in ("dst", "src"):
+                    if getattr(entry, name).untyped_storage().data_ptr() == ptr:
+                        entry.recorded.add(name)
 
     # -- the lag ---------------------------------------------------------------------------------------------------
     def _host_saw(self, compute_op: int) -> None:

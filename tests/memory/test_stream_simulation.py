@@ -15,13 +15,17 @@ host-side region: the host optimizer's AdamW and gradient sums) that writes byte
 bytes compute may not have written yet, is a hazard (a slot refilled under a block still running on the GPU; an
 activation copied out before the kernel that makes it). Hazards a test did not take fail it.
 
-What the model cannot see (the helper's docstring has the whole list): a missing `record_stream` (the allocator
-handing a tensor's memory out while a copy still uses it) never shows, as the queue keeps every tensor it copies
-alive (the calls are counted); memory unpinned or freed under a queued copy is not modelled either.
+Lifetimes too: a queued copy's tensors are held through aliases that keep no view's base alive, so when the copy
+runs, memory the program had already dropped without `record_stream` on that stream (the caching allocator would
+have handed it out again) is a hazard.
+
+What the model cannot see (the helper's docstring has the whole list): the allocator really handing memory out;
+host memory unpinned under a queued copy.
 
 The negative controls below remove one wait each and must fail here; run without the simulated streams (the plain
-CPU path, where every copy is eager), the same removals go unseen: that is what the model adds. Section 5's
-removals (a side stream not waiting for compute) give the right numbers even here: only the lag check sees them.
+CPU path, where every copy is eager), the same removals go unseen: that is what the model adds. Sections 5 and 6
+remove a wait for compute or a record_stream: the numbers stay right even here, only the lag and lifetime checks
+see them.
 """
 import threading
 
@@ -56,11 +60,15 @@ def branches(sim, monkeypatch):
 
 
 def _side_copy(stream, dst, src, non_blocking=True):
-    stream.wait_stream(torch.cuda.current_stream())  # dst and src were made by compute: after it (the lag)
+    """A copy as the runtime makes one: after the compute that made its tensors (the lag), and with their memory
+    kept for the copy whatever the caller drops (record_stream: the lifetimes)."""
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=non_blocking)
         event = torch.cuda.Event()
         event.record(stream)
+    src.record_stream(stream)
+    dst.record_stream(stream)
     return event
 
 
@@ -71,12 +79,13 @@ def test_a_deferred_copy_poisons_its_destination_until_waited(sim):
     dst, raw = torch.zeros(6), torch.zeros(8, dtype=torch.uint8)
     strided = torch.zeros(4, 6)[:, ::2]  # a non-contiguous destination
     ints = torch.zeros(3, dtype=torch.int64)
+    sources = torch.arange(8, dtype=torch.uint8), torch.ones(4, 3), torch.tensor([1, 2, 3])  # alive until landed
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
-        raw.copy_(torch.arange(8, dtype=torch.uint8), non_blocking=True)
-        strided.copy_(torch.ones(4, 3), non_blocking=True)
-        ints.copy_(torch.tensor([1, 2, 3]), non_blocking=True)
+        raw.copy_(sources[0], non_blocking=True)
+        strided.copy_(sources[1], non_blocking=True)
+        ints.copy_(sources[2], non_blocking=True)
         doubled = src * 2  # any other op runs at once
         event = torch.cuda.Event()
         event.record()  # on the current stream: the side one
@@ -91,11 +100,11 @@ def test_a_deferred_copy_poisons_its_destination_until_waited(sim):
 
 def test_an_event_wait_flushes_exactly_up_to_its_mark(sim):
     side = torch.cuda.Stream("cpu")
-    a, b, c = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    a, b, c, threes = torch.zeros(3), torch.zeros(3), torch.zeros(3), torch.full((3,), 3.0)
     first = _side_copy(side, a, torch.ones(3))
     second = _side_copy(side, b, torch.full((3,), 2.0))
     with torch.cuda.stream(side):
-        c.copy_(torch.full((3,), 3.0), non_blocking=True)  # after the second mark
+        c.copy_(threes, non_blocking=True)  # after the second mark
     first.synchronize()
     assert torch.equal(a, torch.ones(3)) and torch.isnan(b).all() and torch.isnan(c).all()
     assert first.query() and side.pending == 2
@@ -107,6 +116,7 @@ def test_an_event_wait_flushes_exactly_up_to_its_mark(sim):
     assert side.pending == 1 and on_compute.elapsed_time(first) == 0.0
     torch.cuda.Event().synchronize()  # never recorded: complete
     assert side.pending == 1
+    side.synchronize()  # before threes and c go
 
 
 def test_a_source_changed_before_the_copy_runs_is_what_gets_copied(sim):
@@ -131,7 +141,8 @@ def test_wait_stream_and_synchronize_flush(sim):
     assert torch.equal(b, torch.ones(2)) and torch.isnan(c).all()
     torch.cuda.synchronize("cuda:0")  # every stream
     assert torch.equal(c, torch.ones(2)) and sim.pending() == 0
-    assert (sim.counters.wait_streams, sim.counters.stream_syncs, sim.counters.device_syncs) == (5, 1, 1)  # 3: _side_copy
+    # 3 of the 5 waits for streams are _side_copy's
+    assert (sim.counters.wait_streams, sim.counters.stream_syncs, sim.counters.device_syncs) == (5, 1, 1)
 
 
 def test_a_blocking_copy_on_a_side_stream_flushes_its_queue_first(sim):
@@ -171,7 +182,7 @@ def test_the_side_stream_is_per_thread_and_copies_land_from_any_thread(sim):
     assert torch.equal(theirs, torch.ones(2)) and torch.equal(dst, torch.ones(2))
     assert sim.flush_threads == {"waiter"} and sim.counters.deferred == 1
     torch.ones(2).record_stream(side)
-    assert sim.counters.record_streams == 1
+    assert sim.counters.record_streams == 3  # _side_copy's two
 
 
 # -- 1b. the lagging compute stream: ordering checked against the compute log ----------------------------------------
@@ -195,6 +206,7 @@ def test_a_copy_reading_what_compute_just_wrote_needs_a_wait_for_compute(sim):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         dst2.copy_(src2, non_blocking=True)
+    torch.cuda.synchronize()
     assert not sim.take_hazards() and sim.counters.checked_copies == 2
 
 
@@ -225,7 +237,7 @@ def test_a_buffer_refilled_while_compute_may_still_read_it_is_a_hazard(sim):
 def test_waits_for_compute_pass_through_another_side_stream(sim):
     """Side stream B waiting for an event A recorded after A waited for compute is ordered after compute too."""
     a, b = torch.cuda.Stream("cpu"), torch.cuda.Stream("cpu")
-    src, dst = torch.arange(4.0) + 1, torch.zeros(4)
+    src, dst, dst_c = torch.arange(4.0) + 1, torch.zeros(4), torch.zeros(4)
     a.wait_stream(torch.cuda.current_stream())
     event = a.record_event()
     b.wait_event(event)
@@ -234,7 +246,7 @@ def test_waits_for_compute_pass_through_another_side_stream(sim):
     c = torch.cuda.Stream("cpu")
     c.wait_stream(a)  # a whole stream: what it waited for too
     with torch.cuda.stream(c):
-        torch.zeros(4).copy_(src, non_blocking=True)
+        dst_c.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     assert not sim.take_hazards() and torch.equal(dst, src)
 
@@ -265,6 +277,36 @@ def test_host_side_writes_wait_for_the_compute_that_reads_them(sim):
     with sim.host_side():
         host.mul_(2)
     assert not sim.take_hazards()
+
+
+def test_memory_dropped_under_a_queued_copy_needs_record_stream(sim):
+    """The caching allocator's rule: a tensor dropped while a side copy still uses it is reused at once unless it was
+    record_stream'd on that stream. Views the program keeps hold the memory; the queue's own aliases do not."""
+    side = torch.cuda.Stream("cpu")
+    dst, kept = torch.zeros(4), torch.zeros(8)
+    src, recorded, viewed = torch.ones(4) * 2, torch.ones(4) * 3, torch.ones(8) * 4
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+        kept.copy_(recorded.repeat(2), non_blocking=True)  # a temporary: its memory goes back at once...
+        torch.zeros(8).copy_(viewed, non_blocking=True)  # ... and so does this destination's
+    view = viewed[2:]
+    recorded.record_stream(side)  # not the temporary: it is not the copy's source
+    del src, viewed
+    torch.cuda.synchronize()
+    found = sim.take_hazards()
+    assert [(h.does.split(" memory")[0], h.span[1] - h.span[0]) for h in found] == [
+        ("reads", 16), ("reads", 32), ("writes into", 32)]
+    assert str(found[0]).startswith("side0 reads memory freed while its copy was queued, with no record_stream on "
+                                    "this stream (the caching allocator may have handed it out again): bytes [0x")
+    again = torch.ones(4)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dst.copy_(again, non_blocking=True)
+    again.record_stream(side)
+    del again
+    torch.cuda.synchronize()
+    assert not sim.take_hazards() and torch.equal(dst, torch.ones(4)) and view.shape == (6,)
 
 
 def test_hazards_no_test_took_fail_the_simulation():
@@ -450,7 +492,8 @@ def test_a_missing_wait_is_caught(branches, sim, monkeypatch, name):
     remove_wait, strategy = CONTROLS[name]
     remove_wait(monkeypatch)
     result, _ = _run(strategy, steps=2)
-    sim.take_hazards()  # the optimizer's, whose host never synchronises: found by the lag too (tested below)
+    torch.cuda.synchronize()  # copies never waited for, their buffers gone with the optimizer: land them now
+    sim.take_hazards()  # the optimizer's host never synchronises: hazards too (section 5 tests their kind)
     with pytest.raises(AssertionError):
         assert_equivalent(result)
     finite = [all(torch.isfinite(g).all() for g in step.values()) for step in result[1]]
@@ -553,3 +596,50 @@ def test_a_copy_not_ordered_after_compute_is_caught_by_the_lag(branches, sim, mo
     assert expected <= set(_kinds(found)), _kinds(found)
     if name == "slot_refill":  # the race itself: a block's matmul reading the slot a copy refills
         assert any(h.who == "layers" and h.does.startswith("writes") and "mm" in h.op for h in found)
+
+
+def test_an_ema_copy_not_ordered_after_the_gather_is_caught_by_the_lag(branches, sim, monkeypatch):
+    """CpuEma.update copies the LoRA gathered on the compute stream: without waiting for compute first, the copy may
+    read the gather's output before the kernel wrote it."""
+    _no_wait_for_compute("ema")(monkeypatch)
+    params, g = lora_like_weights(), torch.Generator().manual_seed(1)
+    ema = CpuEma(params, 0.9)
+    change_weights(params, g)
+    ema.update()
+    ema.close()
+    found = sim.take_hazards()
+    # (its host buffer's allocation, logged as compute's, is written unordered too: the model's stricter side)
+    assert {(h.who, h.does, h.op) for h in found if h.does.startswith("reads")} == {
+        ("ema", "reads (a copy)", "aten.cat.default")}
+
+
+# -- 6. negative controls for lifetimes: a record_stream removed ------------------------------------------------------
+def _no_record_stream(owner):
+    def remove(monkeypatch, sim):
+        real = sim.record_stream
+
+        def record_stream(tensor, stream):
+            if getattr(stream, "name", None) != owner:
+                real(tensor, stream)
+        monkeypatch.setattr(sim, "record_stream", record_stream)
+    return remove
+
+
+RECORD_CONTROLS = {
+    # an activation copied out, dropped by the forward before its copy ran (ActivationOffload.pack)
+    "activation_out": (_no_record_stream("acts"), Strategy.of(checkpoint="all", activation_offload=True, **FP32),
+                       ("acts", "reads")),
+    # a gradient copied to the host, freed at once (p.grad = None) while its copy is queued (HostOptimizer._copy)
+    "gradient_out": (_no_record_stream("optimizer"), Strategy.of(optimizer_offload=True, **FP32),
+                     ("optimizer", "reads")),
+}
+
+
+@pytest.mark.parametrize("name", list(RECORD_CONTROLS))
+def test_a_missing_record_stream_is_caught(branches, sim, monkeypatch, name):
+    remove, strategy, (owner, does) = RECORD_CONTROLS[name]
+    remove(monkeypatch, sim)
+    result, _ = _run(strategy, steps=2)
+    assert_equivalent(result)  # the queue kept the memory: the numbers cannot show it
+    found = sim.take_hazards()
+    assert found and {(h.who, h.does.split(" memory")[0]) for h in found} == {(owner, does)}
