@@ -27,18 +27,22 @@ The model is a GPU whose host runs ahead as far as it may:
   `synchronize`/`query`, `torch.cuda.synchronize`). A side-stream copy that writes bytes compute touched later than
   its stream waited for (a slot refilled under a block a GPU may still be running; memory handed to a copy while its
   previous owner is still read) or reads bytes compute wrote later than that (an activation copied out before the
-  kernel that makes it ran), and a host-side region (`sim.host_side()`: the host optimizer's AdamW and gradient
-  sums) that writes bytes compute touched, or reads bytes compute wrote, later than the host synchronised, is a
-  `Hazard`: recorded in `sim.hazards` (with the compute op last seen there) and raised as an AssertionError when the
-  `with` ends, unless the test took them (`sim.take_hazards()`). On a GPU such a race shows only when the compute
-  stream runs late (gpu-check's `torch.cuda._sleep` rows); here it is caught whatever the timing.
+  kernel that makes it ran), and a host op (one of a `sim.host_side()` region, as the host optimizer's AdamW and
+  gradient sums, or any op but a copy on memory page-locked through `sim.cudart`) that writes bytes compute touched
+  later than the host synchronised, is a `Hazard`: recorded in `sim.hazards` (with the compute op last seen there)
+  and raised as an AssertionError when the `with` ends, unless the test took them (`sim.take_hazards()`). On a GPU
+  such a race shows only when the compute stream runs late (gpu-check's `torch.cuda._sleep` rows); here it is caught
+  whatever the timing.
 - Lifetimes: a queued copy holds aliases of its tensors that keep no view's base alive; when it runs, a tensor
   whose memory only queued copies still hold (the program let go of it) and that was not `record_stream`ed on the
   copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again.
 
 What it cannot see:
-- Host code outside a `host_side()` region runs as compute ops here (the model cannot tell a host tensor from a
-  device one); that is stricter (more waits required), never laxer, for the copies, and unchecked for the host.
+- Host code on pageable memory outside a `host_side()` region runs as compute ops here (the model cannot tell a
+  pageable host tensor from a device one); that is stricter (more waits required), never laxer, for the copies,
+  and unchecked for the host. Host reads are not checked at all: the host reads device results only through
+  copies, and a copy on the compute stream runs at once here (a non-blocking device-to-host copy read before its
+  event is not seen).
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
   could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
 - Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
@@ -133,27 +137,54 @@ def poison(t: torch.Tensor) -> None:
 
 _PAGE_SHIFT = 12
 # ops that read a tensor's metadata, never its bytes
+_LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default,
+         torch.ops.aten.full_like.default, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default}
 _METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.is_same_size.default, torch.ops.aten.sym_size.int,
              torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
 
 
-class _Timeline:
+class _SpanIndex:
+    """Byte spans indexed by 4 KiB page, to find the ones overlapping a span."""
+
+    def __init__(self, spans=()):
+        self.spans: dict[tuple[int, int], object] = {}
+        self.pages: dict[int, set] = collections.defaultdict(set)
+        for sp in spans:
+            self.add(sp)
+
+    def add(self, sp: tuple[int, int], value=None):
+        if sp not in self.spans and sp[0] < sp[1]:
+            for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
+                self.pages[page].add(sp)
+        self.spans[sp] = value
+        return value
+
+    def overlaps(self, sp: tuple[int, int]) -> bool:
+        return bool(self._overlapping(sp))
+
+    def _overlapping(self, sp: tuple[int, int]) -> list:
+        if sp[0] >= sp[1]:
+            return []
+        found = set()
+        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
+            found |= self.pages.get(page, set())
+        return [other for other in found if _overlap(other, sp)]
+
+
+class _Timeline(_SpanIndex):
     """The compute stream's ops in program order: for each byte span an op touched, the number of the last op that
-    touched it and of the last that wrote it (spans indexed by 4 KiB page, to find the overlapping ones)."""
+    touched it and of the last that wrote it."""
 
     def __init__(self):
+        super().__init__()
         self.pos = 0
-        self.spans: dict[tuple[int, int], list] = {}  # span -> [last access, last write, op name]
-        self.pages: dict[int, set] = collections.defaultdict(set)
 
     def record(self, reads, writes, op: str) -> None:
         self.pos += 1
         for sp, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
             rec = self.spans.get(sp)
             if rec is None:
-                rec = self.spans[sp] = [0, 0, op]
-                for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
-                    self.pages[page].add(sp)
+                rec = self.add(sp, [0, 0, op])  # span -> [last access, last write, op name]
             rec[0], rec[2] = self.pos, op
             if write:
                 rec[1] = self.pos
@@ -165,16 +196,8 @@ class _Timeline:
             rec = self.spans[other]
             rec[0] = rec[1] = 0
 
-    def _overlapping(self, sp: tuple[int, int]) -> list:
-        found = set()
-        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
-            found |= self.pages.get(page, set())
-        return [other for other in found if _overlap(other, sp)]
-
     def last(self, sp: tuple[int, int], writes_only: bool) -> tuple[int, str]:
         """The last compute op (number, name) that touched (or wrote) bytes of `sp`; (0, "") if none."""
-        if sp[0] >= sp[1]:
-            return 0, ""
         best = (0, "")
         for other in self._overlapping(sp):
             rec = self.spans[other]
@@ -406,8 +429,10 @@ class _SideStreamCopies(TorchDispatchMode):
 
 class _ComputeLog(TorchDispatchMode):
     """Pushed on the main thread inside `with sim:`: numbers the compute stream's ops and logs what they touch
-    (_Timeline); ops of a host_side() region are checked instead. Side-stream ops, landing copies and views (no
-    bytes touched) are left out."""
+    (_Timeline). The host's ops are checked instead: those of a host_side() region, and every op but a copy that
+    touches page-locked host memory (registered through `sim.cudart`): no kernel in the runtime reads host memory,
+    only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out; `*_like` ops read
+    only their input's shape."""
 
     def __init__(self, sim: "StreamSim"):
         super().__init__()
@@ -422,15 +447,16 @@ class _ComputeLog(TorchDispatchMode):
         host = getattr(local, "host", 0)
         if not host and sim.current().side:
             return out
-        reads, writes = _accesses(func, args, kwargs, None if host else out)
+        reads, writes = ([], []) if func in _LIKE else _accesses(func, args, kwargs, None)
+        outs = _tensor_spans(out)
         with sim.lock:
-            if host:  # its fresh outputs are host memory, never a device tensor's old bytes: not checked, forgotten
-                sim._check_host(reads, writes)
-                for sp in _tensor_spans(out):
-                    if not any(_overlap(sp, arg) for arg in reads + writes):
+            if host or (func is not _COPY and any(map(sim._in_host_memory, reads + writes))):
+                sim._check_host(writes, str(func))
+                for sp in outs:  # a fresh host tensor: what compute did to freed memory there is not its past
+                    if not any(_overlap(sp, a) for a in reads + writes):
                         sim.timeline.forget(sp)
             else:
-                sim.timeline.record(reads, writes, str(func))
+                sim.timeline.record(reads, writes + outs, str(func))
                 sim.counters.compute_ops += 1
         return out
 
@@ -447,6 +473,8 @@ class StreamSim:
         self.streams: list[SimStream] = []
         self._local = threading.local()
         self.timeline = _Timeline()
+        self.cudart = None  # the driver model page-locking host memory (cuda_branches): its ranges are host memory
+        self._registered = (None, _SpanIndex())  # (cudart's call counts, its live ranges) cached
         self.host_seen = 0  # the compute op the host last synchronised past
         self.hazards: list[Hazard] = []
         self.checking = False  # inside `with sim:`
@@ -524,15 +552,24 @@ class StreamSim:
         finally:
             self._local.host -= 1
 
-    def _check_host(self, reads, writes) -> None:
+    def _in_host_memory(self, sp: tuple[int, int]) -> bool:
+        if self.cudart is None:
+            return False
+        version = (len(self.cudart.registered), len(self.cudart.unregistered))
+        if self._registered[0] != version:
+            self._registered = (version, _SpanIndex((a, a + n) for a, n in self.cudart.live.items()))
+        return self._registered[1].overlaps(sp)
+
+    def _check_host(self, writes, op: str) -> None:
+        """A host op writing bytes compute may still read or write (its reads are not checked: the host reads
+        device results only through copies, which the poison model covers)."""
         if not self.checking:
             return
         self.counters.host_ops += 1
-        for spans, writes_only, does in ((writes, False, "writes"), (reads, True, "reads")):
-            for sp in spans:
-                n, op = self.timeline.last(sp, writes_only)
-                if n > self.host_seen:
-                    self.hazards.append(Hazard("host", does, sp, n, op, self.host_seen))
+        for sp in writes:
+            n, last = self.timeline.last(sp, writes_only=False)
+            if n > self.host_seen:
+                self.hazards.append(Hazard("host", f"writes ({op})", sp, n, last, self.host_seen))
 
     def take_hazards(self) -> list[Hazard]:
         """The hazards found so far, cleared (a test that expects them takes them; any left fail the `with`)."""
@@ -615,6 +652,7 @@ def cuda_branches(monkeypatch, cudart=None):
     fake = cudart if cudart is not None else FakeCudart()
     sim = torch.cuda.Stream.__self__  # simulated_cuda's (its bound new_stream)
     assert isinstance(sim, StreamSim), "cuda_branches runs under simulated_cuda"
+    sim.cudart = fake
 
     real_layer = LayerOffload.__init__
 

@@ -27,24 +27,28 @@ CPU path, where every copy is eager), the same removals go unseen: that is what 
 remove a wait for compute or a record_stream: the numbers stay right even here, only the lag and lifetime checks
 see them.
 """
+import mmap
 import threading
 
 import pytest
 import torch
 from ema_reference import change_weights, lora_like_weights, reference_ema
 from equivalence import assert_equivalent
+from fake_cudart import FakeCudart
 from sim_streams import SimStream, StreamSim, cuda_branches, simulated_cuda
 from two_stream import make_lora_model, train_steps
 
 from tightrope.memory.activation_host import ActivationHost
 from tightrope.memory.activation_offload import ActivationOffload
 from tightrope.memory.ema import UPDATES_KEY, CpuEma
+from tightrope.memory.host_pinning import page_aligned
 from tightrope.memory.layer_offload import LayerOffload
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
 from tightrope.training.host_optimizer import HostOptimizer
 
 FP32 = dict(compute_dtype="fp32")
+PAGE = mmap.PAGESIZE
 
 
 @pytest.fixture
@@ -253,17 +257,18 @@ def test_waits_for_compute_pass_through_another_side_stream(sim):
 
 def test_host_side_writes_wait_for_the_compute_that_reads_them(sim):
     """The host optimizer's hazard: compute queued a copy that reads the host weights; the host may overwrite them
-    (AdamW) only after synchronising past it. Host ops' fresh outputs are host memory: never a hazard; views touch
-    nothing."""
+    (AdamW) only after synchronising past it. Host ops are those of a host_side() region, and any op but a copy on
+    page-locked memory (no kernel reads host memory); their fresh outputs are host memory (never a hazard), their
+    reads are not checked; views touch nothing."""
     host, device = torch.ones(6), torch.zeros(6)
     torch.cuda.synchronize()  # both exist (their allocations are on the log)
     device.copy_(host, non_blocking=True)  # on compute: reads the host weights
     _ = host[2:]  # a view: no access
     with sim.host_side():
         host.add_(1)  # AdamW, too early
-        fresh = host * 2  # reads host (compute never wrote it: fine), its result is the host's own
+        fresh = host * 2  # its result is the host's own
     found = sim.take_hazards()
-    assert _kinds(found) == [("host", "writes")] and found[0].op == "aten.copy_.default"
+    assert [(h.who, h.does, h.op) for h in found] == [("host", "writes (aten.add_.Tensor)", "aten.copy_.default")]
     done = torch.cuda.Event()
     device.copy_(host, non_blocking=True)
     done.record()
@@ -272,11 +277,21 @@ def test_host_side_writes_wait_for_the_compute_that_reads_them(sim):
         host.add_(1)
         fresh.add_(host)
     assert not sim.take_hazards() and sim.counters.host_ops == 4
-    device.copy_(host, non_blocking=True)
+
+    sim.cudart = FakeCudart()  # page-locked memory: its ops are the host's without a region
+    locked = page_aligned(PAGE // 4, torch.float32)
     torch.cuda.synchronize()
-    with sim.host_side():
-        host.mul_(2)
+    assert sim.cudart.cudaHostRegister(locked.data_ptr(), locked.nbytes, 0) == 0
+    compute_ops = sim.counters.compute_ops
+    device.copy_(locked[:6], non_blocking=True)  # a copy: compute's, logged
+    locked.mul_(3)  # not waited for: the host overwrites what the queued copy reads
+    assert sim.counters.compute_ops == compute_ops + 1 and sim.counters.host_ops == 5
+    assert [(h.who, h.does, h.op) for h in sim.take_hazards()] == [("host", "writes (aten.mul_.Tensor)",
+                                                                     "aten.copy_.default")]
+    torch.cuda.synchronize()
+    locked.mul_(3)
     assert not sim.take_hazards()
+    assert sim.cudart.cudaHostUnregister(locked.data_ptr()) == 0
 
 
 def test_memory_dropped_under_a_queued_copy_needs_record_stream(sim):
