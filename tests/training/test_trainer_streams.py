@@ -15,25 +15,36 @@ from tightrope.training.trainer import train
 CPU = torch.device("cpu")
 EVERYTHING = dict(compute_dtype="fp32", offload_fraction=0.5, checkpoint="all", activation_offload=True,
                   optimizer_offload=True)
+CASES = {  # name: (strategy changes, config changes, the side streams that must have copied)
+    "half_offload": ({}, {}, {"layers", "acts", "optimizer", "ema"}),
+    "full_offload_validated": (dict(offload_fraction=1.0), dict(validation_fraction=0.25, validation_every=1),
+                               {"layers", "acts", "optimizer", "ema"}),
+    "token_chunks": (dict(offload_fraction=1.0, activation_offload=False, token_chunks=2), {},
+                     {"layers", "optimizer", "ema"}),
+}
 
 
-def _train(tmp_path, steps=3, **strategy):
+def _train(tmp_path, strategy, config, steps=3):
     session = demo_session(tmp_path, strategy=Strategy.of(**(EVERYTHING | strategy)), grad_accumulation=2,
-                           ema_decay=0.9)
+                           ema_decay=0.9, **config)
     return train(session, steps, device=CPU)
 
 
-@pytest.mark.parametrize("offload_fraction", [0.5, 1.0])
-def test_the_trainer_under_simulated_streams_trains_as_on_the_cpu(tmp_path, monkeypatch, offload_fraction):
-    plain = _train(tmp_path, offload_fraction=offload_fraction)
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_trainer_under_simulated_streams_trains_as_on_the_cpu(tmp_path, monkeypatch, name):
+    strategy, config, owners = CASES[name]
+    plain = _train(tmp_path, strategy, config)
     with simulated_cuda(monkeypatch) as sim:  # its exit fails on any hazard the run left
         cuda_branches(monkeypatch)
-        simulated = _train(tmp_path, offload_fraction=offload_fraction)
-        counters, names = sim.counters, {s.name for s in sim.streams}
-    assert {"layers", "acts", "optimizer", "ema"} <= names  # every CUDA branch ran
-    assert counters.deferred > 0 and counters.flushed == counters.deferred and counters.pending_at_exit == 0
+        simulated = _train(tmp_path, strategy, config)
+        counters = sim.counters
+        copied = {s.name for s in sim.streams if s.deferred}
+    assert copied == owners  # every CUDA branch ran and queued copies
+    assert counters.flushed == counters.deferred and counters.pending_at_exit == 0
     assert counters.checked_copies == counters.deferred + counters.blocking and counters.host_ops > 0
-    assert simulated.losses == plain.losses
+    assert simulated.losses == plain.losses and simulated.validation_losses == plain.validation_losses
+    if config.get("validation_fraction"):
+        assert len(plain.validation_losses) == 4  # steps 0-3
     for key, value in plain.lora_state.items():
         assert torch.equal(simulated.lora_state[key], value), key
     for key, value in plain.ema_state.items():
