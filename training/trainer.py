@@ -200,8 +200,10 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
         with seeding.forked(runtime.device):  # the step's loss: the mean over its images (_step_batches)
-            loss = sum(_micro_step(parts, batch, cfg, run.step, k, scaler, share)
-                       for k, (batch, share) in enumerate(_step_batches(batches, cfg.grad_accumulation)))
+            # summed on the device and read once: a read per micro-batch made the host wait for each backward
+            # before preparing the next micro-batch (the GPU idle meanwhile)
+            loss = float(sum(_micro_step(parts, batch, cfg, run.step, k, scaler, share)
+                             for k, (batch, share) in enumerate(_step_batches(batches, cfg.grad_accumulation))))
         grads = gradient_holders(optimizer, parts.params)  # host copies under optimizer offload, once landed
         loss = distributed.all_reduce_gradients(grads.values(), loss)  # global-batch mean (no-op: 1 process)
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
@@ -259,9 +261,10 @@ def _step_batches(batches, count: int) -> Iterator[tuple[dict, float]]:
         yield planned.load(), planned.size / total
 
 
-def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, share: float) -> float:
+def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, share: float) -> torch.Tensor:
     """Forward and backward of a micro-batch, its mean loss weighted by `share` (_step_batches) and this rank's part
-    of it; returns that weighted loss."""
+    of it; returns that weighted loss, on the device and unread (in float64 where the device has it: the sum is then
+    what Python floats gave)."""
     seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
@@ -287,7 +290,8 @@ def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, sha
             if mask is None else masked_flow_loss(pred, latents, noise, mask, kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)
     scaler.scale(loss if weight == 1.0 else loss * weight).backward()
-    return loss.item() * weight
+    loss = loss.detach()
+    return (loss.float() if dev.type == "mps" else loss.double()) * weight
 
 
 def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:

@@ -1,0 +1,63 @@
+"""A step's micro-batches are queued back to back: the host reads the step's loss once, after the last backward,
+not after each (on a GPU each read waits for that backward to finish, and the next micro-batch is only then read
+and prepared while the GPU idles)."""
+import sys
+
+import torch
+from demo_setup import demo_session
+
+from tightrope.training import trainer
+from tightrope.training.data.dataset import TrainingDataset
+from tightrope.training.trainer import train
+
+CPU = torch.device("cpu")
+
+
+def test_the_loss_is_read_once_per_step_after_every_micro_batch_is_queued(tmp_path, monkeypatch):
+    events = []
+    real_item, real_float, collate = torch.Tensor.item, torch.Tensor.__float__, TrainingDataset._collate
+
+    def from_trainer():
+        return sys._getframe(2).f_code.co_filename.endswith("trainer.py")
+
+    def item(self):
+        if from_trainer():
+            events.append("read")
+        return real_item(self)
+
+    def to_float(self):
+        if from_trainer():
+            events.append("read")
+        return real_float(self)
+
+    def reading(self, batch):
+        events.append("load")
+        return collate(self, batch)
+
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+    monkeypatch.setattr(TrainingDataset, "_collate", reading)
+    result = train(demo_session(tmp_path, grad_accumulation=3), 2, device=CPU)
+    loads = [i for i, e in enumerate(events) if e == "load"]
+    assert len(loads) == 6 and events.count("read") == 2, events
+    first_read, second_read = (i for i, e in enumerate(events) if e == "read")
+    assert loads[2] < first_read < loads[3] and loads[5] < second_read  # each step: 3 loads, then one read
+    assert len(result.losses) == 2 and all(isinstance(v, float) for v in result.losses)
+
+
+def test_the_step_loss_is_the_image_weighted_mean_of_its_micro_batches(tmp_path, monkeypatch):
+    """The value read is the sum the micro-steps returned, as a Python float (float64: the same sum Python floats of
+    each micro-batch's weighted loss gave)."""
+    returned = []
+    real = trainer._micro_step
+
+    def micro_step(*args):
+        out = real(*args)
+        returned.append(out)
+        return out
+
+    monkeypatch.setattr(trainer, "_micro_step", micro_step)
+    result = train(demo_session(tmp_path, grad_accumulation=2), 2, device=CPU)
+    assert all(t.dtype == torch.float64 and t.ndim == 0 and not t.requires_grad for t in returned)
+    sums = [returned[0].item() + returned[1].item(), returned[2].item() + returned[3].item()]
+    assert list(result.losses) == sums
