@@ -91,8 +91,9 @@ class Validation:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda), _eval_mode(module):
             runtime.start_step()  # a step of its own: its transfers and time stay out of the training steps' stats
             try:
-                for images in self.batches:
-                    total += float(self._batch_losses(images, adapter, module, runtime).double().sum())
+                for images in self.batches:  # summed on the device, read once: no wait for the GPU per batch
+                    total = total + _float64(self._batch_losses(images, adapter, module, runtime)).sum()
+                total = float(total)
             finally:
                 runtime.end_step()
         return total / self.dataset.num_images
@@ -121,6 +122,12 @@ class Validation:
         elementwise = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
                                          reduction="element")
         return masked_per_image(elementwise, torch.stack(masks).to(dev))
+
+
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    """t in float64 (its per-image losses summed exactly as Python floats would), on the host where the device has
+    no float64 (MPS)."""
+    return (t.cpu() if t.device.type == "mps" else t).double()
 
 
 @contextlib.contextmanager

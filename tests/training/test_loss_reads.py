@@ -1,12 +1,12 @@
-"""A step's micro-batches are queued back to back: the host reads the step's loss once, after the last backward,
-not after each (on a GPU each read waits for that backward to finish, and the next micro-batch is only then read
-and prepared while the GPU idles)."""
+"""The host reads losses once per step and once per validation pass, never per micro-batch or validation batch: on
+a GPU each read waits for the work queued so far, and the next batch is only then read and prepared while the GPU
+idles. A step's micro-batches (and a validation pass's batches) are queued back to back."""
 import sys
 
 import torch
 from demo_setup import demo_session
 
-from tightrope.training import trainer
+from tightrope.training import trainer, validation
 from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.trainer import train
 
@@ -18,7 +18,7 @@ def test_the_loss_is_read_once_per_step_after_every_micro_batch_is_queued(tmp_pa
     real_item, real_float, collate = torch.Tensor.item, torch.Tensor.__float__, TrainingDataset._collate
 
     def from_trainer():
-        return sys._getframe(2).f_code.co_filename.endswith("trainer.py")
+        return sys._getframe(2).f_code.co_filename.endswith(("trainer.py", "validation.py"))
 
     def item(self):
         if from_trainer():
@@ -61,3 +61,29 @@ def test_the_step_loss_is_the_image_weighted_mean_of_its_micro_batches(tmp_path,
     assert all(t.dtype == torch.float64 and t.ndim == 0 and not t.requires_grad for t in returned)
     sums = [returned[0].item() + returned[1].item(), returned[2].item() + returned[3].item()]
     assert list(result.losses) == sums
+
+
+def test_a_validation_pass_reads_its_loss_once(tmp_path, monkeypatch):
+    """4 held-out images at batch 1: 4 forwards queued, one read; its value the float64 sum Python floats gave."""
+    reads, per_batch = [], []
+    real_float = torch.Tensor.__float__
+    real_batch = validation.Validation._batch_losses
+
+    def to_float(self):
+        if sys._getframe(1).f_code.co_filename.endswith("validation.py"):
+            reads.append(len(per_batch))
+        return real_float(self)
+
+    def batch_losses(self, *args):
+        out = real_batch(self, *args)
+        per_batch.append(out.double().sum().item())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+    monkeypatch.setattr(validation.Validation, "_batch_losses", batch_losses)
+    result = train(demo_session(tmp_path, validation_fraction=0.5, batch_size=1), 1, device=CPU)
+    assert len(per_batch) == 8 and reads == [4, 8]  # two passes (steps 0 and 1), each read after its 4 batches
+    total = 0.0
+    for value in per_batch[:4]:
+        total += value
+    assert result.validation_losses[0] == (0, total / 4)
