@@ -7,8 +7,8 @@
     tightrope bench gpu-bench [--out DIR]                     # planner budgets, compile, H2D (make gpu-bench)
     tightrope bench --host-memory                             # host RAM above the loaded model, per offload (CPU)
     tightrope bench --host-memory --device cuda               # the same training on a GPU, pinned in place
-    tightrope bench headline-plan                             # predicted 2048 px headline peak from shapes (CPU)
-    tightrope bench reserved-replay                           # its reserved memory: the CUDA allocator modelled (CPU)
+    tightrope bench headline-plan [--out FILE|DIR]            # predicted 2048 px headline peak from shapes (CPU)
+    tightrope bench reserved-replay [--out FILE|DIR]          # its reserved memory: the CUDA allocator modelled (CPU)
 """
 from __future__ import annotations
 

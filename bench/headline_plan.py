@@ -35,6 +35,7 @@ from ..memory.shape_profile import BlockShape, fake_parameters, measure_block, s
 from ..memory.strategy import Strategy, StrategyError
 from ..memory.token_chunks import ChunkContext, chunked_forward_for
 from .grid import strategy_label
+from .report import markdown_target
 from .models import MODEL_PARAMS, TEXT_TOKENS, _meta_model
 
 GB = 10 ** 9
@@ -228,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tightrope bench headline-plan", description=__doc__.splitlines()[0])
     ap.add_argument("--resolution", type=int, default=2048)
     ap.add_argument("--budget-gb", type=float, default=HEADLINE_BUDGET / GB)
-    ap.add_argument("--out", metavar="FILE", help="also write the markdown here")
+    ap.add_argument("--out", metavar="FILE|DIR", help="also write the markdown here (in a folder: headline_plan.md)")
     args = ap.parse_args(argv)
+    try:  # before the planning: a bad path fails in a second
+        out = markdown_target(args.out, "headline_plan.md")
+    except ValueError as e:
+        ap.error(str(e))
     text = report(args.resolution, int(args.budget_gb * GB)) + "\n" + largest_batch_section()
     print(text, end="")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    if out is not None:
+        out.write_text(text)
     return 0
 
 

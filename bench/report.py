@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from ..memory.planner import format_bytes
@@ -10,6 +11,21 @@ from .measure import skipped
 from ..training.charts import line_chart, scatter_chart
 
 GiB = float(1 << 30)
+
+
+def markdown_target(out: str | None, name: str) -> Path | None:
+    """Where a report's `--out` writes its markdown: the file named, or `name` inside a folder named (an existing
+    one, or a path ending in a separator, as the other benchmarks' --out DIR). ValueError, naming the fix, for a
+    target whose folder does not exist."""
+    if not out:
+        return None
+    path = Path(out)
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        path = path / name
+    if not path.parent.is_dir():
+        raise ValueError(f"--out {out}: the folder {path.parent} does not exist; create it, or name a file in an "
+                         "existing folder")
+    return path
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:

@@ -19,6 +19,7 @@ from ..memory.strategy import Strategy
 from .gpu_check import headline_configs
 from .grid import strategy_label
 from .measure import skipped
+from .report import markdown_target
 from .reserved_replay import replay_step, replayable
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h100-2026-11-23"
@@ -100,13 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", type=int, default=2048)
     ap.add_argument("--measured", metavar="DIR", type=Path, default=MEASURED,
                     help="a gpu-check results folder to compare with (default: the committed H100 run)")
-    ap.add_argument("--out", metavar="FILE", help="also write the markdown here")
+    ap.add_argument("--out", metavar="FILE|DIR", help="also write the markdown here (in a folder: reserved_replay.md)")
     args = ap.parse_args(argv)
+    try:  # before the replay: a bad path fails in a second, not after it
+        out = markdown_target(args.out, "reserved_replay.md")
+    except ValueError as e:
+        ap.error(str(e))
+    if not args.measured.is_dir():
+        ap.error(f"--measured {args.measured}: no such folder; name a gpu-check results folder (one with "
+                 "gpu_check.json), or leave it out for the committed H100 run")
     found = rows(args.model, args.resolution, args.measured, log=lambda m: print(m, file=sys.stderr))
     text = report(found, args.model, args.resolution, args.measured)
     print(text, end="")
-    if args.out:
-        Path(args.out).write_text(text)
+    if out is not None:
+        out.write_text(text)
     return 0
 
 

@@ -1,5 +1,7 @@
 """`tightrope bench headline-plan`: the headline's predicted peak from shapes, and the configuration `make gpu-check`
 must measure because the planner would pick it for the smallest budget."""
+import pytest
+
 from tightrope.bench.cli import main as bench_main
 from tightrope.bench.gpu_check import headline_configs
 from tightrope.bench.headline_plan import HEADLINE_BUDGET, headline_profile, least_peak
@@ -75,3 +77,15 @@ def test_the_command_prints_and_writes_the_breakdown(tmp_path, capsys):
         assert "| host memory: the LoRA, its gradients and AdamW state (optimizer offload) |" in text
     else:
         assert allowed == off
+
+
+def test_out_may_name_a_folder_and_a_missing_folder_fails_at_once(tmp_path, monkeypatch, capsys):
+    from tightrope.bench import headline_plan
+    monkeypatch.setattr(headline_plan, "report", lambda *a: "plan\n")
+    monkeypatch.setattr(headline_plan, "largest_batch_section", lambda: "batches\n")
+    assert bench_main(["headline-plan", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "headline_plan.md").read_text() == capsys.readouterr().out == "plan\n\nbatches\n"
+    monkeypatch.setattr(headline_plan, "report", lambda *a: pytest.fail("planned before checking --out"))
+    with pytest.raises(SystemExit) as exit_:
+        bench_main(["headline-plan", "--out", str(tmp_path / "missing" / "h.md")])
+    assert exit_.value.code == 2 and "the folder" in capsys.readouterr().err

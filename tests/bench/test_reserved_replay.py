@@ -1,6 +1,7 @@
 """The headline step replayed through the allocator model (bench/reserved_replay.py): a block of a kind already run
 replays the first one's script; that must give the allocator exactly the sequence that running every block gives."""
 import json
+import re
 
 import pytest
 import torch
@@ -123,3 +124,27 @@ def test_the_report_compares_with_the_measured_run_and_adds_the_residual_to_the_
     assert capsys.readouterr().out == out.read_text()
     assert "Command: `tightrope bench reserved-replay --model tiny --resolution 256`" in out.read_text()
     assert f"Measured: the GPU run in `{tmp_path.name}`" in out.read_text()
+
+
+def test_out_may_name_a_folder_and_bad_paths_fail_before_the_replay(tmp_path, monkeypatch, capsys):
+    """--out DIR, as the other benchmarks take it, writes reserved_replay.md there; a file in a missing folder, or a
+    --measured folder that does not exist, is an argument error naming the fix, before any replay (no traceback)."""
+    from tightrope.bench import reserved_report
+    from tightrope.bench.cli import main as bench_main
+
+    asked = []
+    monkeypatch.setattr(reserved_report, "rows", lambda *a, **k: asked.append(a) or [])
+    args = ["reserved-replay", "--model", "tiny", "--resolution", "256", "--measured", str(tmp_path)]
+    assert bench_main(args + ["--out", str(tmp_path)]) == 0
+    assert (tmp_path / "reserved_replay.md").read_text() == capsys.readouterr().out and len(asked) == 1
+    for bad, message in ((["--out", str(tmp_path / "missing" / "r.md")],
+                          rf"--out {tmp_path}/missing/r.md: the folder {tmp_path}/missing does not exist; create it, "
+                          r"or name a file in an existing folder"),
+                         (["--measured", str(tmp_path / "nowhere")],
+                          rf"--measured {tmp_path}/nowhere: no such folder; name a gpu-check results folder")):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(args + bad)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err
+        assert re.search(message, err), err
+    assert len(asked) == 1
