@@ -43,6 +43,9 @@ What it cannot see:
   and unchecked for the host. Host reads are not checked at all: the host reads device results only through
   copies, and a copy on the compute stream runs at once here (a non-blocking device-to-host copy read before its
   event is not seen).
+- A blocking copy to the host (`.cpu()`, `.item()`) waits for the compute stream on a GPU; on the "cpu" device it
+  is a no-op or an ordinary op, so the host's knowledge of compute advances only at the waits listed above (and
+  where cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
   could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
 - Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
@@ -647,7 +650,7 @@ def cuda_branches(monkeypatch, cudart=None):
     from tightrope.memory.ema import CpuEma
     from tightrope.memory.host_pinning import PinnedRanges
     from tightrope.memory.layer_offload import LayerOffload
-    from tightrope.training.host_optimizer import HostOptimizer
+    from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer
 
     fake = cudart if cudart is not None else FakeCudart()
     sim = torch.cuda.Stream.__self__  # simulated_cuda's (its bound new_stream)
@@ -691,6 +694,15 @@ def cuda_branches(monkeypatch, cudart=None):
                 return inner_step(*a, **k)
         self.inner.step = host_step
 
+    real_unscale = HostGradScaler._unscale_grads_
+
+    def unscale(self, optimizer, inv_scale, found_inf, allow_fp16):
+        # on CUDA its .cpu() copies are blocking: the host has waited for compute up to here (on the "cpu" device
+        # they are no-ops, the wait invisible); the unscale itself runs on host gradients
+        sim._host_saw(sim.timeline.pos)
+        with sim.host_side():
+            return real_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
+
     real_settle = HostOptimizer._settle
 
     def settle(self, i):  # waits for a gradient's copies, then sums them on the host
@@ -715,6 +727,7 @@ def cuda_branches(monkeypatch, cudart=None):
     monkeypatch.setattr(ActivationOffload, "__init__", acts_init)
     monkeypatch.setattr(HostOptimizer, "__init__", opt_init)
     monkeypatch.setattr(HostOptimizer, "_settle", settle)
+    monkeypatch.setattr(HostGradScaler, "_unscale_grads_", unscale)
     monkeypatch.setattr(CpuEma, "__init__", ema_init)
     monkeypatch.setattr(CpuEma, "_page_lock", page_lock)
     return fake

@@ -21,6 +21,9 @@ CASES = {  # name: (strategy changes, config changes, the side streams that must
                                {"layers", "acts", "optimizer", "ema"}),
     "token_chunks": (dict(offload_fraction=1.0, activation_offload=False, token_chunks=2), {},
                      {"layers", "optimizer", "ema"}),
+    "bf16": (dict(compute_dtype="bf16"), {}, {"layers", "acts", "optimizer", "ema"}),
+    # fp16: HostGradScaler unscales the host gradients (its scale read back to the host first)
+    "fp16_scaled": (dict(compute_dtype="fp16"), {}, {"layers", "acts", "optimizer", "ema"}),
 }
 
 
