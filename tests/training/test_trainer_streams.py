@@ -4,13 +4,16 @@ gradient accumulation, and the run must equal the plain CPU run bit for bit with
 
 Why bit for bit: the simulation only changes when copies run, never what is computed (every op is the same CPU op
 on the same values), so any difference is a copy read before it landed or a buffer reused under a queued copy."""
+import dataclasses
+
 import pytest
 import torch
 from demo_setup import demo_session
+from safetensors.torch import load_file
 from sim_streams import cuda_branches, simulated_cuda
 
 from tightrope.memory.strategy import Strategy
-from tightrope.training.trainer import train
+from tightrope.training.trainer import SaveTarget, train
 
 CPU = torch.device("cpu")
 EVERYTHING = dict(compute_dtype="fp32", offload_fraction=0.5, checkpoint="all", activation_offload=True,
@@ -22,14 +25,22 @@ CASES = {  # name: (strategy changes, config changes, the side streams that must
     "token_chunks": (dict(offload_fraction=1.0, activation_offload=False, token_chunks=2), {},
                      {"layers", "optimizer", "ema"}),
     "bf16": (dict(compute_dtype="bf16"), {}, {"layers", "acts", "optimizer", "ema"}),
+    # LoRA variants whose forward reads the (offloaded) base weight: DoRA's norm, LoKr's Kronecker factors
+    # (and LoRA dropout: its masks drawn on the device's generator)
+    "dora_dropout": ({}, dict(lora=dict(algorithm="dora", dropout=0.1)), {"layers", "acts", "optimizer", "ema"}),
+    "lokr": ({}, dict(lora=dict(algorithm="lokr")), {"layers", "acts", "optimizer", "ema"}),
     # fp16: HostGradScaler unscales the host gradients (its scale read back to the host first)
     "fp16_scaled": (dict(compute_dtype="fp16"), {}, {"layers", "acts", "optimizer", "ema"}),
 }
 
 
 def _train(tmp_path, strategy, config, steps=3):
+    config = dict(config)
+    lora = config.pop("lora", None)
     session = demo_session(tmp_path, strategy=Strategy.of(**(EVERYTHING | strategy)), grad_accumulation=2,
                            ema_decay=0.9, **config)
+    if lora is not None:
+        session = session.advanced(lora=dataclasses.replace(session.lora, **lora))
     return train(session, steps, device=CPU)
 
 
@@ -52,3 +63,24 @@ def test_the_trainer_under_simulated_streams_trains_as_on_the_cpu(tmp_path, monk
         assert torch.equal(simulated.lora_state[key], value), key
     for key, value in plain.ema_state.items():
         assert torch.equal(simulated.ema_state[key], value), key
+
+
+def test_saves_and_a_continued_run_under_simulated_streams_equal_the_cpu_s(tmp_path, monkeypatch):
+    """Saving every step reads the LoRA (and, for DoRA, the offloaded base weights) while copies are in flight; a
+    second train() call goes on from the returned session. Files and states equal the plain CPU run's, bit for bit."""
+    def run(folder):
+        session = demo_session(tmp_path, strategy=Strategy.of(**EVERYTHING), grad_accumulation=2, ema_decay=0.9)
+        session = session.advanced(lora=dataclasses.replace(session.lora, algorithm="dora"))
+        first = train(session, 2, device=CPU, save=SaveTarget(folder, "run", every=1))
+        return train(first, 1, device=CPU, save=SaveTarget(folder, "run", every=1))
+
+    plain = run(tmp_path / "plain")
+    with simulated_cuda(monkeypatch):
+        cuda_branches(monkeypatch)
+        simulated = run(tmp_path / "simulated")
+    assert simulated.losses == plain.losses and len(plain.saved) == 3
+    for ours, theirs in zip(simulated.saved, plain.saved):
+        mine, reference = load_file(ours), load_file(theirs)
+        assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in reference)
+    for ours, theirs in ((simulated.lora_state, plain.lora_state), (simulated.ema_state, plain.ema_state)):
+        assert all(torch.equal(ours[k], v) for k, v in theirs.items())
