@@ -35,7 +35,9 @@ The model is a GPU whose host runs ahead as far as it may:
   whatever the timing.
 - Lifetimes: a queued copy holds aliases of its tensors that keep no view's base alive; when it runs, a tensor
   whose memory only queued copies still hold (the program let go of it) and that was not `record_stream`ed on the
-  copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again.
+  copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again (a
+  host buffer dropped under its copy shows the same way). So is host memory unregistered through cuda_branches'
+  driver model while a copy on it is queued.
 
 What it cannot see:
 - Host code on pageable memory outside a `host_side()` region runs as compute ops here (the model cannot tell a
@@ -48,7 +50,6 @@ What it cannot see:
   where cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
   could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
-- Host memory given back (unregistered, freed) while a copy still uses it: the queue holds it, nothing is freed.
 - Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
 """
 from __future__ import annotations
@@ -574,6 +575,19 @@ class StreamSim:
             if n > self.host_seen:
                 self.hazards.append(Hazard("host", f"writes ({op})", sp, n, last, self.host_seen))
 
+    def check_unpinned(self, sp: tuple[int, int]) -> None:
+        """Host memory about to be unregistered: a copy still queued on it would read or write memory the driver no
+        longer holds (a fault, or pageable bytes copied asynchronously)."""
+        if not self.checking:
+            return
+        with self.lock:
+            for stream in self.streams:
+                for entry in stream.queue:
+                    for name in ("dst_span", "src_span"):
+                        if _overlap(getattr(entry, name), sp):
+                            self.hazards.append(Hazard(stream.name, "copies page-locked memory unregistered while "
+                                                       "the copy was queued", getattr(entry, name), 0, "", 0))
+
     def take_hazards(self) -> list[Hazard]:
         """The hazards found so far, cleared (a test that expects them takes them; any left fail the `with`)."""
         with self.lock:
@@ -656,6 +670,15 @@ def cuda_branches(monkeypatch, cudart=None):
     sim = torch.cuda.Stream.__self__  # simulated_cuda's (its bound new_stream)
     assert isinstance(sim, StreamSim), "cuda_branches runs under simulated_cuda"
     sim.cudart = fake
+    if not getattr(fake, "_sim_checked", False):  # memory unpinned under a queued copy: the driver would fault
+        real_unregister = fake.cudaHostUnregister
+
+        def unregister(ptr):
+            nbytes = fake.live.get(ptr)
+            if nbytes is not None:
+                sim.check_unpinned((ptr, ptr + nbytes))
+            return real_unregister(ptr)
+        fake.cudaHostUnregister, fake._sim_checked = unregister, True
 
     real_layer = LayerOffload.__init__
 

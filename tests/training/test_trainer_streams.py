@@ -84,3 +84,35 @@ def test_saves_and_a_continued_run_under_simulated_streams_equal_the_cpu_s(tmp_p
         assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in reference)
     for ours, theirs in ((simulated.lora_state, plain.lora_state), (simulated.ema_state, plain.ema_state)):
         assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+
+
+class Interrupted(Exception):
+    """As ComfyUI's interrupt: raised by an op in the middle of a step."""
+
+
+def test_a_step_interrupted_with_copies_in_flight_ends_without_a_hazard(tmp_path, monkeypatch):
+    """Cancelled mid-backward of the second step, while gradient copies to the host and activation copies back are
+    queued: the run ends interrupted with its first step, and the undo waits for every queued copy before it
+    unregisters or frees the memory they use (else: a hazard, and this test fails at the simulation's exit)."""
+    from tightrope.memory.activation_offload import ActivationOffload
+
+    queued_at_interrupt, calls, stop_at = [], [], []
+    real_unpack = ActivationOffload.unpack
+
+    def unpack(self, stored):
+        calls.append(1)
+        if stop_at and len(calls) == stop_at[0]:
+            queued_at_interrupt.append({s.name for s in sim.streams if s.pending})
+            raise Interrupted()
+        return real_unpack(self, stored)
+
+    monkeypatch.setattr(ActivationOffload, "unpack", unpack)
+    session = demo_session(tmp_path, strategy=Strategy.of(**EVERYTHING), grad_accumulation=2, ema_decay=0.9)
+    with simulated_cuda(monkeypatch) as sim:
+        cuda_branches(monkeypatch)
+        first = train(session, 1, device=CPU)
+        stop_at.append(len(calls) + len(calls) // 4)  # step 2, half way through its first micro-batch
+        calls.clear()
+        result = train(session, 3, device=CPU, interrupts=(Interrupted,))
+    assert result.step == 1 and result.interrupted and result.losses == first.losses
+    assert queued_at_interrupt and {"optimizer", "acts"} <= queued_at_interrupt[0], queued_at_interrupt
