@@ -36,8 +36,8 @@ The model is a GPU whose host runs ahead as far as it may:
 - Lifetimes: a queued copy holds aliases of its tensors that keep no view's base alive; when it runs, a tensor
   whose memory only queued copies still hold (the program let go of it) and that was not `record_stream`ed on the
   copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again (a
-  host buffer dropped under its copy shows the same way). So is host memory unregistered through cuda_branches'
-  driver model while a copy on it is queued.
+  host buffer dropped under its copy shows the same way). So is host memory unregistered through
+  sim_branches.cuda_branches' driver model while a copy on it is queued.
 
 What it cannot see:
 - Host code on pageable memory outside a `host_side()` region runs as compute ops here (the model cannot tell a
@@ -47,7 +47,7 @@ What it cannot see:
   event is not seen).
 - A blocking copy to the host (`.cpu()`, `.item()`) waits for the compute stream on a GPU; on the "cpu" device it
   is a no-op or an ordinary op, so the host's knowledge of compute advances only at the waits listed above (and
-  where cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
+  where sim_branches.cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
   could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
 - Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
@@ -60,10 +60,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from sim_order import COPY, ComputeLog, Hazard, SpanIndex, Timeline, overlap, span
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
-_COPY = torch.ops.aten.copy_.default
 
 
 @dataclass
@@ -88,43 +86,12 @@ class Counters:
 
 
 @dataclass
-class Hazard:
-    """A race a lagging compute stream would expose: `who` (a side stream's name, or "host") `does` to the bytes
-    `span` while compute's op number `compute_op` (`op`) may not have run yet; `who` had only waited up to `seen`."""
-    who: str
-    does: str
-    span: tuple[int, int]
-    compute_op: int
-    op: str
-    seen: int
-
-    def __str__(self) -> str:
-        where = f"bytes [{self.span[0]:#x}, {self.span[1]:#x})"
-        if not self.compute_op:  # a lifetime hazard (_Entry.check_alive), not an ordering one
-            return f"{self.who} {self.does}: {where}"
-        return (f"{self.who} {self.does} {where} that compute op #{self.compute_op} ({self.op}) touched, having waited "
-                f"for compute only up to op #{self.seen}")
-
-
-@dataclass
 class CopyRecord:
     """One deferred copy: its stream and the [start, end) byte spans of its destination and source."""
     stream: "SimStream"
     dst: tuple[int, int]
     src: tuple[int, int]
     nbytes: int
-
-
-def span(t: torch.Tensor) -> tuple[int, int]:
-    """[start, end) of the bytes tensor t may touch."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 def poison(t: torch.Tensor) -> None:
@@ -137,101 +104,6 @@ def poison(t: torch.Tensor) -> None:
         t.fill_(255)
     else:
         t.fill_(-1)
-
-
-_PAGE_SHIFT = 12
-# ops that read a tensor's metadata, never its bytes
-_LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default,
-         torch.ops.aten.full_like.default, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default}
-_METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.is_same_size.default, torch.ops.aten.sym_size.int,
-             torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
-
-
-class _SpanIndex:
-    """Byte spans indexed by 4 KiB page, to find the ones overlapping a span."""
-
-    def __init__(self, spans=()):
-        self.spans: dict[tuple[int, int], object] = {}
-        self.pages: dict[int, set] = collections.defaultdict(set)
-        for sp in spans:
-            self.add(sp)
-
-    def add(self, sp: tuple[int, int], value=None):
-        if sp not in self.spans and sp[0] < sp[1]:
-            for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
-                self.pages[page].add(sp)
-        self.spans[sp] = value
-        return value
-
-    def overlaps(self, sp: tuple[int, int]) -> bool:
-        return bool(self._overlapping(sp))
-
-    def _overlapping(self, sp: tuple[int, int]) -> list:
-        if sp[0] >= sp[1]:
-            return []
-        found = set()
-        for page in range(sp[0] >> _PAGE_SHIFT, ((sp[1] - 1) >> _PAGE_SHIFT) + 1):
-            found |= self.pages.get(page, set())
-        return [other for other in found if _overlap(other, sp)]
-
-
-class _Timeline(_SpanIndex):
-    """The compute stream's ops in program order: for each byte span an op touched, the number of the last op that
-    touched it and of the last that wrote it."""
-
-    def __init__(self):
-        super().__init__()
-        self.pos = 0
-
-    def record(self, reads, writes, op: str) -> None:
-        self.pos += 1
-        for sp, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
-            rec = self.spans.get(sp)
-            if rec is None:
-                rec = self.add(sp, [0, 0, op])  # span -> [last access, last write, op name]
-            rec[0], rec[2] = self.pos, op
-            if write:
-                rec[1] = self.pos
-
-    def forget(self, sp: tuple[int, int]) -> None:
-        """The bytes of `sp` are a new host tensor's: what compute did to a freed tensor there is not its past (on a
-        GPU the two never share memory; on the CPU the allocator reuses the address)."""
-        for other in self._overlapping(sp):
-            rec = self.spans[other]
-            rec[0] = rec[1] = 0
-
-    def last(self, sp: tuple[int, int], writes_only: bool) -> tuple[int, str]:
-        """The last compute op (number, name) that touched (or wrote) bytes of `sp`; (0, "") if none."""
-        best = (0, "")
-        for other in self._overlapping(sp):
-            rec = self.spans[other]
-            n = rec[1] if writes_only else rec[0]
-            if n > best[0]:
-                best = (n, rec[2])
-        return best
-
-
-def _tensor_spans(value) -> list[tuple[int, int]]:
-    out = []
-    for t in tree_leaves(value):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and t.numel() \
-                and t.data_ptr():
-            out.append(span(t))
-    return out
-
-
-def _accesses(func, args, kwargs, out) -> tuple[list, list]:
-    """The byte spans an op reads and writes: arguments its schema marks written (in place, out=) and every tensor
-    it returns (a fresh one is an allocation: a write) are writes; other tensor arguments are reads."""
-    reads, writes = [], []
-    for i, arg in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if value is None:
-            continue
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        (writes if written else reads).extend(_tensor_spans(value))
-    writes.extend(_tensor_spans(out))
-    return reads, writes
 
 
 def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
@@ -335,7 +207,7 @@ class SimStream:
             entry = _Entry(self.enqueued, dst, src)
             self.check_copy(entry.dst_span, entry.src_span)
             # same stream, FIFO: a queued copy that reads (or writes) these bytes runs before this one writes them
-            last = max((e.seq for e in self.queue if _overlap(e.src_span, entry.dst_span)), default=None)
+            last = max((e.seq for e in self.queue if overlap(e.src_span, entry.dst_span)), default=None)
             if last is not None:
                 n = self.flush(upto=last + 1)
                 sim.counters.ordered_flushes += n
@@ -418,7 +290,7 @@ class _SideStreamCopies(TorchDispatchMode):
         kwargs = kwargs or {}
         sim = self.sim
         stream = sim.current()
-        if func is _COPY and stream.side and not getattr(sim._local, "executing", False):
+        if func is COPY and stream.side and not getattr(sim._local, "executing", False):
             dst, src = args[0], args[1]
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             if not non_blocking:
@@ -429,40 +301,6 @@ class _SideStreamCopies(TorchDispatchMode):
             stream.enqueue(dst, src)
             return dst
         return func(*args, **kwargs)
-
-
-class _ComputeLog(TorchDispatchMode):
-    """Pushed on the main thread inside `with sim:`: numbers the compute stream's ops and logs what they touch
-    (_Timeline). The host's ops are checked instead: those of a host_side() region, and every op but a copy that
-    touches page-locked host memory (registered through `sim.cudart`): no kernel in the runtime reads host memory,
-    only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out; `*_like` ops read
-    only their input's shape."""
-
-    def __init__(self, sim: "StreamSim"):
-        super().__init__()
-        self.sim = sim
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        sim, local = self.sim, self.sim._local
-        if func.is_view or func in _METADATA or getattr(local, "executing", False):
-            return out
-        host = getattr(local, "host", 0)
-        if not host and sim.current().side:
-            return out
-        reads, writes = ([], []) if func in _LIKE else _accesses(func, args, kwargs, None)
-        outs = _tensor_spans(out)
-        with sim.lock:
-            if host or (func is not _COPY and any(map(sim._in_host_memory, reads + writes))):
-                sim._check_host(writes, str(func))
-                for sp in outs:  # a fresh host tensor: what compute did to freed memory there is not its past
-                    if not any(_overlap(sp, a) for a in reads + writes):
-                        sim.timeline.forget(sp)
-            else:
-                sim.timeline.record(reads, writes + outs, str(func))
-                sim.counters.compute_ops += 1
-        return out
 
 
 class StreamSim:
@@ -476,13 +314,13 @@ class StreamSim:
         self.compute = SimStream(self, "compute", side=False)
         self.streams: list[SimStream] = []
         self._local = threading.local()
-        self.timeline = _Timeline()
+        self.timeline = Timeline()
         self.cudart = None  # the driver model page-locking host memory (cuda_branches): its ranges are host memory
-        self._registered = (None, _SpanIndex())  # (cudart's call counts, its live ranges) cached
+        self._registered = (None, SpanIndex())  # (cudart's call counts, its live ranges) cached
         self.host_seen = 0  # the compute op the host last synchronised past
         self.hazards: list[Hazard] = []
         self.checking = False  # inside `with sim:`
-        self._log: _ComputeLog | None = None
+        self._log: ComputeLog | None = None
 
     # -- torch.cuda's functions, simulated -------------------------------------------------------------------------
     def new_stream(self, device=None, priority: int = 0, **_) -> SimStream:
@@ -561,7 +399,7 @@ class StreamSim:
             return False
         version = (len(self.cudart.registered), len(self.cudart.unregistered))
         if self._registered[0] != version:
-            self._registered = (version, _SpanIndex((a, a + n) for a, n in self.cudart.live.items()))
+            self._registered = (version, SpanIndex((a, a + n) for a, n in self.cudart.live.items()))
         return self._registered[1].overlaps(sp)
 
     def _check_host(self, writes, op: str) -> None:
@@ -584,7 +422,7 @@ class StreamSim:
             for stream in self.streams:
                 for entry in stream.queue:
                     for name in ("dst_span", "src_span"):
-                        if _overlap(getattr(entry, name), sp):
+                        if overlap(getattr(entry, name), sp):
                             self.hazards.append(Hazard(stream.name, "copies page-locked memory unregistered while "
                                                        "the copy was queued", getattr(entry, name), 0, "", 0))
 
@@ -610,14 +448,14 @@ class StreamSim:
         self.flush_threads.add(threading.current_thread().name)
         try:
             with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-                _COPY(entry.dst, entry.src, True)
+                COPY(entry.dst, entry.src, True)
         finally:
             self._local.executing = False
 
     def __enter__(self) -> "StreamSim":
         """From here on this thread's compute ops are logged and every side-stream copy and host_side() op is
         checked against them."""
-        self._log = _ComputeLog(self)
+        self._log = ComputeLog(self)
         self._log.__enter__()
         self.checking = True
         return self
@@ -651,106 +489,3 @@ def simulated_cuda(monkeypatch) -> StreamSim:
     monkeypatch.setattr(torch.cuda, "synchronize", sim.synchronize)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: sim.record_stream(self, stream))
     return sim
-
-
-def cuda_branches(monkeypatch, cudart=None):
-    """Make the runtime's objects on the "cpu" device run their CUDA branches (under `simulated_cuda`): LayerOffload,
-    ActivationOffload, HostOptimizer and CpuEma take simulated side streams (their `cuda` flag / stream attribute
-    set as on CUDA), and page-lock through `cudart` (default a new FakeCudart), as the CUDA path does. Returns the
-    cudart."""
-    from fake_cudart import FakeCudart
-
-    from tightrope.memory.activation_offload import ActivationOffload
-    from tightrope.memory.ema import CpuEma
-    from tightrope.memory.host_pinning import PinnedRanges
-    from tightrope.memory.layer_offload import LayerOffload
-    from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer
-
-    fake = cudart if cudart is not None else FakeCudart()
-    sim = torch.cuda.Stream.__self__  # simulated_cuda's (its bound new_stream)
-    assert isinstance(sim, StreamSim), "cuda_branches runs under simulated_cuda"
-    sim.cudart = fake
-    if not getattr(fake, "_sim_checked", False):  # memory unpinned under a queued copy: the driver would fault
-        real_unregister = fake.cudaHostUnregister
-
-        def unregister(ptr):
-            nbytes = fake.live.get(ptr)
-            if nbytes is not None:
-                sim.check_unpinned((ptr, ptr + nbytes))
-            return real_unregister(ptr)
-        fake.cudaHostUnregister, fake._sim_checked = unregister, True
-
-    real_layer = LayerOffload.__init__
-
-    def layer_init(self, *args, **kwargs):
-        real_layer(self, *args, **kwargs)
-        if self.device.type == "cpu":
-            self.cuda = True
-            self.copy_stream = torch.cuda.Stream(self.device)
-            self.copy_stream.name = "layers"
-            if kwargs.get("pin_memory"):
-                self.pin = self.pinned = True
-                self._pinned = PinnedRanges(self.device, cudart=fake)
-
-    real_acts = ActivationOffload.__init__
-
-    def acts_init(self, device, **kwargs):
-        kwargs.setdefault("cudart", fake)
-        real_acts(self, device, **kwargs)
-        if self.device.type == "cpu":
-            self.cuda = True
-            self.stream = torch.cuda.Stream(self.device)
-            self.stream.name = "acts"
-
-    real_opt = HostOptimizer.__init__
-
-    def opt_init(self, params, make, device, **kwargs):
-        kwargs.setdefault("cudart", fake)
-        real_opt(self, params, make, device, **kwargs)
-        if torch.device(device).type == "cpu":
-            self._stream = torch.cuda.Stream(device)
-            self._stream.name = "optimizer"
-        inner_step = self.inner.step
-
-        def host_step(*a, **k):  # AdamW on the host buffers: the host's work, not the GPU's queue
-            with sim.host_side():
-                return inner_step(*a, **k)
-        self.inner.step = host_step
-
-    real_unscale = HostGradScaler._unscale_grads_
-
-    def unscale(self, optimizer, inv_scale, found_inf, allow_fp16):
-        # on CUDA its .cpu() copies are blocking: the host has waited for compute up to here (on the "cpu" device
-        # they are no-ops, the wait invisible); the unscale itself runs on host gradients
-        sim._host_saw(sim.timeline.pos)
-        with sim.host_side():
-            return real_unscale(self, optimizer, inv_scale, found_inf, allow_fp16)
-
-    real_settle = HostOptimizer._settle
-
-    def settle(self, i):  # waits for a gradient's copies, then sums them on the host
-        with sim.host_side():
-            real_settle(self, i)
-
-    real_ema = CpuEma.__init__
-
-    def ema_init(self, params, decay, state=None, **kwargs):
-        kwargs.setdefault("cudart", fake)
-        real_ema(self, params, decay, state, **kwargs)
-
-    real_page_lock = CpuEma._page_lock
-
-    def page_lock(self, device, cudart):
-        real_page_lock(self, device, cudart)
-        if self._pinned is not None and self._stream is None and device.type == "cpu":
-            self._stream = torch.cuda.Stream(device)
-            self._stream.name = "ema"
-
-    monkeypatch.setattr(LayerOffload, "__init__", layer_init)
-    monkeypatch.setattr(ActivationOffload, "__init__", acts_init)
-    monkeypatch.setattr(HostOptimizer, "__init__", opt_init)
-    monkeypatch.setattr(HostOptimizer, "_settle", settle)
-    monkeypatch.setattr(HostGradScaler, "_unscale_grads_", unscale)
-    monkeypatch.setattr(CpuEma, "__init__", ema_init)
-    monkeypatch.setattr(CpuEma, "_page_lock", page_lock)
-    return fake

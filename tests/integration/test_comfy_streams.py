@@ -13,7 +13,8 @@ RUNNER = """
     import sys
     sys.path.insert(0, HELPERS)
     from pathlib import Path
-    from sim_streams import cuda_branches, simulated_cuda
+    from sim_branches import cuda_branches
+    from sim_streams import simulated_cuda
     from tightrope.demo.conditioning import demo_conditioning
     from tightrope.memory.strategy import Strategy
     from tightrope.training.data.builder import dataset_from_conditioning

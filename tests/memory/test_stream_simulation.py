@@ -35,7 +35,8 @@ import torch
 from ema_reference import change_weights, lora_like_weights, reference_ema
 from equivalence import assert_equivalent
 from fake_cudart import FakeCudart
-from sim_streams import SimStream, StreamSim, cuda_branches, simulated_cuda
+from sim_branches import cuda_branches
+from sim_streams import SimStream, StreamSim, simulated_cuda
 from two_stream import make_lora_model, train_steps
 
 from tightrope.memory.activation_host import ActivationHost

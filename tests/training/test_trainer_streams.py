@@ -10,7 +10,8 @@ import pytest
 import torch
 from demo_setup import demo_session
 from safetensors.torch import load_file
-from sim_streams import cuda_branches, simulated_cuda
+from sim_branches import cuda_branches
+from sim_streams import simulated_cuda
 
 from tightrope.memory.strategy import Strategy
 from tightrope.training.trainer import SaveTarget, train
