@@ -45,9 +45,10 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 
 PAGE_SHIFT = 12
-# ops that read a tensor's metadata, never its bytes
+# ops that read only their input's shape and dtype (their output is an allocation)
 LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default,
          torch.ops.aten.full_like.default, torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default}
+# ops that read a tensor's metadata, never its bytes
 METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.is_same_size.default, torch.ops.aten.sym_size.int,
              torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default}
 
@@ -125,9 +126,9 @@ def tensor_spans(value) -> list[tuple[int, int]]:
     return out
 
 
-def accesses(func, args, kwargs, out) -> tuple[list, list]:
-    """The byte spans an op reads and writes: arguments its schema marks written (in place, out=) and every tensor
-    it returns (a fresh one is an allocation: a write) are writes; other tensor arguments are reads."""
+def accesses(func, args, kwargs) -> tuple[list, list]:
+    """The byte spans an op's arguments give it to read and to write: those its schema marks written (in place,
+    out=) are writes, other tensor arguments reads. (What it returns is written too: ComputeLog adds that.)"""
     reads, writes = [], []
     for i, arg in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -135,7 +136,6 @@ def accesses(func, args, kwargs, out) -> tuple[list, list]:
             continue
         written = arg.alias_info is not None and arg.alias_info.is_write
         (writes if written else reads).extend(tensor_spans(value))
-    writes.extend(tensor_spans(out))
     return reads, writes
 
 
@@ -146,9 +146,9 @@ class ComputeLog(TorchDispatchMode):
     only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out; `*_like` ops read
     only their input's shape."""
 
-    def __init__(self, sim: "StreamSim"):
+    def __init__(self, sim):
         super().__init__()
-        self.sim = sim
+        self.sim = sim  # the StreamSim (its lock, timeline, host checks and thread-local state)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -159,7 +159,7 @@ class ComputeLog(TorchDispatchMode):
         host = getattr(local, "host", 0)
         if not host and sim.current().side:
             return out
-        reads, writes = ([], []) if func in LIKE else accesses(func, args, kwargs, None)
+        reads, writes = ([], []) if func in LIKE else accesses(func, args, kwargs)
         outs = tensor_spans(out)
         with sim.lock:
             if host or (func is not COPY and any(map(sim._in_host_memory, reads + writes))):
