@@ -13,7 +13,6 @@ import hashlib
 import json
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,13 +24,14 @@ from ..memory.runtime import MemoryRuntime
 from . import distributed, seeding
 from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
-from .flow_loss import flow_matching_loss, noised
+from .flow_loss import flow_matching_loss
 from .held_stops import held_stops, raise_swallowed
 from .input_checks import check_run_inputs
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
 from .lora.dora_scale import base_weight_of
 from .lora.files import inject_lora_continuing, save_lora_state
 from .lora.rescue import rescue_lora
+from .micro_batches import HostInputs, MicroBatches, prepare
 from .data.masks import masked_flow_loss
 from .models import ModelAdapter, adapter_for
 from .host_optimizer import HostOptimizer, grad_scaler, gradient_holders, optimizer_for, updated_weights
@@ -42,7 +42,6 @@ from .run_monitor import RunMonitor
 from .schedule_free import GRAD_SCALER, ema_weights, enter_train_mode, trained_states
 from .state.resume import StateOwner, fingerprints, save_state, state_path
 from .session import TrainingSession, clone_state
-from .timesteps import sample_timesteps
 
 Progress = Callable[[int, int, float], None]  # (steps done in this run, steps of this run, last loss)
 
@@ -182,8 +181,7 @@ def _run_loop(session: TrainingSession, run: _Run, parts: _RunParts, interrupts:
 
 
 def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
-    cfg = session.config
-    adapter, model, runtime, optimizer, save = parts.adapter, parts.model, parts.runtime, parts.optimizer, parts.save
+    cfg, adapter, runtime, optimizer = session.config, parts.adapter, parts.runtime, parts.optimizer
     # fp16 gradients underflow without loss scaling (bf16 and fp32 need none: the scaler then passes through)
     scaler = grad_scaler(optimizer, runtime.device.type, enabled=session.strategy.precision.compute_dtype == "fp16")
     if scaler.is_enabled() and GRAD_SCALER in (session.optimizer_state or {}):  # resumed or continued: its scale
@@ -191,7 +189,22 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     run.scaler = scaler
     batches = run.data.planned_batches(cfg.batch_size, cfg.seed, start_step=session.step * cfg.grad_accumulation,
                                        shard=distributed.current().shard)
-    run.monitor.validate(run.step, adapter, model, runtime, optimizer)  # the run's first step (or one a stop left unscored)
+
+    def make(batch: dict, step: int, micro: int, share: float) -> HostInputs:
+        return prepare(batch, adapter.process_latents, _training_stream_seed(cfg.seed, step, micro), share,
+                       timestep_sampling=cfg.timestep_sampling, timestep_shift=cfg.timestep_shift)
+    micro_batches = MicroBatches(batches, cfg.grad_accumulation, run.step, run.end, make)  # read one ahead
+    try:
+        _steps(session, run, parts, micro_batches, scaler)
+    finally:
+        micro_batches.close()
+
+
+def _steps(session: TrainingSession, run: _Run, parts: _RunParts, micro_batches: MicroBatches, scaler) -> None:
+    cfg = session.config
+    adapter, model, runtime, optimizer, save = parts.adapter, parts.model, parts.runtime, parts.optimizer, parts.save
+    # the run's first step (or one a stop left unscored)
+    run.monitor.validate(run.step, adapter, model, runtime, optimizer)
     while run.step < run.end:
         raise_swallowed()  # a stop a finalizer swallowed (held_stops.py) stops here, before the next step
         if parts.should_stop is not None and parts.should_stop():
@@ -199,11 +212,11 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(cfg, run.step, run.start, run.end - run.start)
         runtime.start_step()
-        with seeding.forked(runtime.device):  # the step's loss: the mean over its images (_step_batches)
+        with seeding.forked(runtime.device):  # the step's loss: the mean over its images (step_batches)
             # summed on the device and read once: a read per micro-batch made the host wait for each backward
-            # before preparing the next micro-batch (the GPU idle meanwhile)
-            loss = float(sum(_micro_step(parts, batch, cfg, run.step, k, scaler, share)
-                             for k, (batch, share) in enumerate(_step_batches(batches, cfg.grad_accumulation))))
+            # (the next micro-batch is read and prepared meanwhile, on MicroBatches' worker)
+            loss = float(sum(_micro_step(parts, micro_batches.take(run.step, k), cfg, run.step, k, scaler)
+                             for k in range(cfg.grad_accumulation)))
         grads = gradient_holders(optimizer, parts.params)  # host copies under optimizer offload, once landed
         loss = distributed.all_reduce_gradients(grads.values(), loss)  # global-batch mean (no-op: 1 process)
         with held_stops():  # a stop waits until this step's update and its count are both done (exact resume)
@@ -248,47 +261,24 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
         raise NonFiniteWeightsError(nonfinite_weights_message(run, loss))
 
 
-def _step_batches(batches, count: int) -> Iterator[tuple[dict, float]]:
-    """The step's `count` micro-batches (the dataset's next PlannedBatches: a resumed run's start at its step), each
-    read when its turn comes (one in host memory at a time), with its share of the step's images. A step trains as
-    one batch of all their images would, every image weighing the same: a bucket's last batch can be smaller than batch_size, and dividing each micro-batch's mean loss by
-    grad_accumulation gave its images more weight. Under torchrun these are shares of the global batches (each rank
-    loads its part, `batch["shard"]`) and each rank weights its part by its share of that (this_rank_part), so the
-    ranks sum to what one process computes. The step's loss is the same image-weighted mean."""
-    step = [next(batches) for _ in range(count)]
-    total = sum(planned.size for planned in step)
-    for planned in step:
-        yield planned.load(), planned.size / total
-
-
-def _micro_step(parts: _RunParts, batch, cfg, step: int, micro: int, scaler, share: float) -> torch.Tensor:
-    """Forward and backward of a micro-batch, its mean loss weighted by `share` (_step_batches) and this rank's part
-    of it; returns that weighted loss, on the device and unread (in float64 where the device has it: the sum is then
-    what Python floats gave)."""
+def _micro_step(parts: _RunParts, inputs: HostInputs, cfg, step: int, micro: int, scaler) -> torch.Tensor:
+    """Forward and backward of a micro-batch made ready on the host (micro_batches.prepare); returns its weighted
+    loss, on the device and unread (in float64 where the device has it: the sum is then what Python floats gave)."""
     seed = _training_stream_seed(cfg.seed, step, micro)
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
     seeding.seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed, parts.runtime.device)
-    gen = torch.Generator().manual_seed(seed)
-    # tensors made by a node under inference_mode cannot be saved for backward: train on ordinary copies
-    latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    latents = parts.adapter.process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
-    n = distributed.global_batch_size(batch)  # noise and timesteps of the global batch; this rank keeps its rows
-    noise = torch.randn((n, *latents.shape[1:]), generator=gen)
-    t = sample_timesteps(n, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift)
-    (noise, t), weight = distributed.this_rank_part(batch, noise, t)
-    weight *= share
     dev = parts.runtime.device
-    mask = batch.get("mask")  # (B, 1, h, w) loss weights on the latent grid (training/masks.py), if any
     # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
     x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
-        noised(latents, noise, t), t, context, pooled, latents, noise))
-    mask = None if mask is None else mask.to(dev, non_blocking=mask.is_pinned())
+        inputs.x_t, inputs.t, inputs.context, inputs.pooled, inputs.latents, inputs.noise))
+    mask = None if inputs.mask is None else inputs.mask.to(dev, non_blocking=inputs.mask.is_pinned())
     with parts.runtime.autocast():
         pred = parts.adapter.predict(parts.model, x_t, t, context, pooled, cfg.guidance)
         loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
             if mask is None else masked_flow_loss(pred, latents, noise, mask, kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)
+    weight = inputs.weight
     scaler.scale(loss if weight == 1.0 else loss * weight).backward()
     loss = loss.detach()
     return (loss.float() if dev.type == "mps" else loss.double()) * weight

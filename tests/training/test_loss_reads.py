@@ -7,7 +7,6 @@ import torch
 from demo_setup import demo_session
 
 from tightrope.training import trainer, validation
-from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.trainer import train
 
 CPU = torch.device("cpu")
@@ -15,7 +14,7 @@ CPU = torch.device("cpu")
 
 def test_the_loss_is_read_once_per_step_after_every_micro_batch_is_queued(tmp_path, monkeypatch):
     events = []
-    real_item, real_float, collate = torch.Tensor.item, torch.Tensor.__float__, TrainingDataset._collate
+    real_item, real_float, real_micro_step = torch.Tensor.item, torch.Tensor.__float__, trainer._micro_step
 
     def from_trainer():
         return sys._getframe(2).f_code.co_filename.endswith(("trainer.py", "validation.py"))
@@ -30,18 +29,15 @@ def test_the_loss_is_read_once_per_step_after_every_micro_batch_is_queued(tmp_pa
             events.append("read")
         return real_float(self)
 
-    def reading(self, batch):
-        events.append("load")
-        return collate(self, batch)
+    def micro_step(*args):
+        events.append("micro-step")
+        return real_micro_step(*args)
 
     monkeypatch.setattr(torch.Tensor, "item", item)
     monkeypatch.setattr(torch.Tensor, "__float__", to_float)
-    monkeypatch.setattr(TrainingDataset, "_collate", reading)
+    monkeypatch.setattr(trainer, "_micro_step", micro_step)
     result = train(demo_session(tmp_path, grad_accumulation=3), 2, device=CPU)
-    loads = [i for i, e in enumerate(events) if e == "load"]
-    assert len(loads) == 6 and events.count("read") == 2, events
-    first_read, second_read = (i for i, e in enumerate(events) if e == "read")
-    assert loads[2] < first_read < loads[3] and loads[5] < second_read  # each step: 3 loads, then one read
+    assert events == (["micro-step"] * 3 + ["read"]) * 2, events  # was a read after every micro-step
     assert len(result.losses) == 2 and all(isinstance(v, float) for v in result.losses)
 
 

@@ -1,5 +1,6 @@
 """Masked loss: masks follow their image through EXIF flips, bucketing and cropping onto the latent grid, are cached
 with the latents, weight the loss so a masked-out half adds nothing to the gradient, and bad masks fail early."""
+import dataclasses
 import io
 
 import pytest
@@ -193,11 +194,11 @@ def test_the_trainer_copies_the_mask_to_the_device_before_the_forward(tmp_path, 
 
     real_step = trainer._micro_step
 
-    def micro_step(parts, batch, *args):
+    def micro_step(parts, inputs, *args):
         real_predict = parts.adapter.predict
         parts.adapter.predict = lambda *a: events.append("predict") or real_predict(*a)
         try:
-            return real_step(parts, {**batch, "mask": batch["mask"].as_subclass(Mask)}, *args)
+            return real_step(parts, dataclasses.replace(inputs, mask=inputs.mask.as_subclass(Mask)), *args)
         finally:
             del parts.adapter.predict
 

@@ -10,7 +10,7 @@ from demo_setup import demo_session
 from tightrope.memory.ema import ema_weights
 from tightrope.demo.data import make_demo_dataset
 from tightrope.demo.model import demo_encoders
-from tightrope.training import distributed, trainer
+from tightrope.training import distributed, micro_batches, trainer
 from tightrope.training.data.batching import PlannedBatch
 from tightrope.training.data.dataset import TrainingDataset
 from tightrope.training.flow_loss import flow_matching_loss
@@ -97,14 +97,14 @@ def test_each_micro_batch_weighs_its_share_of_the_steps_global_batches():
         batch = {"latents": torch.zeros(n if shard is None else max(shard[1] - shard[0], 1), 1)}
         return PlannedBatch(n, lambda: batch if shard is None else batch | {"shard": shard})
 
-    whole = trainer._step_batches(iter([micro_batch(4), micro_batch(1)]), 2)
+    whole = micro_batches.step_batches(iter([micro_batch(4), micro_batch(1)]), 2)
     assert [share for _, share in whole] == [0.8, 0.2]
     for world in (1, 2, 3):
         per_micro = [0.0, 0.0]
         for rank in range(world):
             parts = [micro_batch(n, (*distributed.shard_bounds(n, rank, world), n)) for n in (4, 1)]
-            for k, (batch, share) in enumerate(trainer._step_batches(iter(parts), 2)):
-                per_micro[k] += distributed.this_rank_part(batch)[1] * share
+            for k, (planned, share) in enumerate(micro_batches.step_batches(iter(parts), 2)):
+                per_micro[k] += distributed.this_rank_part(planned.load())[1] * share
         assert per_micro == pytest.approx([0.8, 0.2], rel=1e-12), world
 
 
@@ -139,25 +139,62 @@ def test_a_schedule_free_runs_ema_averages_the_weights_it_saves(tmp_path):
     assert all(torch.equal(v, plain.lora_state[k]) for k, v in result.lora_state.items())
 
 
-def test_a_step_reads_its_micro_batches_one_at_a_time(tmp_path, monkeypatch):
-    """A step with grad_accumulation=3 knows its micro-batches' sizes (their shares) before reading any, and holds
-    one read micro-batch at a time: when a micro-step starts, the batches of the step's earlier micro-steps are
-    freed (host RAM: a step is not grad_accumulation batches of latents and text embeddings)."""
+def test_a_step_reads_its_micro_batches_at_most_one_ahead(tmp_path, monkeypatch):
+    """A step with grad_accumulation=3 knows its micro-batches' sizes (their shares) before reading any, and host
+    memory holds at most two micro-batches made ready (the one training and the next, read ahead on a worker) and at
+    most one read and not yet made ready: when a micro-step starts, the earlier micro-steps' batches are freed (host
+    RAM: a step is not grad_accumulation batches of latents and text embeddings). Bounds, as the worker's progress
+    at that moment depends on timing."""
     session = demo_session(tmp_path, grad_accumulation=3)
-    loaded, live_at_micro_step = [], []
-    collate = TrainingDataset._collate
+    loaded, ready, live_at_micro_step = [], [], []
+    collate, real_prepare = TrainingDataset._collate, micro_batches.prepare
 
     def reading(self, batch):
         stacked = collate(self, batch)
         loaded.append(weakref.ref(stacked["latents"]))
         return stacked
 
-    def micro_step(parts, batch, *args, **kwargs):
+    def prepare(*args, **kwargs):
+        inputs = real_prepare(*args, **kwargs)
+        ready.append(weakref.ref(inputs))
+        return inputs
+
+    def micro_step(parts, inputs, *args, **kwargs):
         gc.collect()
-        live_at_micro_step.append(sum(ref() is not None for ref in loaded))
-        return real_micro_step(parts, batch, *args, **kwargs)
+        live_at_micro_step.append((sum(ref() is not None for ref in loaded), sum(ref() is not None for ref in ready)))
+        return real_micro_step(parts, inputs, *args, **kwargs)
+    real_micro_step = trainer._micro_step
+    monkeypatch.setattr(TrainingDataset, "_collate", reading)
+    monkeypatch.setattr(micro_batches, "prepare", prepare)
+    monkeypatch.setattr(trainer, "prepare", prepare)
+    monkeypatch.setattr(trainer, "_micro_step", micro_step)
+    train(session, 2, device=torch.device("cpu"))
+    assert len(live_at_micro_step) == 6 and len(loaded) == len(ready) == 6  # nothing read beyond the run
+    assert all(n_loaded <= 1 and 1 <= n_ready <= 2 for n_loaded, n_ready in live_at_micro_step), live_at_micro_step
+    gc.collect()
+    assert not any(ref() for ref in loaded + ready)  # nothing kept after the run
+
+
+def test_the_next_micro_batch_is_read_while_the_current_one_trains(tmp_path, monkeypatch):
+    """The first micro-step of a step waits (inside its forward's turn) until the second micro-batch's read has begun:
+    read ahead, it has; read in turn (after the first micro-step), it never would (the wait times out)."""
+    import threading
+    session = demo_session(tmp_path, grad_accumulation=2)
+    second_read, calls, reads = threading.Event(), [], []
+    collate = TrainingDataset._collate
+
+    def reading(self, batch):
+        reads.append(threading.current_thread().name)
+        if len(reads) == 2:
+            second_read.set()
+        return collate(self, batch)
+
+    def micro_step(parts, inputs, *args, **kwargs):
+        calls.append(second_read.wait(timeout=60))
+        return real_micro_step(parts, inputs, *args, **kwargs)
     real_micro_step = trainer._micro_step
     monkeypatch.setattr(TrainingDataset, "_collate", reading)
     monkeypatch.setattr(trainer, "_micro_step", micro_step)
-    train(session, 2, device=torch.device("cpu"))
-    assert len(live_at_micro_step) == 6 and live_at_micro_step == [1] * 6
+    result = train(session, 1, device=torch.device("cpu"))
+    assert calls == [True, True] and len(result.losses) == 1
+    assert all(name.startswith("tightrope-batches") for name in reads)  # read on the worker, not the training thread
