@@ -81,10 +81,15 @@ class MicroBatches:
         if step >= self._end:
             self._next = None
             return
-        if micro == 0:  # the step's micro-batches and their shares, taken from the dataset's order here, in turn
-            self._step_plan = step_batches(self._batches, self._count)
-        planned, share = self._step_plan[micro]
-        future = self._pool.submit(lambda: self._make(planned.load(), step, micro, share))
+        try:
+            if micro == 0:  # the step's micro-batches and their shares, from the dataset's order, in turn
+                self._step_plan = step_batches(self._batches, self._count)
+            planned, share = self._step_plan[micro]
+        except Exception as e:  # raised in its turn too, not while the micro-batch before it is still to train
+            future = Future()
+            future.set_exception(e)
+        else:
+            future = self._pool.submit(lambda: self._make(planned.load(), step, micro, share))
         self._next = (step, micro, future)
 
     def take(self, step: int, micro: int) -> HostInputs:

@@ -198,3 +198,41 @@ def test_the_next_micro_batch_is_read_while_the_current_one_trains(tmp_path, mon
     result = train(session, 1, device=torch.device("cpu"))
     assert calls == [True, True] and len(result.losses) == 1
     assert all(name.startswith("tightrope-batches") for name in reads)  # read on the worker, not the training thread
+
+
+def test_a_micro_batch_that_fails_to_read_fails_in_its_turn(tmp_path):
+    """Read (or planned) ahead, a micro-batch's error is raised when it is taken, after the one before it trained,
+    and one read ahead for a step that never runs is dropped with its error."""
+    def planned(n, fail=False):
+        def load():
+            if fail:
+                raise OSError(f"cache file of batch {n} unreadable")
+            return {"n": n}
+        return PlannedBatch(1, load)
+
+    made = []
+    plans = iter([planned(0), planned(1), planned(2, fail=True)])
+    batches = micro_batches.MicroBatches(plans, 1, 0, 3, lambda batch, *_: made.append(batch) or batch)
+    try:
+        assert batches.take(0, 0) == {"n": 0} and batches.take(1, 0) == {"n": 1}
+        with pytest.raises(OSError, match="cache file of batch 2 unreadable"):
+            batches.take(2, 0)
+    finally:
+        batches.close()
+    assert made == [{"n": 0}, {"n": 1}]
+    ahead = micro_batches.MicroBatches(iter([planned(0), planned(1, fail=True)]), 1, 0, 2, lambda b, *a: b)
+    try:
+        assert ahead.take(0, 0) == {"n": 0}  # the next one, read ahead, failed: not this one's error
+    finally:
+        ahead.close()  # its turn never came: dropped
+    def broken_order():
+        yield from (planned(0), planned(1))
+        raise RuntimeError("the dataset's order broke")
+
+    planning = micro_batches.MicroBatches(broken_order(), 1, 0, 5, lambda b, *a: b)
+    try:
+        assert planning.take(0, 0) == {"n": 0} and planning.take(1, 0) == {"n": 1}  # step 2 planned (and failed)
+        with pytest.raises(RuntimeError, match="the dataset's order broke"):
+            planning.take(2, 0)  # in its own turn
+    finally:
+        planning.close()
