@@ -38,3 +38,10 @@ def flow_matching_loss(prediction: torch.Tensor, latents: torch.Tensor, noise: t
     if element:
         return loss
     return loss.flatten(1).mean(1) if reduction == "none" else loss
+
+
+def exact_summable(loss: torch.Tensor) -> torch.Tensor:
+    """A loss in float64, so that summing such losses on the device gives what summing them as Python floats did (one
+    read for a whole step or validation pass instead of one per batch); on the host where the device has no float64
+    (MPS)."""
+    return (loss.cpu() if loss.device.type == "mps" else loss).double()

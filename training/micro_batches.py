@@ -33,6 +33,7 @@ class HostInputs:
     noise: torch.Tensor
     mask: torch.Tensor | None  # (B, 1, h, w) loss weights on the latent grid (training/data/masks.py), if any
     weight: float
+    seed: int  # the micro-batch's stream seed: its noise and timesteps came from it, its LoRA dropout does too
 
 
 def step_batches(batches: Iterator, count: int) -> list[tuple[object, float]]:
@@ -60,7 +61,7 @@ def prepare(batch: dict, process_latents: Callable[[torch.Tensor], torch.Tensor]
     t = sample_timesteps(n, gen, kind=timestep_sampling, shift=timestep_shift)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     return HostInputs(noised(latents, noise, t), t, context, pooled, latents, noise, batch.get("mask"),
-                      weight * share)
+                      weight * share, seed)
 
 
 class MicroBatches:

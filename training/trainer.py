@@ -24,7 +24,7 @@ from ..memory.runtime import MemoryRuntime
 from . import distributed, seeding
 from .state.atomic_write import FileWriteError, remove_stale_temporaries, safe_output_path
 from .finite_check import all_finite, check_finite, nonfinite_keys
-from .flow_loss import flow_matching_loss
+from .flow_loss import exact_summable, flow_matching_loss
 from .held_stops import held_stops, raise_swallowed
 from .input_checks import check_run_inputs
 from .lora.layers import load_lora_state, lora_parameters, lora_state, remove_lora
@@ -215,7 +215,7 @@ def _steps(session: TrainingSession, run: _Run, parts: _RunParts, micro_batches:
         with seeding.forked(runtime.device):  # the step's loss: the mean over its images (step_batches)
             # summed on the device and read once: a read per micro-batch made the host wait for each backward
             # (the next micro-batch is read and prepared meanwhile, on MicroBatches' worker)
-            loss = float(sum(_micro_step(parts, micro_batches.take(run.step, k), cfg, run.step, k, scaler)
+            loss = float(sum(_micro_step(parts, micro_batches.take(run.step, k), cfg, scaler)
                              for k in range(cfg.grad_accumulation)))
         grads = gradient_holders(optimizer, parts.params)  # host copies under optimizer offload, once landed
         loss = distributed.all_reduce_gradients(grads.values(), loss)  # global-batch mean (no-op: 1 process)
@@ -261,10 +261,10 @@ def _update(cfg, run: _Run, optimizer, params: dict, scaler, loss: float) -> Non
         raise NonFiniteWeightsError(nonfinite_weights_message(run, loss))
 
 
-def _micro_step(parts: _RunParts, inputs: HostInputs, cfg, step: int, micro: int, scaler) -> torch.Tensor:
+def _micro_step(parts: _RunParts, inputs: HostInputs, cfg, scaler) -> torch.Tensor:
     """Forward and backward of a micro-batch made ready on the host (micro_batches.prepare); returns its weighted
-    loss, on the device and unread (in float64 where the device has it: the sum is then what Python floats gave)."""
-    seed = _training_stream_seed(cfg.seed, step, micro)
+    loss unread (flow_loss.exact_summable)."""
+    seed = inputs.seed
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
     seeding.seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed, parts.runtime.device)
@@ -280,8 +280,7 @@ def _micro_step(parts: _RunParts, inputs: HostInputs, cfg, step: int, micro: int
                                                   huber_delta=cfg.huber_delta)
     weight = inputs.weight
     scaler.scale(loss if weight == 1.0 else loss * weight).backward()
-    loss = loss.detach()
-    return (loss.float() if dev.type == "mps" else loss.double()) * weight
+    return exact_summable(loss.detach()) * weight
 
 
 def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimizer) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from . import distributed
 from .data.masks import masked_per_image
-from .flow_loss import flow_matching_loss, noised
+from .flow_loss import exact_summable, flow_matching_loss, noised
 from .data.image_folder import DatasetError
 from .timesteps import sample_timesteps
 from .train_config import ConfigError, TrainConfig
@@ -92,7 +92,7 @@ class Validation:
             runtime.start_step()  # a step of its own: its transfers and time stay out of the training steps' stats
             try:
                 for images in self.batches:  # summed on the device, read once: no wait for the GPU per batch
-                    total = total + _float64(self._batch_losses(images, adapter, module, runtime)).sum()
+                    total = total + exact_summable(self._batch_losses(images, adapter, module, runtime)).sum()
                 total = float(total)
             finally:
                 runtime.end_step()
@@ -122,12 +122,6 @@ class Validation:
         elementwise = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
                                          reduction="element")
         return masked_per_image(elementwise, torch.stack(masks).to(dev))
-
-
-def _float64(t: torch.Tensor) -> torch.Tensor:
-    """t in float64 (its per-image losses summed exactly as Python floats would), on the host where the device has
-    no float64 (MPS)."""
-    return (t.cpu() if t.device.type == "mps" else t).double()
 
 
 @contextlib.contextmanager
