@@ -235,6 +235,7 @@ SamplerCustom SamplerCustomAdvanced BasicScheduler BasicGuider CFGGuider KSample
 CLIPTextEncodeFlux FluxGuidance EmptySD3LatentImage ModelSamplingFlux ModelSamplingSD3 ModelSamplingAuraFlow
 PrimitiveString PrimitiveStringMultiline PrimitiveInt PrimitiveFloat PrimitiveBoolean PreviewAny
 """.split())
+OWN_PACKAGE_ID = "tightrope"  # the `cnr_id` of Tightrope's own nodes (pyproject.toml's [project] name)
 CORE_PACKAGE_ID = "comfy-core"  # the `properties.cnr_id` the frontend stamps on core nodes
 CORE_MARKER_NODE = "KSampler"  # in the node mappings: ComfyUI's core nodes are loaded
 
@@ -250,14 +251,22 @@ def unknown_node_type_problem(node_id: str, class_type: str, node_mappings: dict
     if package == CORE_PACKAGE_ID:
         return (f"{node} is not among the core nodes of the loaded ComfyUI: update ComfyUI (the workflow was saved "
                 f"by a newer one), or {inside_comfyui}")
+    if package == OWN_PACKAGE_ID:
+        close = difflib.get_close_matches(class_type, list(node_mappings), n=1, cutoff=0.6)
+        return (f"{node} is a Tightrope node this version of Tightrope does not have (the workflow was saved with "
+                f"another version{f'; this one has {close[0]!r}' if close else ''}): update Tightrope, or replace "
+                "the node in ComfyUI and save the workflow again")
     if package:
-        loaded = "Tightrope or ComfyUI's core" if core_loaded else "Tightrope"
-        return (f"{node} comes from the '{package}' node pack, not {loaded}: headless runs load no other packs; "
-                f"{inside_comfyui} with that pack installed")
+        comfyui = "" if core_loaded else " --comfyui DIR"
+        return (f"{node} comes from the '{package}' node pack: load that pack too, with{comfyui} --custom-node "
+                f"PACK_DIR (its folder under ComfyUI/custom_nodes; repeat it for each pack), or {inside_comfyui} "
+                "with that pack installed")
     close = difflib.get_close_matches(class_type, list(node_mappings), n=1, cutoff=0.8)
     if close:
         return f"{node} is not a Tightrope node type: did you mean '{close[0]}'? Fix the type name in the workflow"
     names = sorted(node_mappings)
     known = ", ".join(names[:30]) + (f", ... ({len(names)} in all)" if len(names) > 30 else "") or "none loaded"
+    comfyui = ("--custom-node PACK_DIR (its folder under ComfyUI/custom_nodes)" if core_loaded else
+               "--comfyui DIR (and --custom-node PACK_DIR for another pack's node)")
     return (f"{node} is not a Tightrope node type (Tightrope's: {known}): if it comes from ComfyUI or another "
-            f"node pack, {inside_comfyui}; otherwise fix the type name")
+            f"node pack, load it with {comfyui}, or {inside_comfyui}; otherwise fix the type name")

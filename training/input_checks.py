@@ -18,17 +18,18 @@ from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
 from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
+from .models import adapter_for
 from .host_optimizer import check_offloadable
 from .optimizer import optimizer_class
-from .state.atomic_write import OutputPathError, safe_output_path
+from .state.atomic_write import OutputPathError, user_output_path
 from .train_config import ConfigError
 from .validation import split_for_validation
 
 
 def check_output_target(folder: str | os.PathLike, filename_prefix: str) -> Path:
-    """`folder`/`filename_prefix` (see safe_output_path), once its folder is known to be creatable and writable."""
+    """`folder`/`filename_prefix` (see user_output_path), once its folder is known to be creatable and writable."""
     try:
-        target = safe_output_path(folder, filename_prefix)
+        target = user_output_path(folder, filename_prefix)
     except ValueError as e:
         raise OutputPathError(str(e)) from None
     check_writable_folder(target.parent, f"filename_prefix={filename_prefix!r}")
@@ -92,10 +93,42 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
+    check_dataset_fits_model(session)
     if session.strategy.optimizer.enabled:
         check_offloadable(cfg.optimizer)  # one that cannot step on the host
     optimizer_class(cfg.optimizer, device)  # a missing optimizer package
     return data, validation_set
+
+
+def check_dataset_fits_model(session: Any) -> None:
+    """The datasets' latents have the channels of the model's VAE, and their caption encodings the widths of its text
+    encoders: a dataset encoded for another model (an SDXL VAE's 4-channel latents, another model's text encoder)
+    would otherwise fail inside the first forward with a matrix-shape error. Read from shapes: nothing is loaded."""
+    adapter = adapter_for(session.model)
+    channels = adapter.latent_channels()
+    context_width, pooled_width = adapter.conditioning_dims()
+    model = f"this {adapter.family} model ({adapter.base_name})"
+    for what, dataset in (("dataset", session.dataset), ("validation_dataset", session.validation_dataset)):
+        widths = getattr(dataset, "encoded_widths", None)
+        if widths is None:  # none connected, or a dataset type without shapes to read
+            continue
+        latent_channels, contexts, pooled = widths()
+        if channels and latent_channels != {channels}:
+            raise DatasetError(f"the {what}'s latents have {_listed(latent_channels)} channels, but {model} takes "
+                               f"{channels}-channel latents: encode the images with this model's VAE (the one that "
+                               "goes with it in ComfyUI's Load VAE), not another model's")
+        if context_width and contexts != {context_width}:
+            raise DatasetError(f"the {what}'s caption encodings have width {_listed(contexts)}, but {model} takes "
+                               f"text of width {context_width}: encode the captions with this model's text "
+                               "encoder(s) (the ones that go with it in ComfyUI's Load CLIP), not another model's")
+        if pooled_width and pooled != {pooled_width}:
+            raise DatasetError(f"the {what}'s pooled text embeddings have width {_listed(pooled)}, but {model} takes "
+                               f"width {pooled_width}: encode the captions with this model's text encoders (the "
+                               "ones that go with it in ComfyUI's Load CLIP)")
+
+
+def _listed(values: set[int]) -> str:
+    return " and ".join(str(v) for v in sorted(values))
 
 
 def check_same_data_on_every_rank(dataset: Any) -> None:

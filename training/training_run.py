@@ -10,7 +10,7 @@ import torch
 
 from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
-from .state.atomic_write import safe_output_path
+from .state.atomic_write import user_output_path
 from .models.model_with_lora import model_with_lora
 from .state.resume import NotThisRun, StateOwner, resume_agreed, session_digest, state_path
 from .session import TrainingSession
@@ -44,7 +44,7 @@ def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSessi
 probe_progress: told (blocks measured, of all) while an `auto` strategy's probe runs; interrupts: the host's interrupt
 exceptions, which end the run as interrupted when raised inside a step (trainer.train)."""
     dev = resolve_device(device)
-    safe_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute) fails now, not after training
+    user_output_path(save_dir, filename_prefix)  # a bad prefix ('..', absolute, too long) fails now, not after training
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     if session is None:

@@ -154,8 +154,24 @@ def test_core_node_type_names_the_comfyui_option(mappings):
 
 def test_other_pack_and_typo_messages(mappings):
     workflow = ui_workflow([ui_node(3, "VHS_LoadVideo", [], properties={"cnr_id": "comfyui-videohelpersuite"})])
-    assert "from the 'comfyui-videohelpersuite' node pack" in _problems(workflow, mappings)[0]
+    assert _problems(workflow, mappings) == [  # the fix names --custom-node, which loads a pack headless
+        "node 3 'VHS_LoadVideo' comes from the 'comfyui-videohelpersuite' node pack: load that pack too, with "
+        "--comfyui DIR --custom-node PACK_DIR (its folder under ComfyUI/custom_nodes; repeat it for each pack), or run "
+        "this workflow inside ComfyUI (load it in the UI, or POST it to /prompt) with that pack installed"]
+    with_core = {**mappings, "KSampler": object}  # --comfyui given: only --custom-node is missing
+    assert "load that pack too, with --custom-node PACK_DIR" in _problems(workflow, with_core)[0]
+    unknown = _problems({"3": {"class_type": "VHS_LoadVideo", "inputs": {}}}, mappings)[0]
+    assert "load it with --comfyui DIR (and --custom-node PACK_DIR for another pack's node)" in unknown
     assert "did you mean 'Record'?" in _problems({"3": {"class_type": "Recrd", "inputs": {}}}, mappings)[0]
+
+
+def test_a_tightrope_node_this_version_lacks_is_named_as_ours(mappings):
+    """Saved by another Tightrope version (cnr_id 'tightrope'): not "from the 'tightrope' pack, not Tightrope"."""
+    workflow = ui_workflow([ui_node(4, "Recorder", [], properties={"cnr_id": "tightrope"})])
+    assert _problems(workflow, mappings) == [
+        "node 4 'Recorder' is a Tightrope node this version of Tightrope does not have (the workflow was saved with "
+        "another version; this one has 'Record'): update Tightrope, or replace the node in ComfyUI and save the "
+        "workflow again"]
 
 
 # --- API-format specifics -------------------------------------------------------------------------------------

@@ -334,6 +334,13 @@ class TrainingDataset(EpochBatches):
         """(context, pooled) of distinct image `index`'s caption."""
         return self._text(self._samples[index].text)
 
+    def encoded_widths(self) -> tuple[set[int], set[int], set[int]]:
+        """The latent channel counts, the caption contexts' widths and the pooled embeddings' widths in use (the
+        VAE's and the text encoders' output widths), read from shapes only: what a model's input layers must take."""
+        texts = {s.text for s in self._samples} | ({self._empty_text} if self._empty_text is not None else set())
+        return ({s.shape[0] for s in self._samples}, {self._text_shapes[i][0][-1] for i in texts},
+                {(self._text_shapes[i][1] or (0,))[-1] for i in texts})
+
     def text_shape(self, index: int) -> tuple[int, ...]:
         """The context shape (T, D) of distinct image `index`'s caption, without reading it."""
         return tuple(self._text_shapes[self._samples[index].text][0])

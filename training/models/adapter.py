@@ -17,7 +17,7 @@ from torch import nn
 
 from ...memory.tensor_kinds import alias_like, keeps_bytes
 from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
-from .reference_flux import Flux
+from .reference_flux import PATCH, Flux
 from .training_only import TrainingOnly
 
 # ComfyUI samples Flux with sigma = e^mu / (e^mu + 1/t - 1), mu = 1.15 (ModelSamplingFlux's default, and its value at
@@ -32,6 +32,9 @@ class ModelAdapter(Protocol):
 
     def conditioning_dims(self) -> tuple[int, int]:
         """(width of the text context, width of the pooled text embedding; 0 if the model takes none)."""
+
+    def latent_channels(self) -> int | None:
+        """The channels of the (VAE) latents the model takes, before patching; None if it does not say."""
 
     def training_module(self) -> contextlib.AbstractContextManager[nn.Module]:
         """The diffusion transformer to train; it is given back unchanged when the context exits."""
@@ -93,6 +96,9 @@ class ReferenceFluxModel(TrainingOnly):
 
     def conditioning_dims(self) -> tuple[int, int]:
         return self._flux.params.context_in_dim, self._flux.params.vec_in_dim  # the same with the LoRA merged
+
+    def latent_channels(self) -> int:
+        return self._flux.params.in_channels // (PATCH * PATCH)
 
     def predict(self, module, x_t, t, context, pooled, guidance):
         g = torch.full((x_t.shape[0],), float(guidance), device=x_t.device) if module.params.guidance_embed else None

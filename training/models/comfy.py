@@ -143,6 +143,11 @@ class ComfyModelAdapter:
         """(width of the text context, width of the pooled text embedding; 0 if the model takes none)."""
         return self._dims
 
+    def latent_channels(self) -> int | None:
+        """The channels of the VAE latents this model takes (its latent format's: 16 for Flux, SD3, Wan 2.1)."""
+        channels = getattr(self.patcher.get_model_object("latent_format"), "latent_channels", None)
+        return channels if isinstance(channels, int) else None
+
     # -- training -------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def training_module(self) -> Iterator[nn.Module]:

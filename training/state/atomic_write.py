@@ -41,7 +41,15 @@ _FIXES = {errno.ENOSPC: "free disk space there or choose another folder",
           errno.EDQUOT: "free space in your disk quota or choose another folder",
           errno.EACCES: "make the folder writable or choose another folder",
           errno.EPERM: "make the folder writable or choose another folder",
-          errno.EROFS: "the file system is read-only: choose another folder"}
+          errno.EROFS: "the file system is read-only: choose another folder",
+          errno.ENAMETOOLONG: "the file or folder name is too long for the file system: choose a shorter "
+                              "filename_prefix or a folder with a shorter path"}
+# A file name may have 255 bytes (ext4, XFS, btrfs, APFS, NTFS: 255 UTF-16 units). A run adds to the prefix's last
+# part up to about 70 bytes (the temp file of a rescued LoRA: ".tightrope_rescue_<name>_step<step>_00001_
+# .safetensors.<8 hex>.tmp"; a state file: ".<name>.node-<id>.state.safetensors.<8 hex>.tmp"), plus a node id: the
+# rest is the prefix's.
+NAME_MAX_BYTES = 255
+PREFIX_NAME_MAX_BYTES = 150
 
 
 class FileWriteError(OSError):
@@ -217,11 +225,33 @@ def safe_output_path(root: str | os.PathLike, prefix: str) -> Path:
     if not parts[-1] or parts[-1] == ".":
         raise OutputPathError(f"filename_prefix={prefix!r} ends in a folder, not a file name: add one, e.g. "
                          f"'{prefix.rstrip('/.')}/my_lora'")
+    for part in parts:
+        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+            raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: a name in it has "
+                                  f"{len(part.encode('utf-8', 'surrogatepass'))} bytes, more than the "
+                                  f"{NAME_MAX_BYTES} a file system allows: choose a shorter name")
     root_norm = os.path.normpath(os.path.abspath(root))
     target = os.path.normpath(os.path.join(root_norm, *[p for p in parts if p not in ("", ".")]))
     if os.path.commonpath([root_norm, target]) != root_norm:  # belt and braces after the checks above
         raise OutputPathError(f"filename_prefix={prefix!r} would write outside {root_norm}: use a relative name")
     return Path(target)
+
+
+def user_output_path(root: str | os.PathLike, prefix: str) -> Path:
+    """safe_output_path for a prefix a user gave, whose last part is short enough for every file a run names after
+    it (PREFIX_NAME_MAX_BYTES): checked when a workflow is queued, so a long name does not fail only at the save."""
+    target = safe_output_path(root, prefix)
+    size = len(target.name.encode("utf-8", "surrogatepass"))
+    if size > PREFIX_NAME_MAX_BYTES:
+        raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: its file name has {size} bytes, at most "
+                              f"{PREFIX_NAME_MAX_BYTES} fit (the saved files add a counter and suffixes to it, and a "
+                              f"file name may have {NAME_MAX_BYTES} bytes): choose a shorter name")
+    return target
+
+
+def _shown(text: str, keep: int = 40) -> str:
+    """`text` quoted, its middle elided when long (an error message names a 1000-character prefix in one line)."""
+    return repr(text) if len(text) <= 2 * keep else repr(text[:keep] + "..." + text[-keep:])
 
 
 def next_free_path(folder: str | os.PathLike, prefix: str, ext: str = ".safetensors") -> Path:
