@@ -21,9 +21,9 @@ RUNNER = """
     ckpt, loras = ARGS
     out = {}
 
-    def train(patcher, steps, prefix):
+    def train(patcher, steps, prefix, channels=16):
         cond = demo_conditioning(patcher, "a red circle", 8, 0)
-        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
+        data = dataset_from_conditioning({"samples": torch.randn(2, channels, 8, 8, generator=g)}, cond)
         return run_training_node(TrainConfig(learning_rate=1e-2), steps, session=None, model=patcher, dataset=data,
                                  lora=LoraSpec(rank=4), strategy=None, device="cpu", save_dir=Path(loras),
                                  filename_prefix=prefix, save_every=0, progress=None, should_stop=None)
@@ -39,6 +39,12 @@ RUNNER = """
         out["input_patches"], out["output_patches"] = len(p.patches), len(model_out.patches)
         out["in_training_after"] = mm.in_training
         out["losses"] = list(session.losses)
+        out["latent_channels"] = adapter.latent_channels()
+        try:  # an SD1/SDXL VAE's 4-channel latents: refused before the first step
+            train(p, 1, "it/sdxl_latents", channels=4)
+            out["sdxl_latents"] = "trained"
+        except ValueError as e:
+            out["sdxl_latents"] = f"{type(e).__name__}: {e}"
 
         cond = demo_conditioning(p, "a red circle", 8, 0)
         x, t = torch.randn(2, 16, 8, 8, generator=g), torch.tensor([0.3, 0.7])
@@ -93,6 +99,9 @@ def test_adapter_in_comfyui(tmp_path):
     assert all(map(math.isfinite, r["losses"] + r["fp8_losses"]))
     assert r["fp8_lora_dtypes"] == ["torch.float32"] and r["fp8_base"] == ["torch.float8_e4m3fn", True]
     assert r["patched_copy_equal"] and r["patched_copy_changed"] == r["output_patches"]
+    assert r["latent_channels"] == 16 and r["sdxl_latents"].startswith(
+        "DatasetError: the dataset's latents have 4 channels, but this flux model (tiny_flux.safetensors) takes "
+        "16-channel latents")
     assert "eps-prediction model, which Tightrope does not support" in r["eps"]
     # ComfyUI samples Flux at sigma = e^mu / (e^mu + 1/t - 1): mu 1.15 by default; ModelSamplingFlux at 512 px sets
     # mu = 0.5 + (1.15 - 0.5) * (1024 - 256) / (4096 - 256) = 0.63; ModelSamplingSD3 sets the shift itself.
