@@ -56,7 +56,7 @@ class ActivationOffload:
     def pack(self, t: torch.Tensor, block: int):
         # compiled backward graphs expect saved tensors with their exact strides: offload only dense tensors, whose
         # strides a copy keeps; views with gaps or overlaps stay on the device
-        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes \
+        if t.device != self.device or t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes \
                 or not _dense(t):
             return t
         hit = self._by_tensor.get(id(t))

@@ -140,7 +140,7 @@ def test_the_pinned_host_cache_is_emptied_only_once_cuda_has_run(monkeypatch):
     the process: the end-of-run release empties it, once CUDA is initialised (before, nothing can be pinned, and
     the call would initialise CUDA for nothing). tests/reliability/test_leaks.py checks the bytes on a GPU."""
     calls = []
-    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("emptied"))
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append("emptied"), raising=False)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     host_memory.release_freed_host_memory()
     assert calls == []

@@ -66,14 +66,14 @@ def test_compile_mode_options_reach_the_backward(monkeypatch):
     monkeypatch.setattr(compile_fx, "_compile_fx_inner", spy)
     # a stand-in mode whose one option is cheap to compile and easy to read back (the default is True)
     monkeypatch.setattr(torch._inductor, "list_mode_options", lambda mode: {"size_asserts": False})
-    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no worker pool to start: seconds, not a minute
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cache hit would skip the compile we watch
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     model = make_lora_model(n_double=0, n_single=1)
     strategy = Strategy.of(compile="per_block", compile_mode="max-autotune-no-cudagraphs", compute_dtype="fp32",
                            block_lists=("single_blocks",))
-    with MemoryRuntime(model, strategy, "cpu"):
+    # torch's own config.patch, not monkeypatch.setattr: pytest >= 9.2 undoes that with delattr, which hides the key
+    # (compile_threads: no worker pool to start; no fx graph / autograd cache hit to skip the compile we watch)
+    with inductor_config.patch(compile_threads=1, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), MemoryRuntime(model, strategy, "cpu"):
         train_steps(model, steps=1)
     assert inductor_config.size_asserts, "the option leaked out of the compile"
     assert sorted(seen) == [(False, False), (True, False)], f"(is_backward, size_asserts) per compile: {seen}"
