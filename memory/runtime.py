@@ -38,6 +38,7 @@ from .host_memory import release_freed_host_memory
 from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
+from .input_copies import InputCopies
 from .offload_selection import check_streamable, select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
@@ -77,6 +78,7 @@ class MemoryRuntime:
         self._forwarding: set[int] = set()  # blocks whose patched forward is running (not their checkpoint's recompute)
         self._param_storages: set[int] = set()
         self._timer = StepTimer(self.device)
+        self.inputs = InputCopies(self.device)  # inputs(*host tensors): on the device; the host never waits for compute
         self.applied = False
 
     # -- apply / undo --------------------------------------------------------------------------------------------

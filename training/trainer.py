@@ -268,13 +268,12 @@ def _micro_step(parts: _RunParts, inputs: HostInputs, cfg, scaler) -> torch.Tens
     par = distributed.current()
     # LoRA dropout (per rank: ranks' parts must not share masks); the global RNG is restored by seeding.forked
     seeding.seed(_training_stream_seed(seed, "rank", par.rank) if par.distributed else seed, parts.runtime.device)
-    dev = parts.runtime.device
-    # every host->device copy is queued before the forward: a copy queued after it waits for the whole forward
-    x_t, t, context, pooled, latents, noise = (v.to(dev, non_blocking=v.is_pinned()) for v in (
-        inputs.x_t, inputs.t, inputs.context, inputs.pooled, inputs.latents, inputs.noise))
-    mask = None if inputs.mask is None else inputs.mask.to(dev, non_blocking=inputs.mask.is_pinned())
+    # every host->device copy is made before the forward is queued, on a stream of its own (the host does not wait
+    # for the micro-batch before to finish, as a blocking copy on the compute stream would make it)
+    x_t, t, context, pooled, latents, noise, mask = parts.runtime.inputs(
+        inputs.x_t, inputs.t, inputs.context, inputs.pooled, inputs.latents, inputs.noise, inputs.mask)
     with parts.runtime.autocast():
-        pred = parts.adapter.predict(parts.model, x_t, t, context, pooled, cfg.guidance)
+        pred = parts.adapter.predict(parts.model, x_t, t, context, pooled, cfg.guidance, parts.runtime.inputs)
         loss = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta) \
             if mask is None else masked_flow_loss(pred, latents, noise, mask, kind=cfg.loss,
                                                   huber_delta=cfg.huber_delta)

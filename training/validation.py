@@ -99,7 +99,7 @@ class Validation:
         return total / self.dataset.num_images
 
     def _batch_losses(self, images: list[int], adapter: Any, module: torch.nn.Module, runtime: Any) -> torch.Tensor:
-        cfg, dev = self.config, runtime.device
+        cfg = self.config
         latents = torch.stack([self.dataset.latent(i) for i in images])
         texts = [self.dataset.text(i) for i in images]
         context, pooled = torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
@@ -111,17 +111,18 @@ class Validation:
             noise.append(torch.randn(latents.shape[1:], generator=gen))
             t.append(sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift))
         noise, t = torch.stack(noise).to(latents.dtype), torch.cat(t)
-        x_t, t, context, pooled, latents, noise = (v.to(dev) for v in (
-            noised(latents, noise, t), t, context, pooled, latents, noise))
         masks = [self.dataset.mask(i) for i in images]
+        x_t, t, context, pooled, latents, noise, mask = runtime.inputs(  # the host does not wait for the GPU here
+            noised(latents, noise, t), t, context, pooled, latents, noise,
+            None if masks[0] is None else torch.stack(masks))
         with runtime.autocast():
-            pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance)
-        if masks[0] is None:
+            pred = adapter.predict(module, x_t, t, context, pooled, cfg.guidance, runtime.inputs)
+        if mask is None:
             return flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
                                       reduction="none")
         elementwise = flow_matching_loss(pred, latents, noise, kind=cfg.loss, huber_delta=cfg.huber_delta,
                                          reduction="element")
-        return masked_per_image(elementwise, torch.stack(masks).to(dev))
+        return masked_per_image(elementwise, mask)
 
 
 @contextlib.contextmanager

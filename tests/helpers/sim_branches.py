@@ -1,14 +1,16 @@
 """The runtime's objects on the "cpu" device taking their CUDA branches under the stream simulation (sim_streams.py):
-LayerOffload, ActivationOffload, HostOptimizer, HostGradScaler and CpuEma get simulated side streams (named for their
-owner: layers, acts, optimizer, ema) and page-lock through the driver model (fake_cudart.py); the host-side code of
+LayerOffload, ActivationOffload, HostOptimizer, HostGradScaler, CpuEma and InputCopies get simulated side streams (named
+for their owner: layers, acts, optimizer, ema, inputs) and page-lock through the driver model (fake_cudart.py); the host-side code of
 the host optimizer is marked as the host's. No production code changes for it."""
 import torch
 from fake_cudart import FakeCudart
+from sim_order import span
 from sim_streams import StreamSim
 
 from tightrope.memory.activation_offload import ActivationOffload
 from tightrope.memory.ema import CpuEma
 from tightrope.memory.host_pinning import PinnedRanges
+from tightrope.memory.input_copies import InputCopies
 from tightrope.memory.layer_offload import LayerOffload
 from tightrope.training.host_optimizer import HostGradScaler, HostOptimizer
 
@@ -84,6 +86,27 @@ def cuda_branches(monkeypatch, cudart=None):
         with sim.host_side():
             real_settle(self, i)
 
+    real_inputs = InputCopies.__init__
+
+    def inputs_init(self, device):
+        real_inputs(self, device)
+        if self.device.type == "cpu":
+            self.cuda = True
+            self.stream = torch.cuda.Stream(self.device)
+            self.stream.name = "inputs"
+
+    real_copy_inputs = InputCopies.__call__
+
+    def copy_inputs(self, *tensors):
+        # its sources are host memory by contract (a micro-batch made on the host): the ops that made them ran on
+        # the host, though the model logged those on the main thread as compute's (the module docstring of
+        # sim_streams: pageable host code)
+        with sim.lock:
+            for t in tensors:
+                if t is not None and t.numel():
+                    sim.timeline.forget(span(t))
+        return real_copy_inputs(self, *tensors)
+
     real_ema = CpuEma.__init__
 
     def ema_init(self, params, decay, state=None, **kwargs):
@@ -104,5 +127,7 @@ def cuda_branches(monkeypatch, cudart=None):
     monkeypatch.setattr(HostOptimizer, "_settle", settle)
     monkeypatch.setattr(HostGradScaler, "_unscale_grads_", unscale)
     monkeypatch.setattr(CpuEma, "__init__", ema_init)
+    monkeypatch.setattr(InputCopies, "__init__", inputs_init)
+    monkeypatch.setattr(InputCopies, "__call__", copy_inputs)
     monkeypatch.setattr(CpuEma, "_page_lock", page_lock)
     return fake

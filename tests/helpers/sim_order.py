@@ -143,8 +143,9 @@ class ComputeLog(TorchDispatchMode):
     """Pushed on the main thread inside `with sim:`: numbers the compute stream's ops and logs what they touch
     (Timeline). The host's ops are checked instead: those of a host_side() region, and every op but a copy that
     touches page-locked host memory (registered through `sim.cudart`): no kernel in the runtime reads host memory,
-    only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out; `*_like` ops read
-    only their input's shape."""
+    only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out, but an allocation on a
+    side stream forgets what compute did to those bytes (that stream's own pool); `*_like` ops read only their
+    input's shape."""
 
     def __init__(self, sim):
         super().__init__()
@@ -157,9 +158,15 @@ class ComputeLog(TorchDispatchMode):
         if func.is_view or func in METADATA or getattr(local, "executing", False):
             return out
         host = getattr(local, "host", 0)
-        if not host and sim.current().side:
-            return out
         reads, writes = ([], []) if func in LIKE else accesses(func, args, kwargs)
+        if not host and sim.current().side:
+            # memory allocated on a side stream is from that stream's pool of the caching allocator, which holds
+            # no block compute may still use (a tensor compute used was recorded on it): not compute's past
+            with sim.lock:
+                for sp in tensor_spans(out):
+                    if not any(overlap(sp, a) for a in reads + writes):
+                        sim.timeline.forget(sp)
+            return out
         outs = tensor_spans(out)
         with sim.lock:
             if host or (func is not COPY and any(map(sim._in_host_memory, reads + writes))):

@@ -48,9 +48,9 @@ def test_a_short_micro_batch_weighs_its_images_like_one_batch_of_all_of_them(tmp
     real_predict, real_loss, real_update = model.predict, trainer.flow_matching_loss, trainer._update
     inputs, targets, grads = [], [], {}
 
-    def predict(module, x_t, t, context, pooled, guidance):
+    def predict(module, x_t, t, context, pooled, guidance, to_device=None):
         inputs.append((x_t.detach().clone(), t.clone(), context.clone(), pooled.clone(), guidance))
-        return real_predict(module, x_t, t, context, pooled, guidance)
+        return real_predict(module, x_t, t, context, pooled, guidance, to_device)
 
     def loss(pred, latents, noise, **kw):
         targets.append((latents.clone(), noise.clone(), kw))

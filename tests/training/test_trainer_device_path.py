@@ -14,7 +14,8 @@ CPU = torch.device("cpu")
 
 def test_inputs_reach_the_device_before_the_forward(tmp_path, monkeypatch):
     """On CUDA a host->device copy queued after the forward waits for the whole forward (the host stalls): the
-    trainer's copies (x_t, t, context, pooled, latents, noise) must all come before the model runs."""
+    trainer's copies (x_t, t, context, pooled, latents, noise; through the runtime's InputCopies) must all come
+    before the model runs."""
     events = []
     real_predict, real_to = model_adapter.ReferenceFluxModel.predict, torch.Tensor.to
 
@@ -23,7 +24,7 @@ def test_inputs_reach_the_device_before_the_forward(tmp_path, monkeypatch):
         return real_predict(self, *args, **kwargs)
 
     def to(self, *args, **kwargs):
-        if sys._getframe(1).f_code.co_filename.endswith("trainer.py"):
+        if sys._getframe(1).f_code.co_filename.endswith(("trainer.py", "input_copies.py")):
             events.append("copy")
         return real_to(self, *args, **kwargs)
 

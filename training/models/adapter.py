@@ -40,8 +40,10 @@ class ModelAdapter(Protocol):
         """The diffusion transformer to train; it is given back unchanged when the context exits."""
 
     def predict(self, module: nn.Module, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-                pooled: torch.Tensor, guidance: float) -> torch.Tensor:
-        """The model's flow-matching velocity prediction for noisy latents x_t at times t in (0, 1)."""
+                pooled: torch.Tensor, guidance: float, to_device=None) -> torch.Tensor:
+        """The model's flow-matching velocity prediction for noisy latents x_t at times t in (0, 1). to_device: how
+        host tensors the prediction makes reach x_t's device (the runtime's InputCopies: the host does not wait for
+        the GPU); None: `.to`."""
 
     def process_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The dataset's (VAE) latents in the model's latent space, before noising (ComfyUI models: the latent
@@ -100,7 +102,7 @@ class ReferenceFluxModel(TrainingOnly):
     def latent_channels(self) -> int:
         return self._flux.params.in_channels // (PATCH * PATCH)
 
-    def predict(self, module, x_t, t, context, pooled, guidance):
+    def predict(self, module, x_t, t, context, pooled, guidance, to_device=None):
         g = torch.full((x_t.shape[0],), float(guidance), device=x_t.device) if module.params.guidance_embed else None
         return module.forward_latent(x_t, t.to(x_t.device), context, pooled, g)
 

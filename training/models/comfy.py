@@ -210,7 +210,7 @@ class ComfyModelAdapter:
             latents = latents.unsqueeze(2)
         return fmt.process_in(latents)
 
-    def predict(self, module, x_t, t, context, pooled, guidance):
+    def predict(self, module, x_t, t, context, pooled, guidance, to_device=None):
         base = self.patcher.model
         b = x_t.shape[0]
         pooled_width = self._dims[1]
@@ -223,7 +223,11 @@ class ComfyModelAdapter:
         if pooled.shape[-1] > 0:
             params["pooled_output"] = pooled
         conds = {k: v.process_cond(batch_size=b, area=None).concat([]) for k, v in base.extra_conds(**params).items()}
-        conds = {k: v.to(x_t.device) if torch.is_tensor(v) else v for k, v in conds.items()}
+        names = [k for k, v in conds.items() if torch.is_tensor(v) and v.device != x_t.device]  # guidance, sizes
+        if to_device is None:
+            conds.update({k: conds[k].to(x_t.device) for k in names})
+        else:
+            conds.update(zip(names, to_device(*(conds[k] for k in names))))
         if "c_concat" in conds:  # ComfyUI filled the model's image/mask input channels with its no-image default
             raise ConfigError(f"this {self.family} model takes an image input besides the noise (c_concat: "
                               "image-to-video, inpaint/fill or control channels), which training would feed as "
