@@ -10,6 +10,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 
 from tightrope.memory.token_chunks import register_chunked_forward, token_slices
+from tightrope.training.flow_loss import exact_summable
 from tightrope.training.host_optimizer import HostOptimizer, gradient_holders
 from tightrope.training.lora.linear_columns import linear_columns
 
@@ -183,10 +184,9 @@ def train_steps(model, steps=2, runtime=None, lr=1e-2, micro=1):
     opt = torch.optim.AdamW(params.values(), lr=lr)
     losses, grads = [], []
     for step in range(steps):
-        dev = runtime.device if runtime else torch.device("cpu")
         if runtime:
             runtime.start_step()
-        loss = _accumulate(model, step, micro, dev)
+        loss = _accumulate(model, step, micro, runtime)
         if runtime:
             runtime.end_step()
         losses.append(loss)
@@ -196,18 +196,26 @@ def train_steps(model, steps=2, runtime=None, lr=1e-2, micro=1):
     return losses, grads
 
 
-def _accumulate(model, step, micro, dev):
-    """Forward and backward of step `step`'s batch in `micro` micro-batches; the step's loss."""
+def _accumulate(model, step, micro, runtime):
+    """Forward and backward of step `step`'s batch in `micro` micro-batches; the step's loss. As the trainer: the
+    batch reaches the device before the first forward (the runtime's InputCopies: no wait for compute) and the losses
+    are summed there and read once, so nothing makes the host wait for the GPU between micro-batches (on a GPU a
+    read or a blocking copy there would land every copy of the micro-batch before, and gpu-check's accumulation
+    rows would not test copies in flight across micro-batches)."""
     inputs, target = make_batch(seed=100 + step)
+    names = list(inputs)
+    if runtime is not None:
+        *values, target = runtime.inputs(*inputs.values(), target)
+        inputs = dict(zip(names, values))
     size = target.shape[0]
     total = 0.0
     for k in range(micro):
         part = slice(k * size // micro, (k + 1) * size // micro)
         share = (part.stop - part.start) / size
-        loss = F.mse_loss(model(**{n: v[part].to(dev) for n, v in inputs.items()}), target[part].to(dev))
+        loss = F.mse_loss(model(**{n: v[part] for n, v in inputs.items()}), target[part])
         (loss * share if micro > 1 else loss).backward()
-        total += loss.item() * share
-    return total
+        total = total + exact_summable(loss.detach()) * share
+    return float(total)
 
 
 def _train_steps_offloaded(model, params, steps, runtime, lr, micro=1):
@@ -217,7 +225,7 @@ def _train_steps_offloaded(model, params, steps, runtime, lr, micro=1):
     try:
         for step in range(steps):
             runtime.start_step()
-            loss = _accumulate(model, step, micro, runtime.device)
+            loss = _accumulate(model, step, micro, runtime)
             runtime.end_step()
             losses.append(loss)
             grads.append({n: p.grad.clone() for n, p in gradient_holders(optimizer, params).items()})
