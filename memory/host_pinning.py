@@ -136,7 +136,8 @@ class PinnedRanges:
             self._note(sum(refused.values()), "; ".join(causes), "; ".join(dict.fromkeys(f for _, f in refused if f)))
 
     def _try(self, cudart: Any, start: int, nbytes: int, flags: int) -> int:
-        code = int(cudart.cudaHostRegister(start, nbytes, flags))
+        with _current(self.device):
+            code = int(cudart.cudaHostRegister(start, nbytes, flags))
         if code:  # every refusal, "already registered" too, sets the thread's last error
             _clear_last_error(self.device, _error_text(cudart, code))
         return code
@@ -175,6 +176,15 @@ class PinnedRanges:
                       RuntimeWarning, stacklevel=3)
 
 
+def _current(device: torch.device):
+    """`device` made the current CUDA device around a raw runtime call: registration without the portable flag is
+    pinned memory for the current device's context only, and a release may run on a thread (the garbage
+    collector's) whose current device is another (training on cuda:1, registered for cuda:0 the copies would be
+    pageable ones)."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _release(cudart: Any, device: torch.device, registered: list[tuple[int, int]], holds: list[torch.Tensor],
              failures: list[str]) -> None:
     """PinnedRanges.release over its lists, emptied in place (its finalizer holds them, never the object)."""
@@ -184,7 +194,8 @@ def _release(cudart: Any, device: torch.device, registered: list[tuple[int, int]
         registered.clear()
         failed = []
         for start, nbytes in ranges:
-            code = int(cudart.cudaHostUnregister(start))
+            with _current(device):
+                code = int(cudart.cudaHostUnregister(start))
             if code:
                 text = _error_text(cudart, code)
                 _clear_last_error(device, text)  # else the next kernel launch anywhere raises it

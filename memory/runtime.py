@@ -256,7 +256,7 @@ class MemoryRuntime:
         def pack(t: torch.Tensor):
             if weights and offload.owns(t):
                 return offload.pack(t)
-            return act_store.pack(t, index) if acts and not self._is_parameter(t) else t
+            return act_store.pack(t, index) if acts and not self._is_parameter(t, index) else t
 
         def unpack(x):
             if isinstance(x, WeightRef):
@@ -268,9 +268,14 @@ class MemoryRuntime:
 
         return lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def _is_parameter(self, t: torch.Tensor) -> bool:
-        """A parameter, or a view of one's storage (compiled graphs save weights and their transposes)."""
-        return isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages
+    def _is_parameter(self, t: torch.Tensor, index: int) -> bool:
+        """A parameter, or a view of one's storage (compiled graphs save weights and their transposes). Sharded
+        (FSDP2), block `index`'s whole weights are gathered into new storage at each forward, which the storages
+        listed at apply() cannot know: its parameters now are checked too."""
+        ptr = t.untyped_storage().data_ptr()
+        if isinstance(t, nn.Parameter) or ptr in self._param_storages:
+            return True
+        return self.sharding is not None and ptr in _storage_ptrs(self.blocks[index].module.parameters())
 
     def host_weight(self, p: nn.Parameter) -> torch.Tensor:
         """The value of frozen parameter `p` now, whatever the runtime did to it: the host tensor it streams from

@@ -62,3 +62,31 @@ def test_sharding_without_a_mesh_is_refused_before_anything_changes():
     with pytest.raises(StrategyError, match=r"Strategy.shard='fsdp' shards the blocks over the data-parallel ranks, "
                        r"but no device mesh was given: launch with `torchrun .* --fsdp` \(or set shard='off'\)"):
         MemoryRuntime(model, Strategy.of(shard="fsdp"), "cpu")
+
+
+def test_sharded_weights_never_go_through_activation_offload(monkeypatch):
+    """Under FSDP2 a block's whole weights are gathered into new storage at each forward, which the parameter
+    storages the runtime lists when it applies cannot know. A compiled graph (activation budget < 1) saves views of
+    them (a weight's transpose), which would be copied to the host and back every step like activations (found by
+    review); the running block's own parameters are checked as well now. A guard over the whole path: on the CPU
+    the partitioner saves no view of a weight, so this passed without the check too."""
+    from tightrope.memory.activation_offload import ActivationOffload
+    sent, real, runs = [], ActivationOffload.pack, []
+
+    def pack(self, t, block):
+        out = real(self, t, block)
+        if out is not t:
+            params = {p.untyped_storage().data_ptr() for p in runs[-1].blocks[block].module.parameters()}
+            sent.append(t.untyped_storage().data_ptr() in params)
+        return out
+
+    monkeypatch.setattr(ActivationOffload, "pack", pack)
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition",
+                           activation_memory_budget=0.5, activation_offload=True, compute_dtype="fp32",
+                           pin_memory=False, shard="fsdp")
+    model = make_lora_model()
+    torch._dynamo.reset()
+    with one_rank_group() as mesh, MemoryRuntime(model, strategy, "cpu", mesh=mesh, activation_min_bytes=0) as run:
+        runs.append(run)
+        _loss_and_lora_grads(model, run)
+    assert sent and not any(sent), f"{sum(sent)} of {len(sent)} tensors sent to the host were a block's weights"
