@@ -49,7 +49,10 @@ What it cannot see:
   is a no-op or an ordinary op, so the host's knowledge of compute advances only at the waits listed above (and
   where sim_branches.cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
-  could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after).
+  could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after). Memory
+  allocated while a side stream is current is taken as that stream's pool (compute's earlier use of the bytes is
+  forgotten: sim_order.ComputeLog), so compute using such memory without `record_stream` on it is not seen
+  (tests/memory/test_input_copies.py checks InputCopies' records).
 - Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
 """
 from __future__ import annotations
