@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 COPY = torch.ops.aten.copy_.default
+ITEM = torch.ops.aten._local_scalar_dense.default
 
 
 @dataclass
@@ -177,4 +178,6 @@ class ComputeLog(TorchDispatchMode):
             else:
                 sim.timeline.record(reads, writes + outs, str(func))
                 sim.counters.compute_ops += 1
+                if func is ITEM:  # .item() (a tensor's value read on the host) waits for compute up to here
+                    sim._host_saw(sim.timeline.pos)
         return out

@@ -45,9 +45,10 @@ What it cannot see:
   and unchecked for the host. Host reads are not checked at all: the host reads device results only through
   copies, and a copy on the compute stream runs at once here (a non-blocking device-to-host copy read before its
   event is not seen).
-- A blocking copy to the host (`.cpu()`, `.item()`) waits for the compute stream on a GPU; on the "cpu" device it
-  is a no-op or an ordinary op, so the host's knowledge of compute advances only at the waits listed above (and
-  where sim_branches.cuda_branches says so: HostGradScaler's `.cpu()` copies). Stricter, never laxer.
+- A blocking copy to the host (`.cpu()`) waits for the compute stream on a GPU; on the "cpu" device it is a no-op
+  or an ordinary op, so the host's knowledge of compute advances only at the waits listed above, at `.item()` on
+  the main thread (a value read on the host: `aten._local_scalar_dense`), and where sim_branches.cuda_branches says
+  so (HostGradScaler's `.cpu()` copies). Stricter, never laxer.
 - The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
   could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after). Memory
   allocated while a side stream is current is taken as that stream's pool (compute's earlier use of the bytes is

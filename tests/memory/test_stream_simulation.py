@@ -659,4 +659,4 @@ def test_a_missing_record_stream_is_caught(branches, sim, monkeypatch, name):
     result, _ = _run(strategy, steps=2)
     assert_equivalent(result)  # the queue kept the memory: the numbers cannot show it
     found = sim.take_hazards()
-    assert found and {(h.who, h.does.split(" memory")[0]) for h in found} == {(owner, does)}
+    assert found and {(h.who, h.does.split(" memory")[0]) for h in found} == {(owner, does)}, [str(h) for h in found if h.who != owner]
