@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR = 0, 1, 2
 
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output-dir", default="output", metavar="DIR",
                      help="where nodes write LoRAs, samples and logs (default: ./output)")
     run.add_argument("--resume", action="store_true",
-                     help="continue an interrupted run from its last saved state in the output dir")
+                     help="continue an interrupted run from its last saved state in the output dir (without it, "
+                          "a Train node whose run was interrupted is refused rather than trained over)")
     run.add_argument("--fsdp", action="store_true",
                      help="under torchrun: shard the frozen base weights of each transformer block over the "
                           "processes (FSDP2: the memory strategy's shard='fsdp'), for models too big for one GPU "
@@ -91,6 +93,7 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
     from .headless.graph import WorkflowError
     from .headless.stop_signals import polite_stops, report_stop
     from .training.distributed import DistributedError, launched
+    started = time.time()
     try:
         with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
             return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
@@ -100,8 +103,11 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
             traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR
-    except KeyboardInterrupt as stop:
-        return report_stop(stop)  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
+    except KeyboardInterrupt as stop:  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
+        states = os.path.join(os.path.abspath(output_dir), ".tightrope_state")  # nodes.host.state_dir, headless
+        saved = any(p.stat().st_mtime >= started - 1  # (coarse mtimes)
+                    for p in Path(states).rglob("*.state.safetensors"))
+        return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
         if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps
             traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
@@ -163,6 +169,8 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
             if library is None:
                 raise
             raise library.explain_model_files(exc, parse_workflow(data, node_mappings, path=workflow_path)) from None
+        if not resume:
+            _refuse_interrupted_runs(graph)
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
         started = time.monotonic()
         main_rank = current().is_main  # under torchrun only rank 0 reports
@@ -174,6 +182,29 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
             print(line)
         print(f"ran {len(results)} node(s) in {time.monotonic() - started:.1f} s; output dir: {output_dir}")
     return EXIT_OK
+
+
+def _refuse_interrupted_runs(graph) -> None:
+    """Without --resume, before any node runs: a Train node whose last run was interrupted would train from the start
+    and its first save would replace that run's state (its steps lost). Each one is refused, naming --resume (a
+    Train node whose filename_prefix is linked is checked when it runs)."""
+    from .headless.graph import WorkflowError
+    from .nodes import host
+    from .training.distributed import on_main_rank
+    from .training.state.resume import ResumeError, state_path
+    from .training.training_run import refuse_unfinished
+    for node_id, node in graph.items():
+        prefix = node.inputs.get("filename_prefix")
+        if node.class_type != "TightropeTrain" or not isinstance(prefix, str):
+            continue
+        try:
+            state_file = state_path(host.state_dir(), prefix, node_id)
+        except ValueError:  # a bad prefix: the graph's validation names it
+            continue
+        try:
+            on_main_rank(lambda: refuse_unfinished(state_file, node_id))
+        except ResumeError as e:  # a command-line matter (exit 2, one line), like the other checks before any node
+            raise WorkflowError(str(e)) from None
 
 
 def load_node_mappings(library=None) -> dict:

@@ -67,9 +67,13 @@ def polite_stops() -> Iterator[None]:
             signal.signal(s, old)
 
 
-def report_stop(stop: KeyboardInterrupt) -> int:
-    """Print what a stop (Ctrl-C or a polite signal) kept and how to go on; returns the exit code, 128 + signal."""
+def report_stop(stop: KeyboardInterrupt, *, saved: bool = True, quiet: bool = False) -> int:
+    """Print what a stop (Ctrl-C or a polite signal) kept and how to go on; returns the exit code, 128 + signal.
+    saved: a Train node wrote its state in this run (else no step had completed: nothing to resume); quiet: say
+    nothing (the other ranks under torchrun: rank 0 reports)."""
     how = str(stop) if isinstance(stop, StopSignal) else "interrupted (Ctrl-C)"
-    print(f"\n{how}; Train nodes saved their last completed step: run again with --resume to continue from it",
-          file=sys.stderr)
+    kept = ("Train nodes saved their last completed step: run again with --resume to continue from it" if saved
+            else "no training step had completed, so nothing was saved to resume from")
+    if not quiet:
+        print(f"\n{how}; {kept}", file=sys.stderr)
     return 128 + stop.signum if isinstance(stop, StopSignal) else EXIT_CTRL_C

@@ -56,9 +56,10 @@ def is_main() -> bool:
 
 def resume_mode(widget: bool = True) -> str:
     """How a Train node goes on from its training state file (training_run.run_training_node's `resume`): headless,
-    "asked" with --resume, else "off"; in ComfyUI, "same run" while the node's `resume` widget is on."""
+    "asked" with --resume, else "unasked" (an interrupted run's state is not trained over); in ComfyUI, "same run"
+    while the node's `resume` widget is on, else "off"."""
     if _headless is not None:
-        return "asked" if _headless.resume else "off"
+        return "asked" if _headless.resume else "unasked"
     return "same run" if widget and in_comfyui() else "off"
 
 

@@ -12,7 +12,8 @@ from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
 from .state.atomic_write import user_output_path
 from .models.model_with_lora import model_with_lora
-from .state.resume import NotThisRun, StateOwner, resume_agreed, session_digest, state_path
+from .state.resume import (NotThisRun, ResumeError, StateOwner, resume_agreed, session_digest, state_path,
+                           unfinished_run)
 from .session import TrainingSession
 from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
@@ -22,7 +23,7 @@ from .input_checks import check_run_inputs
 from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
 
-RESUME_MODES = ("off", "asked", "same run")
+RESUME_MODES = ("off", "unasked", "asked", "same run")
 
 
 def run_training_node(config: TrainConfig, steps: int, *, session: TrainingSession | None, model: Any,
@@ -107,6 +108,12 @@ def _resumed(state_file: Path, session: TrainingSession, owner: StateOwner, step
     """The session and state to go on from, or None to train anew (see run_training_node's `resume`)."""
     if mode == "off":
         return None
+    if mode == "unasked":  # headless without --resume: never train over an interrupted run's state unasked
+        on_main_rank(lambda: refuse_unfinished(state_file, owner.node))
+        return None
+    if mode == "asked" and notify is not None and not on_main_rank(state_file.is_file):
+        notify(f"Train node{_named(owner.node)}: --resume found no saved state in '{state_file}'; it trains from "
+               "the start (check --output-dir if a run was interrupted)")
     try:
         return resume_agreed(state_file, session, owner=owner, steps=steps, same_run=mode == "same run",
                              strategy=strategy)
@@ -115,6 +122,18 @@ def _resumed(state_file: Path, session: TrainingSession, owner: StateOwner, step
             notify(f"Train node{_named(owner.node)} trains from its input, not from its saved state: {e}; the file "
                    "is replaced")
         return None
+
+
+def refuse_unfinished(state_file: Path, node_id: str | None) -> None:
+    """Headless without --resume: the state of an interrupted run of this node would be replaced by the new run's
+    first save, losing its steps; refused before training (`tightrope run` asks it of every Train node before the
+    first node runs), naming both ways on."""
+    progress = unfinished_run(state_file)
+    if progress is not None:
+        step, end = progress
+        raise ResumeError(f"Train node{_named(node_id)}'s run was interrupted at step {step} of {end} (saved in "
+                          f"'{state_file}'): run again with --resume to go on from it, or delete that file to train "
+                          "from the start")
 
 
 def _named(node_id: str | None) -> str:

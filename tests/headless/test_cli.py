@@ -164,7 +164,7 @@ def test_run_gives_the_nodes_the_real_host_for_the_run_only(tmp_path, api_workfl
     # gets its own folders and no --resume it did not ask for
     assert host.output_dir() == Path("output") and host.resume_mode() == "off"
     assert cli.main(["run", path, "--output-dir", str(tmp_path / "p")]) == 130
-    assert seen[1] == (tmp_path / "p", tmp_path / "p", "off", False)
+    assert seen[1] == (tmp_path / "p", tmp_path / "p", "unasked", False)
     assert host.output_dir() == Path("output") and host.resume_mode() == "off"
 
 
@@ -174,11 +174,11 @@ def test_headless_blocks_nest_and_restore_the_host_however_they_end(tmp_path, mo
     assert host.in_comfyui()
     with pytest.raises(RuntimeError, match="node failed"):
         with host.headless(tmp_path / "a"):
-            assert host.output_dir() == tmp_path / "a" and not host.in_comfyui() and host.resume_mode() == "off"
+            assert host.output_dir() == tmp_path / "a" and not host.in_comfyui() and host.resume_mode() == "unasked"
             with host.headless(tmp_path / "b", run_dir=tmp_path / "a", resume=True):
                 assert (host.output_dir(), host.run_dir(), host.resume_mode()) == (tmp_path / "b", tmp_path / "a",
                                                                                   "asked")
-            assert host.output_dir() == tmp_path / "a" and host.resume_mode() == "off"
+            assert host.output_dir() == tmp_path / "a" and host.resume_mode() == "unasked"
             raise RuntimeError("node failed")
     # in ComfyUI the Train node's resume widget decides: go on only from the very same run, or train anew
     assert host.in_comfyui() and host.resume_mode() == "same run" and host.resume_mode(False) == "off"

@@ -214,6 +214,44 @@ def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, 
         assert _equal(load_file(tmp_path / "cut" / "rt" / f"{name}.safetensors"), whole)
 
 
+def test_without_resume_an_interrupted_run_is_refused_before_any_node_trains(tmp_path, monkeypatch, capsys):
+    """`tightrope run` again without --resume after a stop in node 8: it used to train node 7 anew and node 8 from
+    the start, and node 8's first save replaced the interrupted run's state (its steps lost, silently; found by a
+    helper driving the CLI). Now refused before any node runs, naming --resume; nothing on disk changes. A stop
+    before any step completed says nothing was saved; --resume with no state says it trains from the start."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_chain()))
+
+    def run(folder, *extra):
+        return cli.main(["run", str(path), "--output-dir", str(tmp_path / folder), *extra])
+    with monkeypatch.context() as m:
+        _stop_at(m, 5, kill=False)
+        assert run("cut") == 130
+    assert "Train nodes saved their last completed step: run again with --resume" in capsys.readouterr().err
+    files = {p: p.read_bytes() for p in (tmp_path / "cut").rglob("*") if p.is_file()}
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(training_run, "train", lambda *a, **k: calls.append(a))
+        assert run("cut") == cli.EXIT_WORKFLOW_ERROR
+    err = capsys.readouterr().err
+    assert calls == [] and "Traceback" not in err
+    assert "error: Train node 8's run was interrupted at step 5 of 6 (saved in " in err
+    assert "run again with --resume to go on from it, or delete that file to train from the start" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "cut").rglob("*") if p.is_file()} == files
+    with _no_resume_warnings():
+        assert run("cut", "--resume") == 0  # and --resume still goes on from it
+
+    with monkeypatch.context() as m:
+        _stop_at(m, 0, kill=False)
+        m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        assert run("early") == 130
+    assert "no training step had completed, so nothing was saved to resume from" in capsys.readouterr().err
+    with monkeypatch.context() as m:
+        m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        assert run("fresh", "--resume") == 130
+    assert "Train node 7: --resume found no saved state in " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_during_the_optimizer_step_waits_for_the_step_to_complete(built, out, monkeypatch, signum):
     """The signal arrives right after AdamW has changed the weights of global step 5, before the step is counted:

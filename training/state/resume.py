@@ -141,6 +141,20 @@ def load_state(path: str | os.PathLike) -> TrainingState:
     return result
 
 
+def unfinished_run(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(step, run end) of the node run saved in `path` if it stopped before its end; None if it finished, or there
+    is no readable state there (a damaged file is resume's to report). Reads the header only."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+        info = json.loads(meta[_META]) if meta.get("format") == FORMAT else None
+    except Exception:  # missing, damaged, not ours
+        return None
+    if not info or not isinstance(info.get("step"), int) or not isinstance(info.get("run_end"), int):
+        return None
+    return (info["step"], info["run_end"]) if info["step"] < info["run_end"] else None
+
+
 # ------------------------------------------------------------------------------------------------ resume
 def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None, steps: int | None = None,
                    same_run: bool = False, strategy: Any = None) -> tuple[Any, TrainingState] | None:
