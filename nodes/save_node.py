@@ -6,6 +6,7 @@ from ..training.distributed import on_main_rank
 from ..training.input_checks import check_output_target
 from ..training.lora.dora_scale import DORA_FOR, check_dora_for
 from ..training.save_session import save_session_ema, save_session_lora
+from ..training.state.atomic_write import file_counter
 from . import host
 from .input_validation import validation_result
 
@@ -52,9 +53,10 @@ class TightropeSaveLora:
         check_output_target(host.loras_dir(), filename_prefix)
         check_dora_for(dora_for)
         # under torchrun rank 0 writes and every rank gets its paths
-        path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix, dora_for))
-        ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix, dora_for)) \
-            if save_ema else None
+        path = on_main_rank(lambda: save_session_lora(session, host.loras_dir(), filename_prefix, dora_for,
+                                                      with_ema=save_ema))
+        ema = on_main_rank(lambda: save_session_ema(session, host.loras_dir(), filename_prefix, dora_for,
+                                                    at_least=file_counter(path))) if save_ema else None
         paths = [str(path)] + ([str(ema)] if ema is not None else [])
         release_freed_host_memory()  # the file's serialised bytes and state-dict copies are freed now
         return {"ui": {"text": paths}, "result": (str(path),)}

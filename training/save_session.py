@@ -17,6 +17,7 @@ from ..memory.ema import ema_weights
 from .lora.dora_scale import BaseWeight, base_weight_of, check_dora_for
 from .lora.files import save_lora_state
 from .lora.rescue import rescue_lora
+from .state.atomic_write import next_counter
 from .models import adapter_for
 from .session import TrainingSession
 from .train_config import ConfigError
@@ -26,23 +27,29 @@ EMA_SUFFIX = "_ema"
 
 
 def save_session_lora(session: TrainingSession, folder: Path, filename_prefix: str,
-                      dora_for: str = "comfyui") -> Path:
+                      dora_for: str = "comfyui", *, with_ema: bool = False) -> Path:
+    """The LoRA as `<filename_prefix>_NNNNN_.safetensors`. with_ema: its EMA is saved next (save_session_ema with
+    this file's counter), so NNNNN is free for both: the pair keeps one number even where an earlier save wrote one
+    file of a pair and not the other (a stop between them)."""
     if session.lora_state is None:
         raise ConfigError("the session has not trained a step yet: run a Train node before saving")
+    at_least = next_counter(folder, filename_prefix + EMA_SUFFIX) if with_ema and session.ema_state is not None \
+        else 1
     with _base_weights(session, dora_for) as base_weight:
         return _write(session, session.lora_state, folder, filename_prefix, run_metadata(session, session.step),
-                      dora_for, base_weight)
+                      dora_for, base_weight, at_least)
 
 
 def save_session_ema(session: TrainingSession, folder: Path, filename_prefix: str,
-                     dora_for: str = "comfyui") -> Path | None:
-    """The EMA weights as `<filename_prefix>_ema_NNNNN_.safetensors`; None when the session kept no EMA."""
+                     dora_for: str = "comfyui", *, at_least: int = 1) -> Path | None:
+    """The EMA weights as `<filename_prefix>_ema_NNNNN_.safetensors` (NNNNN at least `at_least`: the LoRA file's
+    counter); None when the session kept no EMA."""
     if session.ema_state is None:
         return None
     metadata = run_metadata(session, session.step) | {"tightrope.ema_decay": repr(session.config.ema_decay)}
     with _base_weights(session, dora_for) as base_weight:
         return _write(session, ema_weights(session.ema_state), folder, filename_prefix + EMA_SUFFIX, metadata,
-                      dora_for, base_weight)
+                      dora_for, base_weight, at_least)
 
 
 @contextlib.contextmanager
@@ -56,10 +63,10 @@ def _base_weights(session: TrainingSession, dora_for: str):
 
 
 def _write(session: TrainingSession, state: dict[str, torch.Tensor], folder: Path, filename_prefix: str,
-           metadata: dict[str, str], dora_for: str, base_weight: BaseWeight | None) -> Path:
+           metadata: dict[str, str], dora_for: str, base_weight: BaseWeight | None, at_least: int = 1) -> Path:
     try:
         return save_lora_state(folder, filename_prefix, state, session.lora, metadata=metadata, dora_for=dora_for,
-                               base_weight=base_weight)
+                               base_weight=base_weight, at_least=at_least)
     except OSError as e:
         raise rescue_lora(e, state, session.lora, folder=folder, filename_prefix=filename_prefix,
                           metadata=metadata, step=session.step, dora_for=dora_for, base_weight=base_weight) from e

@@ -71,6 +71,23 @@ def test_save_node_writes_the_ema_as_a_second_comfyui_lora_file(ema_run, tmp_pat
     assert meta["tightrope.ema_decay"] == repr(DECAY) and meta["tightrope.steps"] == "4"
 
 
+def test_a_lora_and_its_ema_keep_one_number_after_a_save_stopped_between_them(ema_run, tmp_path):
+    """A stop during the Save node that wrote the LoRA but not its EMA, then the save again (--resume): the pair
+    used to come out as run_00002_ beside run_ema_00001_ (each file's counter chosen on its own; found by a helper
+    driving the CLI). Both now take the first number free for both, whichever files a stop left."""
+    _, whole = ema_run
+    folder = tmp_path / "ema_test"
+    folder.mkdir()
+    (folder / "run_00001_.safetensors").write_bytes(b"the LoRA of the stopped save")
+    (folder / "run_ema_00001_.safetensors").write_bytes(b"an earlier pair")
+    (folder / "run_ema_00002_.safetensors").write_bytes(b"an EMA whose LoRA was deleted")
+    with host.headless(tmp_path):
+        paths = TightropeSaveLora().save(whole, "ema_test/run")["ui"]["text"]
+        again = TightropeSaveLora().save(whole, "ema_test/run")["ui"]["text"]
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["run_00003_.safetensors", "run_ema_00003_.safetensors"]
+    assert [p.rsplit("/", 1)[1] for p in again] == ["run_00004_.safetensors", "run_ema_00004_.safetensors"]
+
+
 def test_a_session_without_ema_saves_one_file(tmp_path):
     session = train(demo_session(tmp_path), 1, device=CPU)
     assert session.ema_state is None

@@ -106,9 +106,9 @@ def test_a_name_taken_meanwhile_is_not_overwritten(tmp_path, monkeypatch):
     calls = []
     real = lora_file.next_free_path
 
-    def racing(folder, prefix):  # first answer: a name another writer has just taken
+    def racing(folder, prefix, **kwargs):  # first answer: a name another writer has just taken
         calls.append(1)
-        return taken if len(calls) == 1 else real(folder, prefix)
+        return taken if len(calls) == 1 else real(folder, prefix, **kwargs)
     monkeypatch.setattr(lora_file, "next_free_path", racing)
     path = save_lora(tmp_path, "x", model, spec, metadata={})
     assert path.name == "x_00002_.safetensors" and taken.read_bytes() == b"someone else's file"

@@ -94,8 +94,9 @@ def save_lora(folder: str | os.PathLike, filename_prefix: str, module: nn.Module
 
 def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict[str, Tensor], spec: LoraSpec, *,
                     metadata: dict[str, str], dtype: str = "fp32", dora_for: str = "comfyui",
-                    base_weight: BaseWeight | None = None) -> Path:
-    """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting).
+                    base_weight: BaseWeight | None = None, at_least: int = 1) -> Path:
+    """Write a `lora_state` to `folder`/`filename_prefix`_NNNNN_.safetensors (atomically, never overwriting; NNNNN
+    the next free counter, at least `at_least`).
 
     `metadata`: the run's facts as strings (trainer.run_metadata gives tightrope.base_model, .family, .steps,
     .strategy, .training: the TrainConfig as trained); the LoRA settings, the tightrope version and kohya's
@@ -113,7 +114,8 @@ def save_lora_state(folder: str | os.PathLike, filename_prefix: str, state: dict
                      "dora_for='standard'")
     for _ in range(100):  # another writer may take the same counter between choosing it and writing
         try:
-            return atomic_save_file(tensors, next_free_path(folder, filename_prefix), meta, overwrite=False)
+            return atomic_save_file(tensors, next_free_path(folder, filename_prefix, at_least=at_least), meta,
+                                    overwrite=False)
         except FileExistsError:
             continue
     raise LoraError(f"could not find a free file name for filename_prefix={filename_prefix!r} in {folder}: "

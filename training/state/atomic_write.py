@@ -254,12 +254,29 @@ def _shown(text: str, keep: int = 40) -> str:
     return repr(text) if len(text) <= 2 * keep else repr(text[:keep] + "..." + text[-keep:])
 
 
-def next_free_path(folder: str | os.PathLike, prefix: str, ext: str = ".safetensors") -> Path:
+def next_free_path(folder: str | os.PathLike, prefix: str, ext: str = ".safetensors", *, at_least: int = 1) -> Path:
     """ComfyUI-style counter name `{prefix}_{00001}_{ext}` under `folder`, one above the highest already there (so
-    an earlier file is never overwritten, even after deletions in between); creates the prefix's subfolders."""
+    an earlier file is never overwritten, even after deletions in between), and no lower than `at_least` (a file
+    that goes with another, e.g. a LoRA's EMA, takes its number); creates the prefix's subfolders."""
     base = safe_output_path(folder, prefix)
     base.parent.mkdir(parents=True, exist_ok=True)
+    return base.parent / f"{base.name}_{max(next_counter(folder, prefix, ext), at_least):05d}_{ext}"
+
+
+def next_counter(folder: str | os.PathLike, prefix: str, ext: str = ".safetensors") -> int:
+    """The counter next_free_path would give `prefix` in `folder` now: one above the highest there (1 if none)."""
+    base = safe_output_path(folder, prefix)
+    if not base.parent.is_dir():
+        return 1
     # case-insensitive: on Windows/macOS "My_lora_00001_" and "my_lora_00001_" are the same file
     pattern = re.compile(re.escape(base.name) + r"_(\d+)_" + re.escape(ext), re.IGNORECASE)
     used = [int(m.group(1)) for p in base.parent.iterdir() if (m := pattern.fullmatch(p.name))]
-    return base.parent / f"{base.name}_{max(used, default=0) + 1:05d}_{ext}"
+    return max(used, default=0) + 1
+
+
+def file_counter(path: str | os.PathLike) -> int:
+    """The counter in a name next_free_path made (`..._00007_.safetensors` -> 7)."""
+    match = re.search(r"_(\d+)_\.[^.]+$", os.fspath(path))
+    if match is None:
+        raise ValueError(f"{os.fspath(path)!r} has no counter: not a name next_free_path made")
+    return int(match.group(1))
