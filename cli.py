@@ -104,9 +104,9 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR
     except KeyboardInterrupt as stop:  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
-        states = os.path.join(os.path.abspath(output_dir), ".tightrope_state")  # nodes.host.state_dir, headless
-        saved = any(p.stat().st_mtime >= started - 1  # (coarse mtimes)
-                    for p in Path(states).rglob("*.state.safetensors"))
+        from .nodes.host import HEADLESS_STATE_DIR  # the run's host context has ended: its state_dir, spelled out
+        states = Path(output_dir).resolve() / HEADLESS_STATE_DIR
+        saved = any(p.stat().st_mtime >= started - 1 for p in states.rglob("*.state.safetensors"))  # coarse mtimes
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
         if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps

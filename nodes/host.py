@@ -90,13 +90,16 @@ def loras_dir() -> Path:
     return run_dir()  # every rank reads LoRAs from here; under torchrun only rank 0 writes (Save node, trainer)
 
 
+HEADLESS_STATE_DIR = ".tightrope_state"  # state_dir's folder in a headless run's output dir
+
+
 def state_dir() -> Path:
     """Training state files (for `--resume`) and their locks, where no LoRA list shows them: ComfyUI lists every
     .safetensors under models/loras as a LoRA, so the state lives in its user folder; headless in the output dir."""
     if in_comfyui():
         import folder_paths
         return Path(folder_paths.get_user_directory()) / "tightrope_state"
-    return run_dir() / ".tightrope_state"  # rank 0 writes, every rank reads it on --resume
+    return run_dir() / HEADLESS_STATE_DIR  # rank 0 writes, every rank reads it on --resume
 
 
 def notify(message: str) -> None:

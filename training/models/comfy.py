@@ -212,12 +212,7 @@ class ComfyModelAdapter:
 
     def predict(self, module, x_t, t, context, pooled, guidance, to_device=None):
         base = self.patcher.model
-        b = x_t.shape[0]
-        pooled_width = self._dims[1]
-        if pooled_width and pooled.shape[-1] != pooled_width:
-            raise ConfigError(f"this {self.family} model takes a pooled text embedding of width {pooled_width}, but "
-                              f"the dataset has width {pooled.shape[-1]}: encode the captions with this model's "
-                              "text encoders")
+        b = x_t.shape[0]  # the datasets' widths were checked before the run (input_checks.check_dataset_fits_model)
         params = {"cross_attn": context, "device": x_t.device, "noise": x_t, "width": x_t.shape[-1] * 8,
                   "height": x_t.shape[-2] * 8, "prompt_type": "positive", "guidance": float(guidance)}
         if pooled.shape[-1] > 0:

@@ -225,11 +225,10 @@ def safe_output_path(root: str | os.PathLike, prefix: str) -> Path:
     if not parts[-1] or parts[-1] == ".":
         raise OutputPathError(f"filename_prefix={prefix!r} ends in a folder, not a file name: add one, e.g. "
                          f"'{prefix.rstrip('/.')}/my_lora'")
-    for part in parts:
-        if len(part.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
-            raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: a name in it has "
-                                  f"{len(part.encode('utf-8', 'surrogatepass'))} bytes, more than the "
-                                  f"{NAME_MAX_BYTES} a file system allows: choose a shorter name")
+    for size in (len(part.encode("utf-8", "surrogatepass")) for part in parts):
+        if size > NAME_MAX_BYTES:
+            raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: a name in it has {size} bytes, "
+                                  f"more than the {NAME_MAX_BYTES} a file system allows: choose a shorter name")
     root_norm = os.path.normpath(os.path.abspath(root))
     target = os.path.normpath(os.path.join(root_norm, *[p for p in parts if p not in ("", ".")]))
     if os.path.commonpath([root_norm, target]) != root_norm:  # belt and braces after the checks above
