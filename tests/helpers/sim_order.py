@@ -118,13 +118,13 @@ class Timeline(SpanIndex):
         return best
 
 
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+            and t.device.type == "cpu" and t.numel() and t.data_ptr()]
+
+
 def tensor_spans(value) -> list[tuple[int, int]]:
-    out = []
-    for t in tree_leaves(value):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu" and t.numel() \
-                and t.data_ptr():
-            out.append(span(t))
-    return out
+    return [span(t) for t in _tensors(value)]
 
 
 def accesses(func, args, kwargs) -> tuple[list, list]:
@@ -145,8 +145,9 @@ class ComputeLog(TorchDispatchMode):
     (Timeline). The host's ops are checked instead: those of a host_side() region, and every op but a copy that
     touches page-locked host memory (registered through `sim.cudart`): no kernel in the runtime reads host memory,
     only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out, but an allocation on a
-    side stream forgets what compute did to those bytes (that stream's own pool); `*_like` ops read only their
-    input's shape."""
+    side stream is that stream's pool's (StreamSim.pool_allocation: what compute did to those bytes is forgotten,
+    what compute does to them later is checked when the pool reuses them); `*_like` ops read only their input's
+    shape."""
 
     def __init__(self, sim):
         super().__init__()
@@ -161,12 +162,12 @@ class ComputeLog(TorchDispatchMode):
         host = getattr(local, "host", 0)
         reads, writes = ([], []) if func in LIKE else accesses(func, args, kwargs)
         if not host and sim.current().side:
-            # memory allocated on a side stream is from that stream's pool of the caching allocator, which holds
-            # no block compute may still use (a tensor compute used was recorded on it): not compute's past
+            # memory allocated on a side stream is from that stream's pool of the caching allocator: not compute's
+            # past, but compute may use it from here on (StreamSim.pool_allocation checks the pool's reuse)
             with sim.lock:
-                for sp in tensor_spans(out):
-                    if not any(overlap(sp, a) for a in reads + writes):
-                        sim.timeline.forget(sp)
+                for t in _tensors(out):
+                    if not any(overlap(span(t), a) for a in reads + writes):
+                        sim.pool_allocation(sim.current(), t)
             return out
         outs = tensor_spans(out)
         with sim.lock:

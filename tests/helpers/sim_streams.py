@@ -38,6 +38,12 @@ The model is a GPU whose host runs ahead as far as it may:
   copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again (a
   host buffer dropped under its copy shows the same way). So is host memory unregistered through
   sim_branches.cuda_branches' driver model while a copy on it is queued.
+- Side streams' pools: memory allocated while a side stream is current is that stream's pool's (compute's earlier
+  use of the bytes is forgotten: on a GPU the two never share a block). Such a tensor is tracked (an alias keeps
+  its address from other tensors); when its stream allocates again and the program has let go of it, the caching
+  allocator may give it back to the stream: if compute used it later than the stream last waited for compute and
+  it was not `record_stream`ed on compute, that is a Hazard (the stream's next copies may overwrite bytes
+  compute's queued kernels still read).
 
 What it cannot see:
 - Host code on pageable memory outside a `host_side()` region runs as compute ops here (the model cannot tell a
@@ -49,11 +55,10 @@ What it cannot see:
   or an ordinary op, so the host's knowledge of compute advances only at the waits listed above, at `.item()` on
   the main thread (a value read on the host: `aten._local_scalar_dense`), and where sim_branches.cuda_branches says
   so (HostGradScaler's `.cpu()` copies). Stricter, never laxer.
-- The caching allocator itself: memory is never really handed out again (the lifetime check above says when it
-  could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after). Memory
-  allocated while a side stream is current is taken as that stream's pool (compute's earlier use of the bytes is
-  forgotten: sim_order.ComputeLog), so compute using such memory without `record_stream` on it is not seen
-  (tests/memory/test_input_copies.py checks InputCopies' records).
+- The caching allocator itself: memory is never really handed out again (the lifetime checks above say when it
+  could be); a `record_stream` made before its copy was queued is not seen (the runtime makes it after). A side
+  stream's pool block is checked only at that stream's next allocation (its sizes are not compared: any freed
+  block could be the one reused, stricter), and only for allocations made on the main thread.
 - Ops other than `aten.copy_` issued on a side stream (none in the runtime) run eagerly.
 """
 from __future__ import annotations
@@ -135,14 +140,21 @@ class _Entry:
             if name in self.recorded or not t.numel():
                 continue
             ptr, refs = _storage_refs(t)
-            queued = sum(other is not None and other.untyped_storage().data_ptr() == ptr
-                         for q in [self, *(e for st in sim.streams for e in st.queue)]
-                         for other in (q.dst, q.src))
-            if refs <= queued:
+            if refs <= sim.held(extra=self)[ptr]:
                 does = "writes into" if name == "dst" else "reads"
                 sim.hazards.append(Hazard(stream.name, f"{does} memory freed while its copy was queued, with no "
                                           "record_stream on this stream (the caching allocator may have handed it "
                                           "out again)", getattr(self, name + "_span"), 0, "", 0))
+
+
+class _PoolBlock:
+    """A tensor allocated while a side stream was current: a block of that stream's pool in the caching allocator.
+    Held through an alias (so the CPU allocator cannot give its address to another tensor while it is tracked);
+    `recorded`: record_stream(compute) was called on its memory."""
+    __slots__ = ("stream", "alias", "span", "recorded")
+
+    def __init__(self, stream: "SimStream", t: torch.Tensor):
+        self.stream, self.alias, self.span, self.recorded = stream, t.detach(), span(t), False
 
 
 class SimStream:
@@ -325,6 +337,7 @@ class StreamSim:
         self.hazards: list[Hazard] = []
         self.checking = False  # inside `with sim:`
         self._log: ComputeLog | None = None
+        self.pools: list[_PoolBlock] = []  # tensors allocated on side streams, until their stream may reuse them
 
     # -- torch.cuda's functions, simulated -------------------------------------------------------------------------
     def new_stream(self, device=None, priority: int = 0, **_) -> SimStream:
@@ -379,10 +392,44 @@ class StreamSim:
             return
         ptr = tensor.untyped_storage().data_ptr()
         with self.lock:
+            if not stream.side:  # a side stream's pool block that compute uses: kept from the pool until compute's done
+                for block in self.pools:
+                    if block.alias.untyped_storage().data_ptr() == ptr:
+                        block.recorded = True
             for entry in stream.queue:
                 for name in ("dst", "src"):
                     if getattr(entry, name).untyped_storage().data_ptr() == ptr:
                         entry.recorded.add(name)
+
+    # -- side streams' pools -----------------------------------------------------------------------------------------
+    def held(self, extra: _Entry | None = None) -> collections.Counter:
+        """Storage address -> how many of the simulation's own aliases hold it (queued copies, `extra` (a copy
+        being run, out of its queue), pool blocks): memory held only by these, the program has let go of."""
+        held = collections.Counter(b.alias.untyped_storage().data_ptr() for b in self.pools)
+        for q in [*([extra] if extra is not None else []), *(e for st in self.streams for e in st.queue)]:
+            for other in (q.dst, q.src):
+                held[other.untyped_storage().data_ptr()] += 1
+        return held
+
+    def pool_allocation(self, stream: SimStream, t: torch.Tensor) -> None:
+        """`t` was just allocated on side stream `stream` (called by ComputeLog, under the lock). The caching
+        allocator may have given it any block of that stream's pool the program had freed: a freed block compute
+        used later than `stream` last waited for compute, with no record_stream on compute, is a hazard (the
+        stream's new work may overwrite bytes compute's queued kernels still read). Then `t` is tracked."""
+        held = self.held()
+        kept = []
+        for block in self.pools:
+            ptr, refs = _storage_refs(block.alias)
+            if block.stream is not stream or refs > held[ptr]:
+                kept.append(block)  # another pool's, or still the program's
+                continue
+            n, op = self.timeline.last(block.span, writes_only=False)
+            if not block.recorded and n > stream.compute_seen:
+                self.hazards.append(Hazard(stream.name, "reuses memory of its pool freed with no record_stream on "
+                                           "compute, its", block.span, n, op, stream.compute_seen))
+        self.pools = kept
+        self.timeline.forget(span(t))
+        self.pools.append(_PoolBlock(stream, t))
 
     # -- the lag ---------------------------------------------------------------------------------------------------
     def _host_saw(self, compute_op: int) -> None:
@@ -471,6 +518,7 @@ class StreamSim:
             self.flush_all()
         finally:
             self.checking = False
+            self.pools = []
             if self._log is not None:
                 self._log.__exit__(None, None, None)
                 self._log = None

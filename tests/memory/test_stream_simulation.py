@@ -17,7 +17,8 @@ activation copied out before the kernel that makes it). Hazards a test did not t
 
 Lifetimes too: a queued copy's tensors are held through aliases that keep no view's base alive, so when the copy
 runs, memory the program had already dropped without `record_stream` on that stream (the caching allocator would
-have handed it out again) is a hazard.
+have handed it out again) is a hazard; so is a side stream's allocation that may reuse a block of its pool which
+compute used and which was freed with no `record_stream` on compute (a step's inputs, InputCopies).
 
 What the model cannot see (the helper's docstring has the whole list): the allocator really handing memory out;
 host memory unpinned under a queued copy.
@@ -323,6 +324,44 @@ def test_memory_dropped_under_a_queued_copy_needs_record_stream(sim):
     del again
     torch.cuda.synchronize()
     assert not sim.take_hazards() and torch.equal(dst, torch.ones(4)) and view.shape == (6,)
+
+
+def test_a_side_stream_pool_block_compute_used_needs_record_stream_on_compute(sim):
+    """A tensor allocated on a side stream is a block of that stream's pool: freed, the allocator gives it to the
+    stream's next allocation at once, whatever compute still has queued on it, unless it was record_stream'd on
+    compute or the stream waited for compute since."""
+    side, compute = torch.cuda.Stream("cpu"), torch.cuda.current_stream()
+
+    def copy_in(n):
+        with sim.host_side():
+            src = torch.ones(n)  # the host's (pageable) memory
+        with torch.cuda.stream(side):
+            out = torch.empty_like(src)
+            out.copy_(src)  # pageable: a blocking copy
+        compute.wait_stream(side)
+        return out
+
+    first = copy_in(4)
+    (first * 2).sum()  # compute reads it
+    del first
+    held = copy_in(4)  # may land in first's block, under compute's queued reads
+    found = sim.take_hazards()
+    assert [(h.who, h.does.split(" memory")[0], h.op) for h in found] == [("side0", "reuses", "aten.mul.Tensor")]
+    assert str(found[0]).startswith("side0 reuses memory of its pool freed with no record_stream on compute, its "
+                                    "bytes [0x") and "that compute op #1 (aten.mul.Tensor) touched" in str(found[0])
+
+    (held * 2).sum()
+    held.record_stream(compute)
+    del held
+    kept = copy_in(4)  # the recorded block waits for compute: not this one
+    (kept + 1).sum()
+    del kept
+    side.wait_stream(compute)  # or the stream orders its next work after compute's
+    copy_in(4)
+    unused = copy_in(4)  # compute never touched it: free to reuse
+    del unused
+    copy_in(4)
+    assert not sim.take_hazards() and sim.counters.record_streams == 1
 
 
 def test_hazards_no_test_took_fail_the_simulation():
@@ -649,6 +688,9 @@ RECORD_CONTROLS = {
     # a gradient copied to the host, freed at once (p.grad = None) while its copy is queued (HostOptimizer._copy)
     "gradient_out": (_no_record_stream("optimizer"), Strategy.of(optimizer_offload=True, **FP32),
                      ("optimizer", "reads")),
+    # a step's inputs, allocated and copied on their own stream and read by compute, freed at the next step's copies
+    # (InputCopies: record_stream on compute)
+    "inputs_in": (_no_record_stream("compute"), Strategy.of(**FP32), ("inputs", "reuses")),
 }
 
 
