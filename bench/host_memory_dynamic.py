@@ -75,9 +75,19 @@ def load_dynamic(checkpoint: str, **model_options):
                                       m.weight.dtype, device="meta")  # device memory: no host bytes here
             m._v_bias = None if m.bias is None else torch.empty(m.bias.shape, dtype=m.bias.dtype, device="meta")
             m._pins = {"weights": {"registered": False, "balancer_priority": 0, "stack_index": 0}}
+    for blocks in (m for m in p.model.diffusion_model.children() if isinstance(m, torch.nn.ModuleList)):
+        for block in blocks:  # comfy/model_prefetch.py's per-block state (a captured CUDA graph with enable_graph)
+            block._v_block_faulted, block._comfy_graph = False, {"graph": _CapturedGraph(), "signature": None}
     loads, (loader, args) = [], p.cached_patcher_init[:2]
     p.cached_patcher_init = (lambda *a, **k: loads.append(a) or loader(*a, **k), args)
     return p, loads
+
+
+class _CapturedGraph:
+    """Stands for a torch.cuda.CUDAGraph in a block's `_comfy_graph`: it cannot be copied."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a captured CUDA graph cannot be deep-copied")
 
 
 def child(comfy_dir: str, checkpoint: str, mode: str, txt_len: int, resolution: int) -> dict:

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-# Per-module attributes of ComfyUI's dynamic-VRAM path (ComfyUI 0.3x with comfy-aimdo 0.4), plus every
+# Per-module attributes of ComfyUI's dynamic-VRAM path (ComfyUI 0.3x with comfy-aimdo 0.4; comfy/model_prefetch.py's
+# `_v_block_faulted` and `_comfy_graph`, a captured CUDA graph that no copy may share or deep-copy), plus every
 # `<param>_lowvram_function` (LoRA patches applied at cast time).
-_STATE = frozenset({"_v", "_v_signature", "_v_weight", "_v_bias", "_v_block", "_prefetch", "_pin_state", "_pins",
-                    "seed_key", "comfy_cast_weights", "weight_function", "bias_function"})
+_STATE = frozenset({"_v", "_v_signature", "_v_weight", "_v_bias", "_v_block", "_v_block_faulted", "_comfy_graph",
+                    "_prefetch", "_pin_state", "_pins", "seed_key", "comfy_cast_weights", "weight_function",
+                    "bias_function"})
 
 
 def dynamic_vram_state(module: nn.Module) -> list[tuple[str, Any]]:
