@@ -193,11 +193,17 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
     def make(batch: dict, step: int, micro: int, share: float) -> HostInputs:
         return prepare(batch, adapter.process_latents, _training_stream_seed(cfg.seed, step, micro), share,
                        timestep_sampling=cfg.timestep_sampling, timestep_shift=cfg.timestep_shift)
-    micro_batches = MicroBatches(batches, cfg.grad_accumulation, run.step, run.end, make)  # read one ahead
+    micro_batches = None
     try:
+        # a stop landing while MicroBatches starts its worker thread (Thread.start waits for it: a signal can raise
+        # there) left the thread running, registered nowhere: never closed, the process hung at exit. Held until
+        # the object exists, so `finally` closes it
+        with held_stops():
+            micro_batches = MicroBatches(batches, cfg.grad_accumulation, run.step, run.end, make)  # read one ahead
         _steps(session, run, parts, micro_batches, scaler)
     finally:
-        micro_batches.close()
+        if micro_batches is not None:
+            micro_batches.close()
 
 
 def _steps(session: TrainingSession, run: _Run, parts: _RunParts, micro_batches: MicroBatches, scaler) -> None:

@@ -138,6 +138,32 @@ def test_a_stop_while_the_run_ends_waits_until_its_last_step_is_saved(tmp_path, 
     assert load_state(state_path(save.folder, "run")).step == 3
 
 
+def test_a_stop_while_the_batch_worker_starts_leaves_no_thread_behind(tmp_path, monkeypatch):
+    """SIGTERM landing inside Thread.start of MicroBatches' worker (start waits for the thread: a handler can raise
+    there) raised before the executor had registered the thread: nothing ever told it to end, and the process hung
+    at exit after reporting the stop (found by a helper interrupting headless runs). Held until MicroBatches exists,
+    so the run's `finally` closes it."""
+    from demo_setup import demo_session
+
+    from tightrope.training.trainer import train
+    real_start = threading.Thread.start
+
+    def start(self):
+        real_start(self)
+        if self.name.startswith("tightrope-batches"):
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before start() returns
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with polite_stops(), pytest.raises(StopSignal):
+        train(demo_session(tmp_path), 3, device=torch.device("cpu"))
+    workers = [t for t in threading.enumerate() if t.name.startswith("tightrope-batches")]
+    for t in workers:
+        t.join(timeout=10)
+    left = [t for t in workers if t.is_alive()]
+    for t in left:  # a regression: wake the orphan (its executor is gone), so the test process can still exit
+        t._args[1].put(None)
+    assert not left
+
+
 def _swallowed_sigterm():
     """SIGTERM handled while Python runs a weakref finalizer (the memory runtime registers them on weight views and
     storages): the handler's StopSignal raises inside the finalizer, which prints it as "Exception ignored" and
