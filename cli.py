@@ -105,8 +105,12 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         return EXIT_WORKFLOW_ERROR
     except KeyboardInterrupt as stop:  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
         from .nodes.host import HEADLESS_STATE_DIR  # the run's host context has ended: its state_dir, spelled out
+        from .training.state.resume import unfinished_run
         states = Path(output_dir).resolve() / HEADLESS_STATE_DIR
-        saved = any(p.stat().st_mtime >= started - 1 for p in states.rglob("*.state.safetensors"))  # coarse mtimes
+        # written in this run (coarse mtimes), or an interrupted run's state that a --resume stopped before its
+        # first new step left in place: either way --resume goes on from it
+        saved = any(p.stat().st_mtime >= started - 1 or unfinished_run(p) is not None
+                    for p in states.rglob("*.state.safetensors"))
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
         if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps

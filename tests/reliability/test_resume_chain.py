@@ -238,6 +238,12 @@ def test_without_resume_an_interrupted_run_is_refused_before_any_node_trains(tmp
     assert "error: Train node 8's run was interrupted at step 5 of 6 (saved in " in err
     assert "run again with --resume to go on from it, or delete that file to train from the start" in err
     assert {p: p.read_bytes() for p in (tmp_path / "cut").rglob("*") if p.is_file()} == files
+    for p in (tmp_path / "cut").rglob("*.state.safetensors"):
+        os.utime(p, (p.stat().st_atime, p.stat().st_mtime - 3600))  # written by an earlier process
+    with monkeypatch.context() as m:  # a --resume stopped before its first new step: the interrupted state is kept
+        m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        assert run("cut", "--resume") == 130
+    assert "Train nodes saved their last completed step: run again with --resume" in capsys.readouterr().err
     with _no_resume_warnings():
         assert run("cut", "--resume") == 0  # and --resume still goes on from it
 
