@@ -80,8 +80,9 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str 
 def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
     """The checks of a training run's inputs that need no model (the run calls them first, and the Train node before
     an `auto` strategy's probe, which loads and runs the model): steps, the validation split, batch_size against the
-    dataset and the world, the optimizer's package. Returns (the images to train on, the validation set or None)."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    dataset and the world, the optimizer's package. Returns (the images to train on, the validation set or None).
+    steps 0: a finished run's unscored last validation (training_run); the Train node's widget takes 1 or more."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     check_same_data_on_every_rank(session.dataset)  # first: a check below could fail on one rank's data only
     cfg = session.config

@@ -96,7 +96,8 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
           run_start: int | None = None, log_dir: str | Path | None = None,
           notify: Callable[[str], None] | None = None,
           interrupts: tuple[type[BaseException], ...] = ()) -> TrainingSession:
-    """`steps` optimizer steps from `session`. run_start: where the node run that this call resumes began (its LR
+    """`steps` optimizer steps from `session` (0: none, the validation loss of the step it is at scored if due and
+    the state saved: a stop had left it unscored). run_start: where the node run that this call resumes began (its LR
     schedule and progress count from there); default session.step. log_dir: TensorBoard scalars go there; notify:
     gets the run's log lines (validation losses). interrupts: the host's interrupt exceptions (ComfyUI's ops raise
     one mid-step): the step in flight is dropped and the run ends as interrupted, as `should_stop` ends it."""
@@ -145,7 +146,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     raise TrainingOutOfMemoryError(oom_message(session, run, runtime.device, oom, save))
                 ending.enter_context(held_stops())  # a stop from here on waits until the run is saved and undone
                 state, optimizer_state = trained_states(module, optimizer, run.scaler)
-                if run.step < session.step + steps or (save is not None and save.every):  # stopped early, or saving
+                if run.step < session.step + steps or (steps and save is not None and save.every):  # stopped, saving
                     _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
                 elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
                     _save_final_state(session, run, save, state, optimizer_state)

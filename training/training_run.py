@@ -78,8 +78,13 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
         if resumed is not None:
             session, state = resumed
             run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
-            if left < 1:
+            if left < 1 and not _validation_unscored(session):
                 return _finished(session, state, state_file, steps, progress, notify)
+            if left < 1:  # a stop landed in the last step's validation: scored now (0 steps), then saved
+                left = 0
+                if notify is not None:
+                    notify(f"Train node{_named(node_id)} had finished its steps (step {session.step} in "
+                           f"'{state_file}'), but a stop left its validation loss unscored: scoring it")
             if notify is not None:
                 notify(f"Train node{_named(node_id)} goes on from step {session.step} of its run (steps "
                        f"{state.run_start}-{state.run_start + steps}), saved in '{state_file}'")
@@ -98,6 +103,8 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation, plan))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,
                        run_start=run_start, log_dir=log_dir, notify=notify, interrupts=interrupts)
+        if left == 0 and progress is not None and result.losses:
+            progress(steps, steps, result.losses[-1])  # its progress bar shows it done
     release_freed_host_memory()  # train() has returned: its optimizer, LoRA layers and save buffers are freed now
     node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)
@@ -150,6 +157,12 @@ def _finished(session: TrainingSession, state: Any, state_file: Path, steps: int
     if progress is not None and session.losses:
         progress(steps, steps, session.losses[-1])  # its progress bar shows it done
     return session, model_with_lora(session), report(session, session.step - state.run_start, owner.get("note", ""))
+
+
+def _validation_unscored(session: TrainingSession) -> bool:
+    """A finished run's state without its last step's validation loss (a stop landed while it was scored)."""
+    validates = session.validation_dataset is not None or session.config.validation_fraction > 0
+    return validates and not (session.validation_losses and session.validation_losses[-1][0] == session.step)
 
 
 def _inherited_validation(session: TrainingSession, config: TrainConfig) -> Any:

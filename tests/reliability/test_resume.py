@@ -93,6 +93,42 @@ def test_train_node_resumes_only_its_remaining_steps(out, monkeypatch):
         assert calls == [(6, 6)] and again.step == 6 and again.losses == whole.losses  # its bar shown full, once
 
 
+def test_a_stop_in_the_last_steps_validation_is_scored_on_resume(out, monkeypatch):
+    """A stop while the run's last step was being validated saved that step: the state said finished, so --resume
+    returned it with that validation loss missing for good (state file, report, plots; found by a helper). Now the
+    resumed node scores it (no step trained) and saves it: the history equals an uninterrupted run's."""
+    from tightrope.training.validation import Validation
+    model, dataset, spec, strat = world(out)
+    kw = dict(steps=4, validation_fraction=0.25, validation_every=2)
+    with torch.inference_mode():
+        whole, _, _ = train_node(model, dataset, spec, strat, filename_prefix="rt/whole", **kw)
+        assert [s for s, _ in whole.validation_losses] == [0, 2, 4]
+        real = Validation.score_if_due
+
+        def stopped_at_the_end(self, step, *a):
+            if step == 4:
+                raise KeyboardInterrupt
+            return real(self, step, *a)
+        with monkeypatch.context() as m:
+            m.setattr(Validation, "score_if_due", stopped_at_the_end)
+            with pytest.raises(KeyboardInterrupt):
+                train_node(model, dataset, spec, strat, **kw)
+        path = state_path(host.state_dir(), "rt/lora")
+        assert load_state(path).step == 4 and [s for s, _ in load_state(path).info["validation"]] == [0, 2]
+        notes, calls = [], []
+        monkeypatch.setattr(host, "notify", notes.append)
+        monkeypatch.setattr(host, "progress_reporter", lambda total: lambda d, t, loss: calls.append((d, t)))
+        with resuming():
+            resumed, _, _ = train_node(model, dataset, spec, strat, **kw)
+            assert resumed.validation_losses == whole.validation_losses and resumed.losses == whole.losses
+            assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
+            assert any("a stop left its validation loss unscored: scoring it" in n for n in notes) and calls == [(4, 4)]
+            notes.clear()
+            again, _, _ = train_node(model, dataset, spec, strat, **kw)  # now finished, scored: nothing to do
+        assert again.validation_losses == whole.validation_losses and any("nothing to do" in n for n in notes)
+        assert load_state(path).step == 4 and [s for s, _ in load_state(path).info["validation"]] == [0, 2, 4]
+
+
 def test_resume_refuses_other_lora_settings(out, monkeypatch):
     model, dataset, spec, strat = world(out)
     monkeypatch.setattr(host, "interrupt_requested", lambda: True)
