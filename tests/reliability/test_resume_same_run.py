@@ -58,6 +58,17 @@ def test_queued_again_after_an_interrupt_the_node_goes_on_to_the_uninterrupted_l
         assert all(torch.equal(resumed.optimizer_state["state"][k][n], t) for n, t in v.items())
 
 
+def test_a_memory_setting_that_moves_the_same_values_goes_on_to_the_uninterrupted_lora(out, comfy):
+    """Interrupted, then queued with layer offload, activation offload and checkpointing changed (what a user does
+    after running out of memory): these move or recompute the same values, so the run goes on, bit for bit."""
+    model, dataset, spec, strat = world(out)
+    whole, _, _ = train_node(model, dataset, spec, strat, **KW, filename_prefix="rt/whole")
+    _interrupted(comfy, model, dataset, spec, strat)
+    leaner = strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True)
+    resumed, _, _ = train_node(model, dataset, spec, leaner, **KW)
+    assert comfy["calls"] == [4, 5, 6] and resumed.losses == whole.losses and _same(resumed.lora_state, whole.lora_state)
+
+
 def test_a_finished_node_queued_again_returns_its_result_untrained(out, comfy, monkeypatch):
     """After a server restart ComfyUI runs every node again: a finished Train node must not train again."""
     inputs = world(out)
@@ -141,6 +152,12 @@ def _change_precision(out, model, dataset, spec, strat):
     return (model, dataset, spec, strat), (model, dataset, spec, strategy(compute_dtype="bf16")), "precision"
 
 
+def _change_token_chunks(out, model, dataset, spec, strat):
+    """Token chunks sum a block's weight gradients by chunks: other rounding (found by a helper: resumed silently)."""
+    return (model, dataset, spec, strat), (model, dataset, spec, strategy(token_chunks=2, checkpoint="all")), \
+        "token_chunks: 1 -> 2"
+
+
 def _change_existing_lora(out, model, dataset, spec, strat):
     """The LoRA Setup continues from a file that is then replaced under the same name."""
     path = out / "continue_from.safetensors"
@@ -154,7 +171,8 @@ def _change_existing_lora(out, model, dataset, spec, strat):
     return inputs, replaced, "existing_lora: the same name, another file"
 
 
-@pytest.mark.parametrize("change", [_change_model, _change_image, _change_precision, _change_existing_lora])
+@pytest.mark.parametrize("change", [_change_model, _change_image, _change_precision, _change_token_chunks,
+                                    _change_existing_lora])
 @pytest.mark.parametrize("finished", [False, True])
 def test_changed_inputs_train_anew_and_say_what(out, comfy, change, finished):
     """Interrupted (or finished), then queued with one input changed: the node must train from its input, to what

@@ -301,14 +301,33 @@ def _other_run(path: Path, saved: dict | None, owner: StateOwner, quiet: bool = 
 
 def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
     """What changed besides the settings, as resume's diff lists it: the bytes of the existing_lora file (its name
-    can stay), and the precision of the node's strategy (the memory parts give the same numbers; dtypes do not)."""
+    can stay), and the parts of the node's strategy that change the numbers (_numeric_parts). An `auto` strategy's
+    plan carries over while its request and device stay the same (training_run)."""
     out = []
     if "lora_file" in info and info["lora_file"] != lora_file_digest(session.lora):
         out.append("existing_lora: the same name, another file")
-    saved = (info.get("strategy") or {}).get("precision")
-    precision = getattr(strategy, "precision", None)
-    if saved is not None and precision is not None and _as_saved(precision.to_dict()) != saved:
-        out.append(f"precision: {saved} -> {_as_saved(precision.to_dict())}")
+    saved = info.get("strategy")
+    if saved and isinstance(strategy, Strategy):
+        was, now = _numeric_parts(saved), _numeric_parts(_as_saved(strategy.to_dict()))
+        out += [f"{k}: {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
+    return out
+
+
+def _numeric_parts(strategy: dict) -> dict:
+    """The parts of a strategy (as saved) that change a run's numbers: the precision; token chunks (a block's
+    matmuls by chunks sum its weight gradients in another order); per-block compile (inductor's fused kernels round
+    otherwise); optimizer offload (AdamW on the host: a few ulps from the device's on a GPU). Layer and activation
+    offload and checkpointing move or recompute the same values: the same numbers. A part a state file predating it
+    lacks is left out."""
+    out = {}
+    if "precision" in strategy:
+        out["precision"] = strategy["precision"]
+    if "token_chunks" in strategy.get("checkpointing", {}):
+        out["token_chunks"] = strategy["checkpointing"]["token_chunks"]
+    if "compiler" in strategy:
+        out["compile"] = strategy["compiler"] if strategy["compiler"].get("scope", "off") != "off" else "off"
+    if "enabled" in strategy.get("optimizer", {}):
+        out["optimizer_offload"] = strategy["optimizer"]["enabled"]
     return out
 
 
