@@ -43,6 +43,46 @@ def _backend(name: str, budget: float, mode: str) -> Callable:
     return _BACKENDS[key]
 
 
+RECOMPILE_LIMIT = 64  # per code object while a runtime compiles (dynamo's default: 8)
+
+
+class CompileCaches:
+    """Dynamo's caches for one runtime's compiled blocks (open from apply to undo).
+
+    Dynamo keeps compiled graphs on the code objects it compiled: the blocks' forwards, and functions of peft's
+    adapters where a graph breaks (LoHa's, LoKr's). A long-lived process (a ComfyUI server) that trains one LoRA
+    setup after another piled entries up on those code objects (adapter types x grad modes x block types), and past
+    dynamo's recompile limit (8) the blocks ran eagerly without a word: slower, and holding the activations the
+    memory budget was meant to drop. So while the runtime runs the limit is RECOMPILE_LIMIT (one LoKr run alone can
+    pass 8), and at undo every code object that gained cache entries in the meantime has its cache dropped (ComfyUI
+    runs one prompt at a time, so those entries are this run's; an entry another compile had there is compiled
+    again when next needed). A chain of Train nodes compiles again at each node (inductor's graph cache makes that
+    quicker than the first time)."""
+
+    def __init__(self):
+        self._before = _entry_counts()
+        self._limit = torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT,
+                                                                     torch._dynamo.config.recompile_limit))
+        self._limit.__enter__()
+
+    def close(self) -> None:
+        try:
+            from torch._C._dynamo.eval_frame import reset_code
+            for code, n in _entry_counts().items():
+                if n > self._before.get(code, 0):
+                    reset_code(code)
+        finally:
+            self._limit.__exit__(None, None, None)
+
+
+def _entry_counts() -> dict:
+    """code object -> how many compiled entries dynamo holds on it, for every code object dynamo has seen."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.convert_frame import input_codes
+    codes = (ref() for ref in list(input_codes.seen))
+    return {code: len(_debug_get_cache_entry_list(code)) for code in codes if code is not None}
+
+
 def compile_block(forward: Callable, config: CompileConfig) -> Callable:
     return torch.compile(forward, backend=_backend(config.backend, config.activation_memory_budget, config.mode))
 

@@ -8,9 +8,10 @@ Apply order:
   2. placement: everything except offloaded blocks' frozen weights moves to the device (frozen weights in the
      weight dtype); trainable parameters (LoRA) are always resident, so their optimizer state is too.
   3. layer offload: host master copies and device slots for the offloaded blocks.
-  4. block forwards, from the inside out: per-block compile or, with token_chunks > 1 for a block whose type has a
-     registered chunked forward (token_chunks.py), that chunked forward (each chunk one recompute region that loads
-     the block again before running: a chunk recomputed in backward must not read another block's slot), then
+  4. block forwards, from the inside out: per-block compile (the run's dynamo caches dropped at undo) or, with
+     token_chunks > 1 for a block whose type has a registered chunked forward (token_chunks.py), that chunked
+     forward (each chunk one recompute region that loads the block again before running: a chunk recomputed in
+     backward must not read another block's slot), then
      "load this block (and prefetch)" plus input clones, then eager checkpointing, then saved-tensor hooks (weight
      references, activation offload). The result is set as the block's instance-level `forward`, so module names
      and state-dict keys never change.
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from .activation_offload import ActivationOffload
-from .block_compile import compile_block, compiled_graph_count
+from .block_compile import CompileCaches, compile_block, compiled_graph_count
 from .blocks import MUTATES_INPUTS, Block, discover_blocks
 from .checkpointing import InPlaceInputs, checkpointed_call
 from .dtypes import TORCH_DTYPES
@@ -74,6 +75,7 @@ class MemoryRuntime:
         self.acts: ActivationOffload | None = None
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._patched: list[tuple[nn.Module, Any]] = []
+        self._compile_caches: CompileCaches | None = None  # per-block compile: dynamo's caches, dropped at undo
         self._last_backward_block: int | None = None
         self._forwarding: set[int] = set()  # blocks whose patched forward is running (not their checkpoint's recompute)
         self._param_storages: set[int] = set()
@@ -109,6 +111,8 @@ class MemoryRuntime:
             self._param_storages = _storage_ptrs(self._model_tensors())
             if self.offload is not None:
                 self._param_storages |= self.offload.device_storage_ptrs()
+            if self.strategy.compiler.per_block:
+                self._compile_caches = CompileCaches()
             for i, block in enumerate(self.blocks):
                 self._patch_forward(i, block.module)
             self._warn_of_settings_that_do_nothing()
@@ -127,6 +131,9 @@ class MemoryRuntime:
             else:
                 module.forward = previous
         self._patched.clear()
+        if self._compile_caches is not None:  # the compiled forwards are gone: their graphs go too
+            self._compile_caches.close()
+            self._compile_caches = None
         if self.offload is not None:
             self.offload.detach()
             self.offload = None

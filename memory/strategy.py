@@ -141,7 +141,9 @@ class ActivationOffloadConfig(_Part):
 
 @dataclass(frozen=True, kw_only=True)
 class CompileConfig(_Part):
-    """Per-block torch.compile (`block_compile.compile_block`)."""
+    """Per-block torch.compile (`block_compile.compile_block`). The same training in the same arithmetic, but not
+    bit for bit: inductor's fused kernels round otherwise, and with LoRA dropout a compiled block draws other masks
+    from the same seed (its gradients are those of its own masks: the same training in distribution)."""
     FLAT = {"scope": "compile", "mode": "compile_mode", "backend": "compile_backend",
             "activation_memory_budget": "activation_memory_budget"}
 

@@ -154,12 +154,19 @@ class TwoStream(nn.Module):
         return self.out(x[:, txt.shape[1]:])
 
 
-def make_lora_model(seed=0, **kw):
-    """The model with frozen base weights and LoRA (peft) on every block linear, B initialised non-zero."""
+LORA_TARGETS = r".*_blocks\.\d+\..*(qkv|proj|mod|shift|txt_to_img|mlp\.[02])"
+
+
+def make_lora_model(seed=0, config=None, **kw):
+    """The model with frozen base weights and LoRA (peft) on every block linear, B initialised non-zero; `config`: a
+    peft config of another adapter instead (its target_modules are set here)."""
     torch.manual_seed(seed)
     model = TwoStream(**kw)
     model.requires_grad_(False)
-    cfg = LoraConfig(r=4, lora_alpha=4, target_modules=r".*_blocks\.\d+\..*(qkv|proj|mod|shift|txt_to_img|mlp\.[02])")
+    if config is not None:
+        config.target_modules = LORA_TARGETS
+        return inject_adapter_in_model(config, model)
+    cfg = LoraConfig(r=4, lora_alpha=4, target_modules=LORA_TARGETS)
     model = inject_adapter_in_model(cfg, model)
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -1,6 +1,6 @@
 """Per-block compile: stable graphs across steps, no eager fallback, and mode options in the backward too."""
 import torch
-from two_stream import make_lora_model, train_steps
+from two_stream import make_batch, make_lora_model, train_steps
 
 from tightrope.memory import block_compile
 from tightrope.memory.blocks import MUTATES_INPUTS
@@ -48,6 +48,27 @@ def test_graphs_stay_put_and_every_block_runs_compiled(monkeypatch):
             runs.append(calls[0] - before)
     assert graphs[0] == graphs[1], f"graphs compiled after steps 1 and 2: {graphs}"
     assert runs == [n_double + n_single] * 2, f"compiled block runs per step: {runs}"
+
+
+def test_runs_one_after_another_never_reach_the_recompile_limit():
+    """A long-lived process (a ComfyUI server) trains one LoRA setup after another, each validating without
+    gradients: dynamo keeps its graphs on the code object it compiled, so with one code object for every run the
+    entries piled up (adapter types x grad modes) and past the recompile limit (8) the blocks ran eagerly without a
+    word (found by a helper fuzzing strategies): slower, and holding the activations the memory budget was to drop.
+    Each runtime compiles its own code object, dropped with it at undo. (fail_on_recompile_limit_hit: the limit
+    raises here instead of falling back to eager.)"""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                           activation_memory_budget=0.5)
+    setups = [LoraConfig(r=4), LoHaConfig(r=4), LoKrConfig(r=4), LoraConfig(r=4, use_dora=True),
+              LoraConfig(r=4, lora_dropout=0.1)]  # other adapter modules each time: guards that cannot pass
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for config in setups:
+            model = make_lora_model(config=config, n_double=1, n_single=1)
+            with MemoryRuntime(model, strategy, "cpu") as rt:
+                train_steps(model, steps=1, runtime=rt)
+                with torch.no_grad():  # a validation pass
+                    model(**make_batch(seed=7)[0])
 
 
 def test_compile_mode_options_reach_the_backward(monkeypatch):
