@@ -64,6 +64,9 @@ def cuda_branches(monkeypatch, cudart=None):
         if torch.device(device).type == "cpu":
             self._stream = torch.cuda.Stream(device)
             self._stream.name = "optimizer"
+        if self._pinned is None:  # pageable host buffers (pin_memory=False): host memory all the same, not compute's
+            for t in [*self._grads, *(self._staging or []), *self.host.values()]:
+                sim.pageable_host.add(span(t))
         inner_step = self.inner.step
 
         def host_step(*a, **k):  # AdamW on the host buffers: the host's work, not the GPU's queue

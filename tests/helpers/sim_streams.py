@@ -47,8 +47,9 @@ The model is a GPU whose host runs ahead as far as it may:
 
 What it cannot see:
 - Host code on pageable memory outside a `host_side()` region runs as compute ops here (the model cannot tell a
-  pageable host tensor from a device one); that is stricter (more waits required), never laxer, for the copies,
-  and unchecked for the host. Host reads are not checked at all: the host reads device results only through
+  pageable host tensor from a device one, unless told: `pageable_host`, which sim_branches fills with the host
+  optimizer's buffers when they are not page-locked); that is stricter (more waits required), never laxer, for the
+  copies, and unchecked for the host. Host reads are not checked at all: the host reads device results only through
   copies, and a copy on the compute stream runs at once here (a non-blocking device-to-host copy read before its
   event is not seen).
 - A blocking copy to the host (`.cpu()`) waits for the compute stream on a GPU; on the "cpu" device it is a no-op
@@ -333,6 +334,7 @@ class StreamSim:
         self.timeline = Timeline()
         self.cudart = None  # the driver model page-locking host memory (cuda_branches): its ranges are host memory
         self._registered = (None, SpanIndex())  # (cudart's call counts, its live ranges) cached
+        self.pageable_host = SpanIndex()  # host-only buffers that are not page-locked (sim_branches marks them)
         self.host_seen = 0  # the compute op the host last synchronised past
         self.hazards: list[Hazard] = []
         self.checking = False  # inside `with sim:`
@@ -446,6 +448,8 @@ class StreamSim:
             self._local.host -= 1
 
     def _in_host_memory(self, sp: tuple[int, int]) -> bool:
+        if self.pageable_host.overlaps(sp):
+            return True
         if self.cudart is None:
             return False
         version = (len(self.cudart.registered), len(self.cudart.unregistered))

@@ -408,6 +408,8 @@ STRATEGIES = {
                   ["layers", "acts"]),
     "optimizer": (Strategy.of(offload_fraction=0.5, optimizer_offload=True, **FP32), 2, ["layers", "optimizer"]),
     "token_chunks": (Strategy.of(offload_fraction=1.0, checkpoint="all", token_chunks=2, **FP32), 2, ["layers"]),
+    # host buffers not page-locked: the host's own memory all the same (the finite check and clipping run there)
+    "optimizer_pageable": (Strategy.of(optimizer_offload=True, pin_memory=False, **FP32), 2, ["optimizer"]),
 }
 
 
@@ -423,7 +425,8 @@ def test_the_cuda_branches_train_as_plain_pytorch(branches, sim, name):
         assert stream.deferred > 0, f"{owner}: no copy was deferred"
         assert stream.flushed == stream.deferred, f"{owner}: copies left in flight"
     # the host ran ahead of the copies, and only the runtime's own waits landed them
-    assert sim.counters.max_pending > 1 and sim.pending() == 0 and sim.counters.wait_events > 0
+    assert sim.counters.max_pending > 1 and sim.pending() == 0
+    assert sim.counters.wait_events > 0 if {"layers", "acts"} & set(owners) else sim.counters.event_syncs > 0
     assert sim.counters.events_recorded > 0
     # every side copy was checked against the compute log (none raced it: the fixture fails on hazards left)
     assert sim.counters.compute_ops > 0 and sim.counters.checked_copies == sim.counters.deferred + sim.counters.blocking
