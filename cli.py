@@ -5,18 +5,22 @@
     torchrun --nproc_per_node=N -m tightrope run WORKFLOW.json ...   (data parallel: docs/distributed.md)
     tightrope bench ...
 
-Exit codes: 0 success, 2 a problem in the workflow or the command line, 1 anything else, 130 Ctrl-C, 143 SIGTERM
-(129 SIGHUP, 138 SIGUSR1: every polite stop saves like Ctrl-C, headless/stop_signals.py).
+Exit codes: 0 success, 2 bad input (the workflow, a node's input or the command line; found before any node runs or
+while one runs), 1 anything else, 130 Ctrl-C, 143 SIGTERM (129 SIGHUP, 138 SIGUSR1: every polite stop saves like
+Ctrl-C, headless/stop_signals.py).
 A user error (bad input: its message names the input and the fix) prints one line; a bug prints its traceback too.
+Tightrope's own warnings print as one line each (`warning: ...`), above a running progress bar.
 No module-level state: every call of main() stands alone (torchrun will start one per rank).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR = 0, 1, 2
@@ -95,9 +99,12 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
     from .training.distributed import DistributedError, launched
     started = time.time()
     try:
-        with polite_stops(), launched(fsdp=fsdp):  # SIGTERM etc. stop like Ctrl-C; torchrun's process group
-            return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
-                        custom_nodes or [])
+        try:
+            with polite_stops(), launched(fsdp=fsdp), one_line_warnings(debug):  # polite stops as Ctrl-C; torchrun
+                return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
+                            custom_nodes or [])
+        finally:
+            _close_progress_bars()  # what is printed next starts a line of its own, and no bar is drawn after it
     except (WorkflowError, DistributedError) as exc:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
@@ -113,14 +120,59 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
                     for p in states.rglob("*.state.safetensors"))
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
-        if debug or not isinstance(exc.__cause__, user_error_types()):  # a bug: the traceback is what helps
+        user_error = isinstance(exc.__cause__, user_error_types())
+        if debug or not user_error:  # a bug: the traceback is what helps
             traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        finished = _finished_this_run(output_dir, started)
+        if finished and os.environ.get("RANK", "0") == "0":
+            print(f"{len(finished)} Train node(s) finished before it, their training state kept ("
+                  f"{', '.join(map(str, finished))}): once fixed, run again with --resume to use them instead of "
+                  "training them again", file=sys.stderr)
+        return EXIT_WORKFLOW_ERROR if user_error else EXIT_FAILED
     except Exception as exc:  # a bug, not a workflow problem: the traceback is what helps
         traceback.print_exc(file=sys.stderr)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+@contextlib.contextmanager
+def one_line_warnings(debug: bool):
+    """Tightrope's own warnings (a changed setting on resume, a skipped image) as one line, `warning: ...`, written
+    above a running progress bar, not Python's `file:line: UserWarning: ...` plus a source line (--debug keeps
+    those). Through `warnings.formatwarning`, restored on exit: warnings recorded by a caller are left alone."""
+    if debug:
+        yield
+        return
+    original, ours = warnings.formatwarning, str(Path(__file__).resolve().parent)
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        if not (issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(ours)):
+            return original(message, category, filename, lineno, line)
+        from tqdm import tqdm
+        tqdm.write(f"warning: {message}", file=sys.stderr)  # clears and redraws a running bar around it
+        return ""
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        warnings.formatwarning = original
+
+
+def _close_progress_bars() -> None:
+    """Close the tqdm bars a run that ended early left open (a bar closes itself at its last step)."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
+def _finished_this_run(output_dir: str, started: float) -> list[Path]:
+    """The training state files of Train nodes that finished in this run (--resume returns their results)."""
+    from .nodes.host import HEADLESS_STATE_DIR
+    from .training.state.resume import unfinished_run
+    states = Path(output_dir).resolve() / HEADLESS_STATE_DIR
+    return sorted(p for p in states.rglob("*.state.safetensors")
+                  if p.stat().st_mtime >= started - 1 and unfinished_run(p) is None)
 
 
 def user_error_types() -> tuple[type[Exception], ...]:

@@ -84,11 +84,11 @@ def test_a_user_error_prints_one_line_and_no_traceback(tmp_path, mappings, monke
     monkeypatch.setattr(cli, "headless_host", lambda output_dir, resume, log_dir=None: contextlib.nullcontext())
     monkeypatch.setattr(cli, "load_node_mappings", lambda library=None: mappings)
     path = _failing_graph(tmp_path, mappings, DatasetError("dataset folder 'x' does not exist: pass the folder"))
-    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == 1
+    assert cli.main(["run", path, "--output-dir", str(tmp_path)]) == cli.EXIT_WORKFLOW_ERROR  # bad input: 2
     err = capsys.readouterr().err
     assert "error: node 2 'Fail' failed: DatasetError: dataset folder 'x' does not exist: pass the folder" in err
     assert "Traceback" not in err
-    assert cli.main(["run", path, "--output-dir", str(tmp_path), "--debug"]) == 1  # --debug: the traceback too
+    assert cli.main(["run", path, "--output-dir", str(tmp_path), "--debug"]) == 2  # --debug: the traceback too
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "DatasetError" in err.split("error: node 2")[0]
 
@@ -203,3 +203,28 @@ def test_our_process_prefers_expandable_segments_unless_the_user_chose(monkeypat
     monkeypatch.setattr(cli.sys, "platform", "win32")
     env = {}
     assert not cli.prefer_expandable_segments(env) and not env
+
+
+def test_our_warnings_print_as_one_line_each(tmp_path):
+    """A warning of Tightrope's own prints as `warning: <message>` on a line of its own, not Python's
+    `<file>:<line>: UserWarning: ...` and the source line under it (found by helpers driving the CLI)."""
+    from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+    sys.path.insert(0, str(Path(__file__).parents[1] / "reliability"))
+    try:
+        from test_stop_signals import WORKFLOW
+    finally:
+        sys.path.pop(0)
+    strategy = {k: v[1]["default"] for k, v in TightropeMemoryStrategy.INPUT_TYPES()["required"].items()}
+    workflow = json.loads(json.dumps(WORKFLOW))
+    workflow["6"]["inputs"] |= {"steps": 2, "strategy": ["8", 0]}
+    workflow["8"] = {"class_type": "TightropeMemoryStrategy",  # activation offload with no block checkpointed: a warning
+                     "inputs": strategy | {"activation_offload": True, "checkpoint": "off", "compute_dtype": "fp32"}}
+    path = _write(tmp_path, workflow)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    done = subprocess.run([sys.executable, "-m", "tightrope", "run", path, "--output-dir", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.replace("\r", "\n").splitlines()
+    assert any(line.startswith("warning: activation_offload=True moves the inputs checkpointed blocks keep")
+               for line in lines), done.stderr
+    assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr

@@ -190,6 +190,36 @@ def _api_chain() -> dict:
     }
 
 
+def test_a_bad_input_in_a_later_node_exits_2_and_names_resume_for_the_nodes_that_finished(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Node 8 refused while it runs (bad input: exit 2, one line), after node 7 finished: a run again without
+    --resume would train node 7 anew (found by a helper checking the docs), so the report says --resume uses it;
+    and --resume, once fixed, does (node 7 trains no step)."""
+    from tightrope.training.train_config import ConfigError
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_chain()))
+    real, calls = training_run.train, []
+
+    def train(session, steps, **kw):
+        calls.append(kw["save"].owner.node)
+        if kw["save"].owner.node == "8":
+            raise ConfigError("batch_size=64 is larger than the dataset: lower batch_size")
+        return real(session, steps, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(training_run, "train", train)
+        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == cli.EXIT_WORKFLOW_ERROR
+    err = capsys.readouterr().err
+    assert "error: node 8 'TightropeTrain' failed: ConfigError: batch_size=64" in err and "Traceback" not in err
+    assert "1 Train node(s) finished before it, their training state kept (" in err
+    assert "chain.node-7.state.safetensors): once fixed, run again with --resume to use them" in err
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(training_run, "train", lambda session, steps, **kw: (calls.append(kw["save"].owner.node),
+                                                                        real(session, steps, **kw))[1])
+        assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o"), "--resume"]) == 0
+    assert calls == ["8"]
+
+
 def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, capsys):
     """Through `tightrope run`, which gives each Train node its id: exact after a stop in node 8, then "nothing to
     do" on a finished run (no step trained, the same LoRA saved again)."""
