@@ -200,6 +200,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     from .headless.executor import run_workflow, summary_lines
     from .headless.graph import WorkflowError
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
+    from .nodes.workflow_checks import train_chain_problems
     from .training.distributed import current
 
     if log_dir:  # before anything runs: --log-dir without tensorboard installed is a command-line problem
@@ -225,6 +226,9 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
             if library is None:
                 raise
             raise library.explain_model_files(exc, parse_workflow(data, node_mappings, path=workflow_path)) from None
+        chain_problems = train_chain_problems(graph)  # what one node's own validation cannot see
+        if chain_problems:
+            raise WorkflowError(chain_problems)
         if not resume:
             _refuse_interrupted_runs(graph)
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None

@@ -220,6 +220,32 @@ def test_a_bad_input_in_a_later_node_exits_2_and_names_resume_for_the_nodes_that
     assert calls == ["8"]
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w["8"]["inputs"].update(optimizer="adafactor"),
+     "Train node 8 sets optimizer='adafactor', but continues the session of Train node 7, trained with 'adamw', whose "
+     "state cannot go on in another optimizer: set optimizer to 'adamw' in node 8"),
+    (lambda w: (w["6"]["inputs"].update(optimizer_offload=True), w["7"]["inputs"].update(optimizer="adamw_schedulefree"),
+                w["8"]["inputs"].update(optimizer="adamw_schedulefree", schedule="constant")),
+     "Train node 7: optimizer='adamw_schedulefree' does not work with optimizer_offload=True"),
+])
+def test_a_chain_no_single_node_can_check_is_refused_before_any_node_runs(tmp_path, monkeypatch, capsys, change,
+                                                                         message):
+    """A second Train node in another optimizer, or optimizer offload (given to node 7, inherited by node 8) with one
+    that cannot step on the host: refused by `tightrope run` before node 7 trains (it used to fail after it; found by
+    a helper checking the docs). Exit 2, one line per node, no traceback."""
+    workflow = _api_chain()
+    change(workflow)
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(workflow))
+    calls = []
+    monkeypatch.setattr(training_run, "train", lambda *a, **k: calls.append(a))
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == cli.EXIT_WORKFLOW_ERROR
+    err = capsys.readouterr().err
+    assert calls == [] and message in err and "Traceback" not in err
+    if "offload" in message:  # node 8 trains with node 7's strategy: refused too
+        assert "Train node 8: optimizer='adamw_schedulefree' does not work with optimizer_offload=True" in err
+
+
 def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, capsys):
     """Through `tightrope run`, which gives each Train node its id: exact after a stop in node 8, then "nothing to
     do" on a finished run (no step trained, the same LoRA saved again)."""
