@@ -5,6 +5,7 @@ from ..demo.model import demo_encoders, demo_model
 from ..demo.conditioning import demo_conditioning
 from ..demo.data import make_demo_dataset
 from . import host
+from .input_validation import validation_result
 
 
 class TightropeDemoModel:
@@ -64,10 +65,20 @@ class TightropeDemoImages:
                                              "background black), for Load Dataset's mask = mask_files."}),
         }}
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, **inputs):
+        """Before anything runs: every widget in range, the subfolder inside the output folder."""
+        subfolder = inputs.get("subfolder")
+        return validation_result(cls, inputs, lambda: subfolder is None or _images_folder(subfolder))
+
     def make(self, subfolder, count, size, seed, masks=False):
-        from ..training.state.atomic_write import safe_output_path
-        folder = safe_output_path(host.output_dir(), subfolder)
+        folder = _images_folder(subfolder)
         return (str(make_demo_dataset(folder, n_images=count, size=size, seed=seed, masks=masks)),)
+
+
+def _images_folder(subfolder: str):
+    from ..training.state.atomic_write import safe_output_path
+    return safe_output_path(host.output_dir(), subfolder, name="subfolder", example="tightrope_demo_images")
 
 
 class TightropeDemoConditioning:

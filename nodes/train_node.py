@@ -79,7 +79,8 @@ class TightropeTrain:
             "guidance": ("FLOAT", {"default": _C.guidance, "min": 0.0, "max": 100.0, "step": 0.1,
                                    "tooltip": "Guidance fed to guidance-distilled models (Flux-dev) in training."}),
             "save_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
-                                   "tooltip": "Write a LoRA every N steps (0: only if the run stops early)."}),
+                                   "tooltip": "Write a LoRA every N steps and at the last step (0: only if the run "
+                                              "stops early; Save LoRA writes the result)."}),
             "filename_prefix": ("STRING", {"default": "tightrope/lora",
                                            "tooltip": "Name of the LoRA files written while training, inside the "
                                                       "loras folder."}),

@@ -11,7 +11,7 @@ from tightrope.headless.input_spec import node_input_specs
 from tightrope.nodes import host
 
 VALIDATED = ["TightropeTrain", "TightropeSaveLora", "TightropeLoraSetup", "TightropeMemoryStrategy",
-             "TightropeLoadDataset", "TightropeDatasetFromLatents", "TightropePlots"]
+             "TightropeLoadDataset", "TightropeDatasetFromLatents", "TightropePlots", "TightropeDemoImages"]
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +82,15 @@ def test_node_checks(out, tmp_path):
         **_queued("TightropeMemoryStrategy", weight_dtype="fp16", compute_dtype="fp32"))
     assert "contains '..'" in NODE_CLASS_MAPPINGS["TightropePlots"].VALIDATE_INPUTS(session=None,
                                                                                   filename_prefix="../plots")
+    # Demo Images' subfolder, named as itself (it was refused as 'filename_prefix', and only when the node ran)
+    images = NODE_CLASS_MAPPINGS["TightropeDemoImages"]
+    assert "subfolder='../../escape' contains '..': subfolders may only go down, e.g. 'tightrope_demo_images'" in \
+        images.VALIDATE_INPUTS(**_queued("TightropeDemoImages", subfolder="../../escape"))
+    assert "subfolder='/tmp/x' is an absolute path" in images.VALIDATE_INPUTS(
+        **_queued("TightropeDemoImages", subfolder="/tmp/x"))
+    assert images.VALIDATE_INPUTS(**_queued("TightropeDemoImages", subfolder="mine/imgs/")) is True  # a folder
+    assert "filename_prefix='.' ends in a folder, not a file name: add one, e.g. 'my_lora'" in \
+        NODE_CLASS_MAPPINGS["TightropeSaveLora"].VALIDATE_INPUTS(session=None, filename_prefix=".")
     # auto mode ignores the manual fields, so it does not refuse them
     assert strategy.VALIDATE_INPUTS(**_queued("TightropeMemoryStrategy", mode="auto", weight_dtype="fp16",
                                               compute_dtype="fp32")) is True

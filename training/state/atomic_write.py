@@ -204,35 +204,40 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                             "must be strings; convert it with str() or json.dumps()")
 
 
-def safe_output_path(root: str | os.PathLike, prefix: str) -> Path:
+def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename_prefix",
+                     example: str = "tightrope/my_lora") -> Path:
     """`root`/`prefix` for a user-given filename_prefix (subfolders allowed), refusing anything that could land
-    outside `root`: '..', absolute paths, drives, NUL/control and Windows-forbidden characters."""
+    outside `root`: '..', absolute paths, drives, NUL/control and Windows-forbidden characters. `name` and `example`:
+    the input the messages name and the value they suggest (a folder input: its trailing '/' is allowed)."""
+    if name != "filename_prefix" and isinstance(prefix, str) and prefix.rstrip("/\\"):
+        prefix = prefix.rstrip("/\\")  # a folder
     if not isinstance(prefix, str) or not prefix.strip():
-        raise OutputPathError(f"filename_prefix={prefix!r} is empty: give a file name such as 'tightrope/my_lora'")
+        raise OutputPathError(f"{name}={prefix!r} is empty: give a {'file ' * (name == 'filename_prefix')}name such as '{example}'")
     bad = sorted({c for c in prefix if c in _FORBIDDEN_CHARS or ord(c) < 32})
     if bad:
-        raise OutputPathError(f"filename_prefix={prefix!r} contains {', '.join(map(repr, bad))}: use letters, digits, "
+        raise OutputPathError(f"{name}={prefix!r} contains {', '.join(map(repr, bad))}: use letters, digits, "
                          "'_', '-', '.', and '/' for subfolders")
     if PurePosixPath(prefix).is_absolute() or PureWindowsPath(prefix).is_absolute() \
             or PureWindowsPath(prefix).drive or prefix.startswith(("/", "\\")):
-        raise OutputPathError(f"filename_prefix={prefix!r} is an absolute path: give a name relative to the output "
-                         f"folder, e.g. 'tightrope/my_lora' (files go under {os.fspath(root)})")
+        raise OutputPathError(f"{name}={prefix!r} is an absolute path: give a name relative to the output "
+                         f"folder, e.g. '{example}' (files go under {os.fspath(root)})")
     parts = re.split(r"[/\\]", prefix)
     # '..' and also '...'/'.. ', which Windows trims to '..'
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
-        raise OutputPathError(f"filename_prefix={prefix!r} contains '..': subfolders may only go down, e.g. "
-                         "'tightrope/my_lora'")
+        raise OutputPathError(f"{name}={prefix!r} contains '..': subfolders may only go down, e.g. "
+                         f"'{example}'")
     if not parts[-1] or parts[-1] == ".":
-        raise OutputPathError(f"filename_prefix={prefix!r} ends in a folder, not a file name: add one, e.g. "
-                         f"'{prefix.rstrip('/.')}/my_lora'")
+        folder = prefix.rstrip("/.")
+        raise OutputPathError(f"{name}={prefix!r} ends in a folder, not a file name: add one, e.g. "
+                              f"'{folder + '/' if folder else ''}my_lora'")
     for size in (len(part.encode("utf-8", "surrogatepass")) for part in parts):
         if size > NAME_MAX_BYTES:
-            raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: a name in it has {size} bytes, "
+            raise OutputPathError(f"{name}={_shown(prefix)} is too long: a name in it has {size} bytes, "
                                   f"more than the {NAME_MAX_BYTES} a file system allows: choose a shorter name")
     root_norm = os.path.normpath(os.path.abspath(root))
     target = os.path.normpath(os.path.join(root_norm, *[p for p in parts if p not in ("", ".")]))
     if os.path.commonpath([root_norm, target]) != root_norm:  # belt and braces after the checks above
-        raise OutputPathError(f"filename_prefix={prefix!r} would write outside {root_norm}: use a relative name")
+        raise OutputPathError(f"{name}={prefix!r} would write outside {root_norm}: use a relative name")
     return Path(target)
 
 
