@@ -52,7 +52,8 @@ class TightropeLoraSetup:
         combination = {k: inputs[k] for k in ("dropout", "init", "algorithm") if inputs.get(k) is not None}
         return validation_result(cls, inputs, lambda: not regex or LoraSpec(target_regex=regex),
                                  lambda: LoraSpec(**combination),
-                                 lambda: not existing or check_existing_lora(existing, host.loras_dir(), algorithm))
+                                 lambda: not existing or check_existing_lora(existing, host.loras_dir(), algorithm,
+                                                                             inputs.get("rank")))
 
     @classmethod
     def IS_CHANGED(cls, existing_lora="", **inputs):

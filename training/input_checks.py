@@ -16,7 +16,7 @@ from safetensors import safe_open
 from . import distributed
 from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
-from .lora.lycoris import check_file_algorithm
+from .lora.lycoris import check_file_algorithm, file_algorithm
 from .lora.targets import LoraError
 from .models import adapter_for
 from .host_optimizer import check_offloadable
@@ -57,24 +57,37 @@ def check_writable_folder(folder: str | os.PathLike, what: str, *, other: str = 
                               f"writable (chmod u+w), or {elsewhere}")
 
 
-def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str | None = None) -> str:
+def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str | None = None,
+                        rank: int | None = None) -> str:
     """The full path of a LoRA to continue from (a path, or a name in the loras folder), once its safetensors header
-    has been read: it exists, is .safetensors, is readable and holds tensors (of `algorithm`'s keys, when given:
-    'lora', 'dora', 'loha' or 'lokr'). Raises LoraError."""
+    has been read: it exists, is .safetensors, is readable and holds adapter weights (of `algorithm`'s keys, when
+    given: 'lora', 'dora', 'loha' or 'lokr'; of rank `rank`, when given, for LoRA and DoRA). Raises LoraError."""
     path = resolve_existing_lora(name, loras_dir)
-    where = "" if path == name else f" ({path})"
+    what = f"existing_lora={name!r}" + ("" if path == name else f" ({path})")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             keys = list(f.keys())
+            down = next((k for k in keys if k.endswith(_RANK_KEYS)), None)
+            file_rank = f.get_slice(down).get_shape()[0] if down is not None else None
     except Exception as e:  # safetensors raises several types for a damaged header; PermissionError for mode 000
-        raise LoraError(f"existing_lora={name!r}{where} could not be read as safetensors ({e}): it is damaged, "
-                        "incomplete or unreadable; save or download it again, or leave existing_lora empty") from None
+        raise LoraError(f"{what} could not be read as safetensors ({e}): it is damaged, incomplete or unreadable; "
+                        "save or download it again, or leave existing_lora empty") from None
     if not keys:
-        raise LoraError(f"existing_lora={name!r}{where} holds no tensors: pick a LoRA file, or leave "
-                        "existing_lora empty to start a new LoRA")
+        raise LoraError(f"{what} holds no tensors: pick a LoRA file, or leave existing_lora empty to start a new LoRA")
+    if not any(k.endswith(_ADAPTER_KEYS) or file_algorithm([k]) != "lora" for k in keys):
+        raise LoraError(f"{what} is not a LoRA file: none of its {len(keys)} tensors is an adapter weight (e.g. "
+                        f"{', '.join(keys[:2])}: a model's weights?); pick a LoRA file (Save LoRA's, or another "
+                        "trainer's), or leave existing_lora empty to start a new LoRA")
     if algorithm is not None:
-        check_file_algorithm(keys, algorithm, f"existing_lora={name!r}{where}")
+        check_file_algorithm(keys, algorithm, what)
+    if rank is not None and algorithm in ("lora", "dora") and file_rank is not None and file_rank != rank:
+        raise LoraError(f"{what} was trained with rank {file_rank} but this LoRA setup has rank={rank}: set "
+                        f"rank={file_rank} to continue from it")
     return path
+
+
+_RANK_KEYS = (".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")  # (rank, in)
+_ADAPTER_KEYS = _RANK_KEYS + (".lora_B.weight", ".lora_B.default.weight", ".lora_up.weight")
 
 
 def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:

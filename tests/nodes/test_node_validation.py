@@ -82,6 +82,21 @@ def test_node_checks(out, tmp_path):
         **_queued("TightropeMemoryStrategy", weight_dtype="fp16", compute_dtype="fp32"))
     assert "contains '..'" in NODE_CLASS_MAPPINGS["TightropePlots"].VALIDATE_INPUTS(session=None,
                                                                                   filename_prefix="../plots")
+    # an existing_lora that is a model's weights, or of another rank: refused when queued (were found in Train)
+    from safetensors.torch import save_file
+    folder = host.loras_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"model.diffusion_model.x.weight": torch.zeros(4, 4)}, str(folder / "ckpt.safetensors"))
+    save_file({"diffusion_model.x.lora_A.weight": torch.zeros(4, 8), "diffusion_model.x.lora_B.weight":
+               torch.zeros(8, 4)}, str(folder / "r4.safetensors"))
+    setup = NODE_CLASS_MAPPINGS["TightropeLoraSetup"]
+    assert "existing_lora='ckpt.safetensors' (" in setup.VALIDATE_INPUTS(
+        **_queued("TightropeLoraSetup", existing_lora="ckpt.safetensors"))
+    assert "is not a LoRA file: none of its 1 tensors is an adapter weight (e.g. model.diffusion_model.x.weight" in \
+        setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="ckpt.safetensors"))
+    assert "was trained with rank 4 but this LoRA setup has rank=16: set rank=4 to continue from it" in \
+        setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="r4.safetensors"))
+    assert setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="r4.safetensors", rank=4)) is True
     # Demo Images' subfolder, named as itself (it was refused as 'filename_prefix', and only when the node ran)
     images = NODE_CLASS_MAPPINGS["TightropeDemoImages"]
     assert "subfolder='../../escape' contains '..': subfolders may only go down, e.g. 'tightrope_demo_images'" in \

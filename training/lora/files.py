@@ -183,8 +183,9 @@ def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[
         parts[name][_SUFFIXES[suffix]] = t
     if unknown:
         raise LoraError(f"the LoRA file has {len(unknown)} keys that are not plain LoRA weights (e.g. "
-                        f"{', '.join(unknown[:3])}): Tightrope reads LoRA A/B (+alpha) only, not DoRA, LoHa, LoKr "
-                        "or full weight diffs")
+                        f"{', '.join(unknown[:3])}): a LoRA (algorithm 'lora') file holds lora_A/lora_B (+alpha) "
+                        "only; this one holds other weights too (a model's, full weight diffs, or another "
+                        "algorithm's mixed in): pick a LoRA file saved by one trainer")
     out = {}
     for name, p in parts.items():
         if "A" not in p or "B" not in p:
