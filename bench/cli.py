@@ -21,7 +21,11 @@ GiB = 1 << 30
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tightrope bench", description="Memory/speed benchmarks of the Tightrope "
                                  "runtime: a grid of strategies, batch sizes and resolutions, plus a planner check. "
-                                 "Writes JSON, markdown and PNG charts.")
+                                 "Writes JSON, markdown and PNG charts.",
+                                 epilog="subcommands (each with its own --help): gpu-check (CUDA correctness and the "
+                                 "2048 px headline: make gpu-check), gpu-bench (planner budgets, compile, H2D: make "
+                                 "gpu-bench), headline-plan (the headline's predicted peak from shapes, CPU), "
+                                 "reserved-replay (its reserved memory, the CUDA allocator modelled, CPU)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model on CPU with a small grid (well under 5 minutes on 2 cores)")
     ap.add_argument("--model", choices=("tiny", "flux-2b", "flux-dev"), help="benchmark model (default: tiny with "
