@@ -6,7 +6,7 @@
     tightrope bench ...
 
 Exit codes: 0 success, 2 bad input (the workflow, a node's input or the command line; found before any node runs or
-while one runs), 1 anything else, 130 Ctrl-C, 143 SIGTERM (129 SIGHUP, 138 SIGUSR1: every polite stop saves like
+while one runs: bad_input_types), 1 anything else (a bug, a divergence, out of memory, a core node that failed), 130 Ctrl-C, 143 SIGTERM (129 SIGHUP, 138 SIGUSR1: every polite stop saves like
 Ctrl-C, headless/stop_signals.py).
 A user error (bad input: its message names the input and the fix) prints one line; a bug prints its traceback too.
 Tightrope's own warnings print as one line each (`warning: ...`), above a running progress bar.
@@ -124,12 +124,12 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         if debug or not user_error:  # a bug: the traceback is what helps
             traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
-        finished = _finished_this_run(output_dir, started)
+        finished = getattr(exc, "finished_train_states", [])
         if finished and os.environ.get("RANK", "0") == "0":
             print(f"{len(finished)} Train node(s) finished before it, their training state kept ("
                   f"{', '.join(map(str, finished))}): once fixed, run again with --resume to use them instead of "
                   "training them again", file=sys.stderr)
-        return EXIT_WORKFLOW_ERROR if user_error else EXIT_FAILED
+        return EXIT_WORKFLOW_ERROR if isinstance(exc.__cause__, bad_input_types()) else EXIT_FAILED
     except Exception as exc:  # a bug, not a workflow problem: the traceback is what helps
         traceback.print_exc(file=sys.stderr)
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -166,13 +166,23 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
-def _finished_this_run(output_dir: str, started: float) -> list[Path]:
-    """The training state files of Train nodes that finished in this run (--resume returns their results)."""
-    from .nodes.host import HEADLESS_STATE_DIR
-    from .training.state.resume import unfinished_run
-    states = Path(output_dir).resolve() / HEADLESS_STATE_DIR
-    return sorted(p for p in states.rglob("*.state.safetensors")
-                  if p.stat().st_mtime >= started - 1 and unfinished_run(p) is None)
+def _finished_train_states(graph, started: float) -> list[Path]:
+    """The training state files of this workflow's Train nodes that finished in this run (written since `started`,
+    a wall-clock time): --resume returns their results without training."""
+    from .nodes import host
+    from .training.state.resume import state_path, unfinished_run
+    found = []
+    for node_id, node in graph.items():
+        prefix = node.inputs.get("filename_prefix")
+        if node.class_type != "TightropeTrain" or not isinstance(prefix, str):
+            continue
+        try:
+            path = state_path(host.state_dir(), prefix, node_id)
+        except ValueError:
+            continue
+        if path.is_file() and path.stat().st_mtime >= started - 1 and unfinished_run(path) is None:  # coarse mtimes
+            found.append(path)
+    return found
 
 
 def user_error_types() -> tuple[type[Exception], ...]:
@@ -193,11 +203,23 @@ def user_error_types() -> tuple[type[Exception], ...]:
             TrainingOutOfMemoryError)
 
 
+def bad_input_types() -> tuple[type[Exception], ...]:
+    """The user errors that are bad input (exit 2, as the checks before any node runs), not a run that failed (a
+    divergence, out of memory, a disk that cannot be written, a core node that failed: exit 1)."""
+    from .memory.strategy import StrategyError
+    from .training.data.image_folder import DatasetError
+    from .training.finite_check import NonFiniteDataError
+    from .training.state.lock import StateLockedError
+    from .training.state.resume import ResumeError
+    from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
+    return ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteDataError, StateLockedError
+
+
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,
          models_dir: str | None = None, log_dir: str | None = None, custom_nodes: list[str] = ()) -> int:
     from .headless.comfyui_library import comfyui_dir, load_comfyui
     from .headless.custom_nodes import load_custom_nodes
-    from .headless.executor import run_workflow, summary_lines
+    from .headless.executor import NodeExecutionError, run_workflow, summary_lines
     from .headless.graph import WorkflowError
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .nodes.workflow_checks import train_chain_problems
@@ -232,11 +254,15 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
         if not resume:
             _refuse_interrupted_runs(graph)
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None
-        started = time.monotonic()
+        started, wall = time.monotonic(), time.time()
         main_rank = current().is_main  # under torchrun only rank 0 reports
-        results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
-                               extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None,
-                               lazy_status=library.lazy_status if library else None)
+        try:
+            results = run_workflow(graph, node_mappings, on_node=_print_progress if main_rank else None,
+                                   extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None,
+                                   lazy_status=library.lazy_status if library else None)
+        except NodeExecutionError as exc:
+            exc.finished_train_states = _finished_train_states(graph, wall)  # for the report: --resume uses them
+            raise
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):
             print(line)

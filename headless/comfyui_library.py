@@ -139,11 +139,22 @@ class ComfyUILibrary:
             folder_paths.filename_list_cache.clear()
 
 
+class _NodeReplacements:
+    """Stands in for the server's node_replace_manager: the UI's list of renamed nodes, which headless (API and
+    UI-format files as saved) needs none of."""
+
+    def register(self, *args, **kwargs) -> None:
+        pass
+
+
 class _NoServer:
     """Stands in for PromptServer.instance while no server runs: nodes that report to the UI (GetImageSize's
-    send_progress_text, say) raised AttributeError headless; their messages go nowhere, as with no browser open."""
+    send_progress_text, say) raised AttributeError headless; their messages go nowhere, as with no browser open.
+    Also while ComfyUI's nodes load: comfy_extras/nodes_replacements.py registers the UI's node replacements with
+    the server, and without one it printed "IMPORT FAILED ... pip install -r requirements.txt" at every run."""
     client_id = None
     last_node_id = None
+    node_replace_manager = _NodeReplacements()
 
     def send_sync(self, *args, **kwargs) -> None:
         pass
@@ -309,9 +320,14 @@ def load_comfyui(directory: str | os.PathLike) -> ComfyUILibrary:
     if missing:
         raise ComfyUIUnavailable(f"the ComfyUI at {path} (version {version}) lacks execution.{missing[0]}, which "
                                  f"Tightrope calls nodes with: {_supported_text()}")
-    failed = nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False)
-    if inspect.isawaitable(failed):
-        failed = asyncio.run(failed)
+    try:
+        import server  # noqa: F401  (its PromptServer class, which _no_server gives an instance while nodes load)
+    except ImportError:  # the nodes that need it fail to load, as before, and say so
+        pass
+    with _no_server():
+        failed = nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False)
+        if inspect.isawaitable(failed):
+            failed = asyncio.run(failed)
     if "nodes_primitive.py" in (failed or []):
         raise ComfyUIUnavailable(f"ComfyUI's comfy_extras nodes failed to import (see the log above): install "
                                  f"ComfyUI's requirements into this python (pip install -r {path}/requirements.txt)")

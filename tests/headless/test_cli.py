@@ -118,6 +118,14 @@ def test_every_user_error_type_is_a_user_error():
                  LoraNotSavedError, StateLockedError):
         assert issubclass(kind, cli.user_error_types()), kind
     assert not issubclass(RuntimeError, cli.user_error_types()) and not issubclass(ValueError, cli.user_error_types())
+    # bad input (exit 2) is a user error; a run that failed (exit 1) is not bad input
+    assert all(issubclass(kind, cli.user_error_types()) for kind in cli.bad_input_types())
+    for kind in (StrategyError, DistributedError, OutputPathError, LoraError, ResumeError, NonFiniteDataError,
+                 StateLockedError):
+        assert issubclass(kind, cli.bad_input_types()), kind
+    for kind in (NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError, FileWriteError,
+                 LoraNotSavedError):
+        assert not issubclass(kind, cli.bad_input_types()), kind
 
 
 def test_ctrl_c_exits_130(tmp_path, api_workflow, fake_cli, monkeypatch, capsys):

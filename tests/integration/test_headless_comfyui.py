@@ -128,6 +128,13 @@ def test_flux_trains_headless_from_a_ui_workflow_with_core_loaders(batch):
     assert "[1/12] node 1 'UNETLoader'" in log
 
 
+def test_comfyui_loads_without_import_failures(batch):
+    """comfy_extras/nodes_replacements.py registers the UI's node replacements with the server: headless, with no
+    server, it printed "IMPORT FAILED ... pip install -r requirements.txt" at every run (found by a helper)."""
+    logs = "".join(log for name, value in batch.items() if isinstance(value, tuple) for log in value[1:])
+    assert "IMPORT FAILED" not in logs and "did not import correctly" not in logs, logs[:4000]
+
+
 def test_sample_image_written_between_two_train_nodes(batch):
     log = _ok(batch, "flux")
     order = [log.index(f"node {i} '{kind}'") for i, kind in ((6, "TightropeTrain"), (10, "SaveImage"),

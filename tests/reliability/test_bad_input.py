@@ -5,6 +5,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -200,8 +201,18 @@ def test_tiny_images_upscaled_a_lot_are_named_in_a_warning(out):
         (folder / f"dot{i}.txt").write_text("a dot")
     Image.new("RGB", (32, 32)).save(folder / "fine.png")
     (folder / "fine.txt").write_text("a square")
+    from tightrope.demo.encoders import DemoLatentCodec
+    encoded, real_encode = [], DemoLatentCodec.encode
+    warned_before = []
+
+    def encode(self, images):  # said before the first image is encoded (from the headers): a 4096 resolution on
+        warned_before.append(len(encoded) == 0 and any("upscaled" in str(w.message) for w in caught))  # small
+        encoded.append(1)  # images made latents so large the encoding ran for minutes before (found by a helper)
+        return real_encode(self, images)
     with pytest.warns(UserWarning, match=r"4 image\(s\) are smaller than the training resolution and are upscaled "
                                          r"more than 2x.*dot0\.png' 32\.0x.*dot3\.png' 32\.0x: use larger images, "
-                                         r"or lower the Load Dataset resolution") as caught:
+                                         r"or lower the Load Dataset resolution") as caught, \
+            mock.patch.object(DemoLatentCodec, "encode", encode):
         load_dataset(folder)  # resolution 32: each 1x1 dot becomes a 32x32 bucket
     assert not [w for w in caught if "fine.png" in str(w.message)]
+    assert warned_before[0], "the upscale warning came after the encoding"

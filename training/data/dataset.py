@@ -75,6 +75,22 @@ def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
 
 
+def _upscaled(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> list[tuple[Path, float]]:
+    """(path, factor) of the images that fitting to their bucket enlarges more than UPSCALE_WARNING_FACTOR, from their
+    headers (an image that cannot be read is the encoding's to report)."""
+    out = []
+    for entry in entries:
+        try:
+            size = read_image_size(entry.path, max_pixels=max_image_pixels)
+        except (DatasetError, OSError):
+            continue
+        bucket = choose_bucket(*size, max_pixels, multiple)
+        factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
+        if factor > UPSCALE_WARNING_FACTOR:
+            out.append((entry.path, factor))
+    return out
+
+
 class TrainingDataset(EpochBatches):
     """Encoded images + caption embeddings, batched by bucket (batching.py).
 
@@ -108,13 +124,15 @@ class TrainingDataset(EpochBatches):
         text_index = self._encode_captions(captions, text_encoder)
         self._empty_text = text_index.get("")
 
-        samples, repeats, problems, upscaled = [], [], [], []
+        # from the images' headers, before any encoding: an upscale that large makes latents that large too
+        warn_upscaled(_upscaled(entries, max_pixels, multiple, max_image_pixels))
+        samples, repeats, problems = [], [], []
         for k, entry in enumerate(entries):
             if progress is not None and k:
                 progress(k, len(entries))
             try:
                 latent, shape, weights = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
-                                                            max_image_pixels, upscaled, masks.get(entry.path))
+                                                            max_image_pixels, masks.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
@@ -125,7 +143,6 @@ class TrainingDataset(EpochBatches):
             progress(len(entries), len(entries))
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
-        warn_upscaled(upscaled)
         self._finish(samples, repeats)
 
     @classmethod
@@ -216,19 +233,14 @@ class TrainingDataset(EpochBatches):
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
-                      upscaled: list[tuple[Path, float]], mask: MaskSource | None = None
-                      ) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None]:
-        """(latent, its shape, its loss mask) as tensors or their cache file. upscaled: (path, factor) is appended
-        when fitting the image to its bucket enlarges it a lot."""
+                      mask: MaskSource | None = None) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None]:
+        """(latent, its shape, its loss mask) as tensors or their cache file."""
         try:
             data = path.read_bytes()
         except OSError as e:
             raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
         size = read_image_size(path, data=data, max_pixels=max_image_pixels)
         bucket = choose_bucket(*size, max_pixels, multiple)
-        factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
-        if factor > UPSCALE_WARNING_FACTOR:
-            upscaled.append((path, factor))
         key = _sha256(hashlib.sha256(data).hexdigest(), encoder.cache_id, f"{bucket[0]}x{bucket[1]}",
                       PREPROCESS_VERSION)
         if mask is not None:  # the mask is cached with the latent; without one the key stays as it was
