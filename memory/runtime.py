@@ -65,6 +65,8 @@ class MemoryRuntime:
         weight_dtype = strategy.precision.weight_dtype
         wdtype = None if weight_dtype == "auto" else TORCH_DTYPES[weight_dtype]
         self.weight_dtype = wdtype
+        if strategy.precision.compute_dtype == "fp32" and wdtype is None:
+            _check_fp32_fits(model)
         self.sizes: WeightSizes = measure_weight_sizes(model, [b.module for b in self.blocks],
                                                        wdtype.itemsize if wdtype else None)
         self.offloaded: list[int] = select_offloaded(self.sizes.block_frozen, strategy.offload)
@@ -349,6 +351,21 @@ def _storage_ptrs(tensors) -> set[int]:
         except RuntimeError:
             continue
     return ptrs
+
+
+def _check_fp32_fits(model: nn.Module) -> None:
+    """fp32 compute runs without autocast: a plain nn.Linear whose weight the model stores in half precision
+    (weight_dtype 'auto' keeps it) would meet fp32 activations and fail in the first matmul, with torch's "mat1 and
+    mat2 must have the same dtype" (found by a helper fuzzing strategies). Layers that cast their weights to the
+    input's dtype themselves (ComfyUI's) are of other classes and pass."""
+    half = next(((name, m.weight.dtype) for name, m in model.named_modules() if type(m) is nn.Linear
+                 and m.weight.dtype in (torch.bfloat16, torch.float16)), None)
+    if half is not None:
+        dtype = str(half[1]).removeprefix("torch.")
+        short = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+        raise StrategyError(f"compute_dtype='fp32' with weight_dtype='auto' keeps this model's {dtype} weights (e.g. "
+                            f"{half[0]!r}), which its layers cannot multiply with fp32 activations: set weight_dtype="
+                            f"'fp32' to train in fp32 (twice the weight memory), or compute_dtype={short!r}")
 
 
 def _cloning_inputs(fn: Callable) -> Callable:

@@ -79,6 +79,28 @@ def _saved_bytes(strategy):
     return total[0]
 
 
+def test_fp32_compute_on_half_precision_weights_is_refused_naming_weight_dtype():
+    """No autocast at fp32: a model stored in bf16 (weight_dtype 'auto' keeps it) failed in its first matmul with
+    torch's "mat1 and mat2 must have the same dtype" (found by a helper fuzzing strategies); weight_dtype='fp32'
+    trains; a layer class that casts its weight itself (ComfyUI's) is not refused."""
+    model = make_lora_model().to(torch.bfloat16)
+    with pytest.raises(StrategyError, match=r"compute_dtype='fp32' with weight_dtype='auto' keeps this model's "
+                                            r"bfloat16 weights \(e\.g\. '.+'\), which its layers cannot multiply with "
+                                            r"fp32 activations: set weight_dtype='fp32' .* or compute_dtype='bf16'"):
+        MemoryRuntime(model, Strategy.of(compute_dtype="fp32"), "cpu")
+    with MemoryRuntime(model, Strategy.of(compute_dtype="fp32", weight_dtype="fp32"), "cpu"):
+        pass
+
+    class CastingLinear(torch.nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+    casting = make_lora_model().to(torch.bfloat16)
+    for m in casting.modules():  # every plain Linear of the model (the LoRA layers' base layers too)
+        if type(m) is torch.nn.Linear:
+            m.__class__ = CastingLinear
+    MemoryRuntime(casting, Strategy.of(compute_dtype="fp32"), "cpu")
+
+
 def test_activation_memory_budget_reaches_the_compiler():
     """The budget changes what the partitioner saves, also after a graph was compiled under another budget."""
     compiled = dict(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32")
