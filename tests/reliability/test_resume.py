@@ -210,6 +210,15 @@ def test_resume_with_another_global_batch_is_refused(tmp_path):
     assert load_state(path).info["layout"] == {"world_size": 1, "global_batch_size": 2}
     with pytest.raises(ConfigError, match="global batch_size of 2 .* set batch_size=2"):
         resume_session(path, session.advanced(config=dataclasses.replace(session.config, batch_size=4)))
+    # another world size goes on, but its gradient sums add up in another order: said (found by a helper: 2 -> 1
+    # processes resumed 2e-8 off, silently)
+    state = load_state(path)
+    state.info["layout"]["world_size"] = 2
+    from tightrope.training.state import resume as resume_module
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(resume_module, "load_state", lambda p: state)
+        with pytest.warns(UserWarning, match=r"changed training settings \(world size: 2 -> 1\)"):
+            resume_session(path, session)
 
 
 def test_fp16_resume_goes_on_at_the_loss_scale_of_the_uninterrupted_run(tmp_path, monkeypatch):

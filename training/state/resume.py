@@ -188,6 +188,9 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     if steps is not None and steps != state.run_end - state.run_start:
         diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
     diff += _changed_inputs(info, session, strategy)
+    world, now_world = info.get("layout", {}).get("world_size"), distributed.current().world_size
+    if world is not None and int(world) != now_world:  # the same samples, summed over the ranks in another order
+        diff.append(f"world size: {world} -> {now_world}")
     other_data = info.get("dataset") not in ("unknown", dataset_fingerprint(session.dataset))
     if same_run and (other_data or diff):  # before the model's fingerprint (a ComfyUI model is unloaded for it)
         raise NotThisRun(f"training state file '{path}' is of a run with "
