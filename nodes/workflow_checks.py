@@ -19,8 +19,9 @@ TRAIN, STRATEGY = "TightropeTrain", "TightropeMemoryStrategy"
 def train_chain_problems(graph: dict) -> list[str]:
     """One line per problem (the node, the input and the fix): a Train node continuing another's session in another
     optimizer (its state cannot go on), or with optimizer offload (its own Memory Strategy or the one its session
-    trained with, manual mode) and an optimizer that cannot step on the host. Values linked from other nodes are
-    not known yet: those are checked when the node runs."""
+    trained with, manual mode) and an optimizer that cannot step on the host, or with an auto strategy planning for
+    the free memory of a device that cannot say it (the CPU). Values linked from other nodes are not known yet: those
+    are checked when the node runs."""
     problems = []
     for node_id, node in graph.items():
         optimizer = node.inputs.get("optimizer")
@@ -40,7 +41,25 @@ def train_chain_problems(graph: dict) -> list[str]:
                 check_offloadable(optimizer)
             except ConfigError as e:
                 problems.append(f"Train node {node_id}: {e}")
+        device = node.inputs.get("device")
+        auto_free = strategy is not None and strategy.inputs.get("mode") == "auto" \
+            and strategy.inputs.get("vram_budget_gb") == 0
+        if auto_free and isinstance(device, str) and not _reads_free_memory(device):
+            problems.append(f"Train node {node_id} trains on device {device!r} with an auto Memory Strategy whose "
+                            "vram_budget_gb=0 plans for the free GPU memory, which that device cannot say: set "
+                            "vram_budget_gb to the memory to plan for, or set the strategy yourself (mode manual)")
     return problems
+
+
+def _reads_free_memory(device: str) -> bool:
+    """Whether an auto strategy's budget 0 (the free memory) can be read on the Train node's `device` (a device that
+    is not available is the Train node's own check to report)."""
+    from ..memory.planner import reads_free_memory
+    from ..training.distributed import resolve_device
+    try:
+        return reads_free_memory(resolve_device(device))
+    except ValueError:
+        return True
 
 
 def _linked(graph: dict, value: Any, class_type: str) -> str | None:

@@ -227,6 +227,9 @@ def test_a_bad_input_in_a_later_node_exits_2_and_names_resume_for_the_nodes_that
     (lambda w: (w["6"]["inputs"].update(optimizer_offload=True), w["7"]["inputs"].update(optimizer="adamw_schedulefree"),
                 w["8"]["inputs"].update(optimizer="adamw_schedulefree", schedule="constant")),
      "Train node 7: optimizer='adamw_schedulefree' does not work with optimizer_offload=True"),
+    (lambda w: w["6"]["inputs"].update(mode="auto", vram_budget_gb=0.0),
+     "Train node 7 trains on device 'cpu' with an auto Memory Strategy whose vram_budget_gb=0 plans for the free GPU "
+     "memory, which that device cannot say: set vram_budget_gb"),
 ])
 def test_a_chain_no_single_node_can_check_is_refused_before_any_node_runs(tmp_path, monkeypatch, capsys, change,
                                                                          message):
