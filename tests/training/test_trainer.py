@@ -71,10 +71,19 @@ def test_exception_mid_run_saves_the_last_completed_step(tmp_path):
     assert len(saved) == 1 and read_lora_file(saved[0])[1]["tightrope.steps"] == "3"
 
 
-@pytest.mark.parametrize("steps", [0, -1, 2.5])
+@pytest.mark.parametrize("steps", [-1, 2.5, True])
 def test_bad_steps(tmp_path, steps):
     with pytest.raises(ConfigError, match=f"steps={steps!r} is invalid"):
         train(demo_session(tmp_path), steps, device=CPU)
+
+
+def test_zero_steps_train_nothing_and_score_a_due_validation(tmp_path):
+    """train(session, 0): what a resumed node whose last validation a stop left unscored runs (training_run); the
+    Train node itself refuses steps=0 (tests/reliability/bad_input_cases.py)."""
+    session = demo_session(tmp_path, validation_fraction=0.25)
+    done = train(session, 0, device=CPU)
+    assert done.step == 0 and done.losses == () and [s for s, _ in done.validation_losses] == [0]
+    assert done.lora_state.keys() and not done.interrupted
 
 
 def test_batch_larger_than_dataset(tmp_path):
