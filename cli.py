@@ -113,11 +113,13 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
     except KeyboardInterrupt as stop:  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
         from .nodes.host import HEADLESS_STATE_DIR  # the run's host context has ended: its state_dir, spelled out
         from .training.state.resume import unfinished_run
-        states = Path(output_dir).resolve() / HEADLESS_STATE_DIR
+        ours = getattr(stop, "train_states", None)  # this workflow's Train nodes' (None: stopped before it ran)
+        states = ours if ours is not None else \
+            (Path(output_dir).resolve() / HEADLESS_STATE_DIR).rglob("*.state.safetensors")
         # written in this run (coarse mtimes), or an interrupted run's state that a --resume stopped before its
         # first new step left in place: either way --resume goes on from it
-        saved = any(p.stat().st_mtime >= started - 1 or unfinished_run(p) is not None
-                    for p in states.rglob("*.state.safetensors"))
+        saved = any(p.is_file() and (p.stat().st_mtime >= started - 1 or ours is not None and
+                                     unfinished_run(p) is not None) for p in states)
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
         user_error = isinstance(exc.__cause__, user_error_types())
@@ -166,23 +168,27 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
+def _train_state_paths(graph) -> list[Path]:
+    """The training state files of this workflow's Train nodes (those whose filename_prefix is a literal)."""
+    from .nodes import host
+    from .training.state.resume import state_path
+    paths = []
+    for node_id, node in graph.items():
+        prefix = node.inputs.get("filename_prefix")
+        if node.class_type == "TightropeTrain" and isinstance(prefix, str):
+            try:
+                paths.append(state_path(host.state_dir(), prefix, node_id))
+            except ValueError:  # a bad prefix: its node says so
+                continue
+    return paths
+
+
 def _finished_train_states(graph, started: float) -> list[Path]:
     """The training state files of this workflow's Train nodes that finished in this run (written since `started`,
     a wall-clock time): --resume returns their results without training."""
-    from .nodes import host
-    from .training.state.resume import state_path, unfinished_run
-    found = []
-    for node_id, node in graph.items():
-        prefix = node.inputs.get("filename_prefix")
-        if node.class_type != "TightropeTrain" or not isinstance(prefix, str):
-            continue
-        try:
-            path = state_path(host.state_dir(), prefix, node_id)
-        except ValueError:
-            continue
-        if path.is_file() and path.stat().st_mtime >= started - 1 and unfinished_run(path) is None:  # coarse mtimes
-            found.append(path)
-    return found
+    from .training.state.resume import unfinished_run
+    return [p for p in _train_state_paths(graph)
+            if p.is_file() and p.stat().st_mtime >= started - 1 and unfinished_run(p) is None]  # coarse mtimes
 
 
 def user_error_types() -> tuple[type[Exception], ...]:
@@ -262,6 +268,9 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
                                    lazy_status=library.lazy_status if library else None)
         except NodeExecutionError as exc:
             exc.finished_train_states = _finished_train_states(graph, wall)  # for the report: --resume uses them
+            raise
+        except KeyboardInterrupt as stop:
+            stop.train_states = _train_state_paths(graph)  # for the stop report: what --resume would go on from
             raise
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):

@@ -322,7 +322,7 @@ def load_comfyui(directory: str | os.PathLike) -> ComfyUILibrary:
                                  f"Tightrope calls nodes with: {_supported_text()}")
     try:
         import server  # noqa: F401  (its PromptServer class, which _no_server gives an instance while nodes load)
-    except ImportError:  # the nodes that need it fail to load, as before, and say so
+    except Exception:  # the nodes that need it fail to load, as before, and say so
         pass
     with _no_server():
         failed = nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False)

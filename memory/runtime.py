@@ -134,7 +134,11 @@ class MemoryRuntime:
                 module.forward = previous
         self._patched.clear()
         if self._compile_caches is not None:  # the compiled forwards are gone: their graphs go too
-            self._compile_caches.close()
+            try:
+                self._compile_caches.close()
+            except Exception as e:  # torch internals it reads changed: the graphs stay cached, the undo goes on
+                warnings.warn(f"could not drop this run's compiled graphs ({type(e).__name__}: {e}): they stay in "
+                              "dynamo's cache until the process ends", stacklevel=2)
             self._compile_caches = None
         if self.offload is not None:
             self.offload.detach()

@@ -42,8 +42,9 @@ def train_chain_problems(graph: dict) -> list[str]:
             except ConfigError as e:
                 problems.append(f"Train node {node_id}: {e}")
         device = node.inputs.get("device")
-        auto_free = strategy is not None and strategy.inputs.get("mode") == "auto" \
-            and strategy.inputs.get("vram_budget_gb") == 0
+        own = _linked(graph, node.inputs.get("strategy"), STRATEGY)  # a continued session keeps its plan
+        auto_free = own is not None and graph[own].inputs.get("mode") == "auto" \
+            and graph[own].inputs.get("vram_budget_gb") == 0
         if auto_free and isinstance(device, str) and not _reads_free_memory(device):
             problems.append(f"Train node {node_id} trains on device {device!r} with an auto Memory Strategy whose "
                             "vram_budget_gb=0 plans for the free GPU memory, which that device cannot say: set "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ from safetensors import safe_open
 from . import distributed
 from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
-from .lora.lycoris import check_file_algorithm, file_algorithm
+from .lora.files import TEXT_ENCODER_KEY
+from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
 from .models import adapter_for
 from .host_optimizer import check_offloadable
@@ -67,27 +69,29 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             keys = list(f.keys())
-            down = next((k for k in keys if k.endswith(_RANK_KEYS)), None)
-            file_rank = f.get_slice(down).get_shape()[0] if down is not None else None
+            # the diffusion model's layers' ranks (a text encoder's part, which training drops, may have another)
+            ranks = {f.get_slice(k).get_shape()[0] for k in keys
+                     if k.endswith(_RANK_KEYS) and not TEXT_ENCODER_KEY.match(k)}
     except Exception as e:  # safetensors raises several types for a damaged header; PermissionError for mode 000
         raise LoraError(f"{what} could not be read as safetensors ({e}): it is damaged, incomplete or unreadable; "
                         "save or download it again, or leave existing_lora empty") from None
     if not keys:
         raise LoraError(f"{what} holds no tensors: pick a LoRA file, or leave existing_lora empty to start a new LoRA")
-    if not any(k.endswith(_ADAPTER_KEYS) or file_algorithm([k]) != "lora" for k in keys):
+    if not any(_ADAPTER_MARK.search(k) for k in keys):
         raise LoraError(f"{what} is not a LoRA file: none of its {len(keys)} tensors is an adapter weight (e.g. "
                         f"{', '.join(keys[:2])}: a model's weights?); pick a LoRA file (Save LoRA's, or another "
                         "trainer's), or leave existing_lora empty to start a new LoRA")
     if algorithm is not None:
         check_file_algorithm(keys, algorithm, what)
-    if rank is not None and algorithm in ("lora", "dora") and file_rank is not None and file_rank != rank:
-        raise LoraError(f"{what} was trained with rank {file_rank} but this LoRA setup has rank={rank}: set "
-                        f"rank={file_rank} to continue from it")
+    if rank is not None and algorithm in ("lora", "dora") and ranks and rank not in ranks:
+        shown = " or ".join(map(str, sorted(ranks)))
+        raise LoraError(f"{what} was trained with rank {shown} but this LoRA setup has rank={rank}: set rank="
+                        f"{min(ranks)} to continue from it")
     return path
 
 
 _RANK_KEYS = (".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")  # (rank, in)
-_ADAPTER_KEYS = _RANK_KEYS + (".lora_B.weight", ".lora_B.default.weight", ".lora_up.weight")
+_ADAPTER_MARK = re.compile(r"lora_|\.lora\.|hada_|lokr_|dora_scale", re.IGNORECASE)  # a key of any adapter format
 
 
 def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:

@@ -97,6 +97,13 @@ def test_node_checks(out, tmp_path):
     assert "was trained with rank 4 but this LoRA setup has rank=16: set rank=4 to continue from it" in \
         setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="r4.safetensors"))
     assert setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="r4.safetensors", rank=4)) is True
+    # a kohya file whose text-encoder part (which training drops) has another rank: the diffusion part's counts
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(16, 8), "lora_unet_x.lora_up.weight": torch.zeros(8, 16),
+               "lora_te1_y.lora_down.weight": torch.zeros(4, 8), "lora_te1_y.lora_up.weight": torch.zeros(8, 4)},
+              str(folder / "kohya.safetensors"))
+    assert setup.VALIDATE_INPUTS(**_queued("TightropeLoraSetup", existing_lora="kohya.safetensors")) is True
+    assert "was trained with rank 16 but this LoRA setup has rank=4" in setup.VALIDATE_INPUTS(
+        **_queued("TightropeLoraSetup", existing_lora="kohya.safetensors", rank=4))
     # Demo Images' subfolder, named as itself (it was refused as 'filename_prefix', and only when the node ran)
     images = NODE_CLASS_MAPPINGS["TightropeDemoImages"]
     assert "subfolder='../../escape' contains '..': subfolders may only go down, e.g. 'tightrope_demo_images'" in \
@@ -104,6 +111,8 @@ def test_node_checks(out, tmp_path):
     assert "subfolder='/tmp/x' is an absolute path" in images.VALIDATE_INPUTS(
         **_queued("TightropeDemoImages", subfolder="/tmp/x"))
     assert images.VALIDATE_INPUTS(**_queued("TightropeDemoImages", subfolder="mine/imgs/")) is True  # a folder
+    assert "subfolder='./' is the output folder itself: give a folder inside it, e.g. 'tightrope_demo_images'" in \
+        images.VALIDATE_INPUTS(**_queued("TightropeDemoImages", subfolder="./"))
     assert "filename_prefix='.' ends in a folder, not a file name: add one, e.g. 'my_lora'" in \
         NODE_CLASS_MAPPINGS["TightropeSaveLora"].VALIDATE_INPUTS(session=None, filename_prefix=".")
     # auto mode ignores the manual fields, so it does not refuse them

@@ -311,6 +311,14 @@ def test_without_resume_an_interrupted_run_is_refused_before_any_node_trains(tmp
         m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         assert run("early") == 130
     assert "no training step had completed, so nothing was saved to resume from" in capsys.readouterr().err
+    other = tmp_path / "shared" / ".tightrope_state" / "another" / "run.node-3.state.safetensors"
+    other.parent.mkdir(parents=True)
+    shutil.copyfile(next((tmp_path / "cut").rglob("*.node-8.state.safetensors")), other)
+    os.utime(other, (other.stat().st_atime, other.stat().st_mtime - 3600))
+    with monkeypatch.context() as m:  # another workflow's interrupted state in the same output dir is not this one's
+        m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        assert run("shared") == 130
+    assert "no training step had completed, so nothing was saved to resume from" in capsys.readouterr().err
     with monkeypatch.context() as m:
         m.setattr(training_run, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         assert run("fresh", "--resume") == 130

@@ -43,7 +43,7 @@ _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weig
 _STRIPPED_PREFIXES = (PREFIX, "base_model.model.")  # ours; peft's PeftModel
 KOHYA_PREFIX = "lora_unet_"
 # text-encoder layers in kohya / diffusers / ai-toolkit files (lora_te_, lora_te1_, lora_te2_, lora_te3_, ...)
-_TEXT_ENCODER_KEY = re.compile(r"^(lora_te\d*_|text_encoders?(_\d+)?\.|te\d?\.)")
+TEXT_ENCODER_KEY = re.compile(r"^(lora_te\d*_|text_encoders?(_\d+)?\.|te\d?\.)")
 
 
 class LoraWeights(NamedTuple):
@@ -217,7 +217,7 @@ def inject_lora_continuing(module: nn.Module, spec: LoraSpec, family: str) -> li
 def _diffusion_model_part(tensors: dict[str, Tensor], meta: dict, path) -> tuple[dict[str, Tensor], dict]:
     """The file's diffusion-model tensors: text-encoder layers (kohya's lora_te*_) are left out with a warning, since
     Tightrope trains the diffusion model only (they were read as layers of another architecture)."""
-    text = [k for k in tensors if _TEXT_ENCODER_KEY.match(k)]
+    text = [k for k in tensors if TEXT_ENCODER_KEY.match(k)]
     if text:
         if len(text) == len(tensors):
             raise LoraError(f"{path} holds text-encoder layers only (e.g. {text[0]}): Tightrope continues LoRAs of the "

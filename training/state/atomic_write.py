@@ -209,6 +209,7 @@ def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename
     """`root`/`prefix` for a user-given filename_prefix (subfolders allowed), refusing anything that could land
     outside `root`: '..', absolute paths, drives, NUL/control and Windows-forbidden characters. `name` and `example`:
     the input the messages name and the value they suggest (a folder input: its trailing '/' is allowed)."""
+    given = prefix
     if name != "filename_prefix" and isinstance(prefix, str) and prefix.rstrip("/\\"):
         prefix = prefix.rstrip("/\\")  # a folder
     if not isinstance(prefix, str) or not prefix.strip():
@@ -226,6 +227,9 @@ def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
         raise OutputPathError(f"{name}={prefix!r} contains '..': subfolders may only go down, e.g. "
                          f"'{example}'")
+    if (not parts[-1] or parts[-1] == ".") and name != "filename_prefix":
+        raise OutputPathError(f"{name}={given!r} is the output folder itself: give a folder inside it, e.g. "
+                              f"'{example}'")
     if not parts[-1] or parts[-1] == ".":
         folder = prefix.rstrip("/.")
         raise OutputPathError(f"{name}={prefix!r} ends in a folder, not a file name: add one, e.g. "
