@@ -75,6 +75,7 @@ class _Run:
     host_weight: Callable | None = None  # a frozen parameter -> its value (the runtime's host master while offloaded)
     updating: bool = False  # an update began, its step is not counted: the weights are of no step, never saved
     scaler: object = None  # the fp16 loss scaler (its state is saved with the optimizer's)
+    stopped: bool = False  # the host interrupted the run (ComfyUI's interrupt: it may land in the last validation)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
     return session.advanced(step=run.step, lora_state=state, optimizer_state=optimizer_state,
                             losses=session.losses + tuple(run.losses), stats=session.stats + tuple(run.stats),
                             saved=session.saved + tuple(path for path, _ in run.saved),
-                            interrupted=run.step < session.step + steps,
+                            interrupted=run.step < session.step + steps or run.stopped,
                             ema_state=run.ema.state_dict() if run.ema is not None else None,
                             validation_losses=session.validation_losses + run.monitor.validation_losses)
 
@@ -169,8 +170,8 @@ def _run_loop(session: TrainingSession, run: _Run, parts: _RunParts, interrupts:
         return None
     except torch.OutOfMemoryError as e:
         oom = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
-    except interrupts:
-        oom = None
+    except interrupts:  # ComfyUI clears its interrupt flag as it raises this: the node says interrupted itself
+        oom, run.stopped = None, True
     except BaseException:
         _save_after_failure(session, run, parts.module, parts.save, parts.optimizer)
         raise

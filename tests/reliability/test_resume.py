@@ -129,6 +129,36 @@ def test_a_stop_in_the_last_steps_validation_is_scored_on_resume(out, monkeypatc
         assert load_state(path).step == 4 and [s for s, _ in load_state(path).info["validation"]] == [0, 2, 4]
 
 
+def test_comfyuis_interrupt_in_the_last_steps_validation_ends_the_prompt_as_interrupted(out, monkeypatch):
+    """ComfyUI's interrupt raised inside the last step's validation (its ops check the flag, and clear it as they
+    raise): the trainer dropped it and the run looked finished, so the node returned success, ComfyUI cached it and
+    the step's validation loss was never scored (found by a helper in a real server). Now the node ends the prompt
+    as interrupted, and queued again it scores that validation without training."""
+    from tightrope.training.validation import Validation
+    model, dataset, spec, strat = world(out)
+    kw = dict(steps=4, validation_fraction=0.25, validation_every=2)
+    notes = []
+    monkeypatch.setattr(host, "notify", notes.append)
+    with torch.inference_mode():
+        whole, _, _ = train_node(model, dataset, spec, strat, filename_prefix="rt/whole", **kw)
+        real = Validation.score_if_due
+
+        def interrupted_at_the_end(self, step, *a):
+            if step == 4:
+                raise _HostInterrupt()
+            return real(self, step, *a)
+        with monkeypatch.context() as m:
+            m.setattr(Validation, "score_if_due", interrupted_at_the_end)
+            m.setattr(host, "interrupt_exceptions", lambda: (_HostInterrupt,))
+            with pytest.raises(KeyboardInterrupt):  # headless, raise_interrupt is a Ctrl-C
+                train_node(model, dataset, spec, strat, **kw)
+        assert " interrupted at step 4" in notes[-1]
+        with resuming():
+            resumed, _, _ = train_node(model, dataset, spec, strat, **kw)
+    assert resumed.validation_losses == whole.validation_losses
+    assert any("a stop left its validation loss unscored: scoring it" in n for n in notes)
+
+
 def test_resume_refuses_other_lora_settings(out, monkeypatch):
     model, dataset, spec, strat = world(out)
     monkeypatch.setattr(host, "interrupt_requested", lambda: True)
