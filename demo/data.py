@@ -7,6 +7,7 @@ image also gets a loss mask, NNN.mask.png: the shape white (trained), the backgr
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -65,4 +66,15 @@ def make_demo_dataset(folder: str | Path, n_images: int = 16, size: int = 64, se
             _draw_shape(ImageDraw.Draw(mask), shape, box, 255)
             mask.save(folder / f"{i:03d}{MASK_SUFFIX}", format="PNG")
         (folder / f"{i:03d}.txt").write_text(f"{_a(colour)} {shape} on {_a(background)} background\n", encoding="utf-8")
+    _remove_leftovers(folder, n_images, masks)
     return folder
+
+
+def _remove_leftovers(folder: Path, n_images: int, masks: bool) -> None:
+    """Files an earlier call wrote that this one did not (a larger count, or masks then): the folder holds exactly
+    what was asked, or Load Dataset would train on the old images too (found by a helper). Only the demo's own names
+    (NNN.png, NNN.txt, NNN.mask.png); anything else in the folder is left alone."""
+    for path in folder.iterdir():
+        m = re.fullmatch(r"(\d{3,})(\.png|\.txt|" + re.escape(MASK_SUFFIX) + ")", path.name)
+        if m and path.is_file() and (int(m.group(1)) >= n_images or m.group(2) == MASK_SUFFIX and not masks):
+            path.unlink()

@@ -187,7 +187,7 @@ CASES = [
     Case("prefix_dotdot", "filename prefix with '..'", TRAIN, "OutputPathError", ("'../escape'", "may only go down"),
          lambda c: train_with(c, filename_prefix="../escape")),
     Case("prefix_absolute", "absolute filename prefix", TRAIN, "OutputPathError",
-         ("'/tmp/escape'", "relative to the output"),
+         ("'/tmp/escape'", "relative to the folder files go under"),
          lambda c: train_with(c, filename_prefix="/tmp/escape")),
     Case("save_prefix_dotdot", "Save LoRA prefix with '..'", "Save LoRA", "OutputPathError", ("'a/../../x'", "only go down"),
          lambda c: TightropeSaveLora().save(train_node(*world(c.out), steps=1)[0], "a/../../x")),

@@ -81,7 +81,7 @@ CASES += [
          SAVE + CHAIN, "WorkflowError", ("node 9 'TightropeSaveLora'", "filename_prefix='blocked/final'",
                                          "is a file", "move or rename that file"), blocked_folder),
     Case("chain_train_prefix_absolute", "absolute prefix in the second Train node", TRAIN + CHAIN, "WorkflowError",
-         ("node 8 'TightropeTrain'", "'/tmp/escape'", "relative to the output"),
+         ("node 8 'TightropeTrain'", "'/tmp/escape'", "relative to the folder files go under"),
          lambda c: run_chain(c, train2={"filename_prefix": "/tmp/escape"})),
     Case("chain_lr_nan", "NaN learning rate in the second Train node", TRAIN + CHAIN, "WorkflowError",
          ("node 8 'TightropeTrain'", "input 'learning_rate' is nan", "use a value in 1e-07..1.0"),

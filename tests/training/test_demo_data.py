@@ -39,3 +39,13 @@ def test_demo_masks_cover_each_shape_and_leave_the_images_unchanged(tmp_path):
             colour = COLOURS[(tmp_path / "a" / f"{i:03d}.txt").read_text().split()[1]]
             assert torch.equal(white, (pixels == torch.tensor(colour)).all(1)) and 0 < white.sum() < white.numel()
             assert set(mask.tobytes()) == {0, 255}
+
+
+def test_a_smaller_count_or_no_masks_leaves_exactly_what_was_asked(tmp_path):
+    """Written again with fewer images (or without masks), the folder held the old images too and Load Dataset
+    trained on them (found by a helper in a real server); the user's own files stay."""
+    make_demo_dataset(tmp_path, n_images=8, size=32, seed=0, masks=True)
+    (tmp_path / "notes.txt").write_text("mine")
+    make_demo_dataset(tmp_path, n_images=6, size=32, seed=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([f"{i:03d}{ext}" for i in range(6) for ext in (".png", ".txt")] + ["notes.txt"])

@@ -220,8 +220,8 @@ def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename
                          "'_', '-', '.', and '/' for subfolders")
     if PurePosixPath(prefix).is_absolute() or PureWindowsPath(prefix).is_absolute() \
             or PureWindowsPath(prefix).drive or prefix.startswith(("/", "\\")):
-        raise OutputPathError(f"{name}={prefix!r} is an absolute path: give a name relative to the output "
-                         f"folder, e.g. '{example}' (files go under {os.fspath(root)})")
+        raise OutputPathError(f"{name}={prefix!r} is an absolute path: give a name relative to the folder files "
+                              f"go under ({os.fspath(root)}), e.g. '{example}'")
     parts = re.split(r"[/\\]", prefix)
     # '..' and also '...'/'.. ', which Windows trims to '..'
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
