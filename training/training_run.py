@@ -85,7 +85,7 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
                 if notify is not None:
                     notify(f"Train node{_named(node_id)} had finished its steps (step {session.step} in "
                            f"'{state_file}'), but a stop left its validation loss unscored: scoring it")
-            if notify is not None:
+            elif notify is not None:
                 notify(f"Train node{_named(node_id)} goes on from step {session.step} of its run (steps "
                        f"{state.run_start}-{state.run_start + steps}), saved in '{state_file}'")
         explanation = ""
