@@ -6,8 +6,8 @@
     tightrope bench ...
 
 Exit codes: 0 success, 2 bad input (the workflow, a node's input or the command line; found before any node runs or
-while one runs: bad_input_types), 1 anything else (a bug, a divergence, out of memory, a core node that failed), 130 Ctrl-C, 143 SIGTERM (129 SIGHUP, 138 SIGUSR1: every polite stop saves like
-Ctrl-C, headless/stop_signals.py).
+while one runs: bad_input_types), 1 anything else (a bug, a divergence, out of memory, a core node that failed),
+130 Ctrl-C, 143 SIGTERM (129 SIGHUP, 138 SIGUSR1: every polite stop saves like Ctrl-C, headless/stop_signals.py).
 A user error (bad input: its message names the input and the fix) prints one line; a bug prints its traceback too.
 Tightrope's own warnings print as one line each (`warning: ...`), above a running progress bar.
 No module-level state: every call of main() stands alone (torchrun will start one per rank).

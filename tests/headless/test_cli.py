@@ -225,7 +225,8 @@ def test_our_warnings_print_as_one_line_each(tmp_path):
     strategy = {k: v[1]["default"] for k, v in TightropeMemoryStrategy.INPUT_TYPES()["required"].items()}
     workflow = json.loads(json.dumps(WORKFLOW))
     workflow["6"]["inputs"] |= {"steps": 2, "strategy": ["8", 0]}
-    workflow["8"] = {"class_type": "TightropeMemoryStrategy",  # activation offload with no block checkpointed: a warning
+    # activation offload with no block checkpointed: a warning
+    workflow["8"] = {"class_type": "TightropeMemoryStrategy",
                      "inputs": strategy | {"activation_offload": True, "checkpoint": "off", "compute_dtype": "fp32"}}
     path = _write(tmp_path, workflow)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
