@@ -298,23 +298,28 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
     lora, optimizer_state = trained_states(module, optimizer, run.scaler)
     check_finite(lora | _optimizer_tensors(optimizer_state), f"the training state of step {run.step}",
                  "it was not saved and the files of the last good step stay; lower learning_rate")
+    # a stop waits for each write and its record: one landing between them wrote this step's LoRA again under the
+    # next counter at the stop's save (found by a helper: two files of step 10, the later ones numbered one higher)
     if not run.saved or run.saved[-1][1] != run.step:  # else this step's LoRA is on disk, its state file failed
-        path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
-                               metadata=run_metadata(session, run.step),
-                               base_weight=base_weight_of(module, run.host_weight))
-        run.saved.append((str(path), run.step))
+        with held_stops():
+            path = save_lora_state(save.folder, save.filename_prefix, lora, session.lora,
+                                   metadata=run_metadata(session, run.step),
+                                   base_weight=base_weight_of(module, run.host_weight))
+            run.saved.append((str(path), run.step))
     try:
-        _save_state(session, run, save, lora, optimizer_state)
+        with held_stops():
+            _save_state(session, run, save, lora, optimizer_state)
+            run.saved_step = run.step
     except FileWriteError as e:  # say what is on disk: this step's LoRA, an earlier step's state
         raise FileWriteError(e.path, e.errno, e.strerror, kept=f"the LoRA of step {run.step} was saved "
                              f"({run.saved[-1][0]}), its training state was not") from e
-    run.saved_step = run.step
 
 
 def _save_state(session: TrainingSession, run: _Run, save: SaveTarget, lora: dict, optimizer_state: dict) -> None:
     save_state(save.state_file, session, step=run.step, run_start=run.start, run_end=run.end,
                lora_state=lora, optimizer_state=optimizer_state, losses=session.losses + tuple(run.losses),
-               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved), fingerprints=run.fingerprints, owner=save.owner,
+               stats=session.stats + tuple(run.stats), saved=session.saved + tuple(p for p, _ in run.saved),
+               fingerprints=run.fingerprints, owner=save.owner,
                ema_state=run.ema.state_dict() if run.ema is not None else None,
                validation=session.validation_losses + run.monitor.validation_losses)
 

@@ -164,6 +164,29 @@ def test_a_stop_while_the_batch_worker_starts_leaves_no_thread_behind(tmp_path, 
     assert not left
 
 
+def test_a_stop_during_a_periodic_save_writes_that_steps_lora_once(tmp_path, monkeypatch):
+    """SIGTERM right after a periodic save wrote its LoRA file, before the run recorded it: the stop's own save wrote
+    the step's LoRA again under the next counter (found by a helper: two files of step 2, later ones renumbered)."""
+    from demo_setup import demo_session
+
+    from tightrope.training import trainer
+    from tightrope.training.state.resume import load_state, state_path
+    real = trainer.save_lora_state
+
+    def save_lora_state(*args, **kwargs):
+        path = real(*args, **kwargs)
+        if kwargs["metadata"]["tightrope.steps"] == "2":
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs before the file is recorded
+        return path
+    monkeypatch.setattr(trainer, "save_lora_state", save_lora_state)
+    save = trainer.SaveTarget(tmp_path / "out", "run", every=1)
+    with polite_stops(), pytest.raises(StopSignal):
+        trainer.train(demo_session(tmp_path), 4, device=torch.device("cpu"), save=save)
+    files = sorted((tmp_path / "out").glob("run_*.safetensors"))
+    assert [read_lora_file(f)[1]["tightrope.steps"] for f in files] == ["1", "2"]
+    assert load_state(state_path(save.folder, "run")).step == 2
+
+
 def _swallowed_sigterm():
     """SIGTERM handled while Python runs a weakref finalizer (the memory runtime registers them on weight views and
     storages): the handler's StopSignal raises inside the finalizer, which prints it as "Exception ignored" and
