@@ -93,14 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool = False, debug: bool = False,
                 comfyui: str | None = None, models_dir: str | None = None, log_dir: str | None = None,
                 custom_nodes: list[str] | None = None) -> int:
+    from .headless.stop_signals import polite_stops
+    started = time.time()
+    # polite stops (SIGTERM etc.) stop like Ctrl-C until this returns: a second signal while a stop is saved or
+    # reported prints a note instead of killing the process (found by a helper: exit -15 after a reported stop)
+    with polite_stops():
+        try:
+            return _reported(started, workflow_path, output_dir, resume, fsdp, debug, comfyui, models_dir, log_dir,
+                             custom_nodes)
+        except KeyboardInterrupt as stop:  # a first stop while another ending was reported: its exit code
+            from .headless.stop_signals import report_stop
+            return report_stop(stop, quiet=True)
+
+
+def _reported(started: float, workflow_path: str, output_dir: str, resume: bool, fsdp: bool, debug: bool,
+              comfyui: str | None, models_dir: str | None, log_dir: str | None, custom_nodes: list[str] | None) -> int:
+    """The run, and what ended it reported: its exit code."""
     from .headless.executor import NodeExecutionError
     from .headless.graph import WorkflowError
-    from .headless.stop_signals import polite_stops, report_stop
+    from .headless.stop_signals import report_stop
     from .training.distributed import DistributedError, launched
-    started = time.time()
     try:
         try:
-            with polite_stops(), launched(fsdp=fsdp), one_line_warnings(debug):  # polite stops as Ctrl-C; torchrun
+            with launched(fsdp=fsdp), one_line_warnings(debug):  # torchrun's process group
                 return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
                             custom_nodes or [])
         finally:
@@ -112,14 +127,12 @@ def run_command(workflow_path: str, *, output_dir: str, resume: bool, fsdp: bool
         return EXIT_WORKFLOW_ERROR
     except KeyboardInterrupt as stop:  # 130 for Ctrl-C, 128 + the signal for SIGTERM, SIGHUP, SIGUSR1
         from .nodes.host import HEADLESS_STATE_DIR  # the run's host context has ended: its state_dir, spelled out
-        from .training.state.resume import unfinished_run
         ours = getattr(stop, "train_states", None)  # this workflow's Train nodes' (None: stopped before it ran)
-        states = ours if ours is not None else \
-            (Path(output_dir).resolve() / HEADLESS_STATE_DIR).rglob("*.state.safetensors")
-        # written in this run (coarse mtimes), or an interrupted run's state that a --resume stopped before its
-        # first new step left in place: either way --resume goes on from it
-        saved = any(p.is_file() and (p.stat().st_mtime >= started - 1 or ours is not None and
-                                     unfinished_run(p) is not None) for p in states)
+        if ours is not None:  # any state of its Train nodes is what --resume goes on from (or returns, finished)
+            saved = any(p.is_file() for p in ours)
+        else:  # written in this run (coarse mtimes)
+            states = (Path(output_dir).resolve() / HEADLESS_STATE_DIR).rglob("*.state.safetensors")
+            saved = any(p.stat().st_mtime >= started - 1 for p in states)
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
         user_error = isinstance(exc.__cause__, user_error_types())

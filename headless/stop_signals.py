@@ -69,8 +69,8 @@ def polite_stops() -> Iterator[None]:
 
 def report_stop(stop: KeyboardInterrupt, *, saved: bool = True, quiet: bool = False) -> int:
     """Print what a stop (Ctrl-C or a polite signal) kept and how to go on; returns the exit code, 128 + signal.
-    saved: a Train node wrote its state in this run (else no step had completed: nothing to resume); quiet: say
-    nothing (the other ranks under torchrun: rank 0 reports)."""
+    saved: a Train node of the workflow has a state --resume goes on from (else no step had completed: nothing to
+    resume); quiet: say nothing (the other ranks under torchrun: rank 0 reports)."""
     how = str(stop) if isinstance(stop, StopSignal) else "interrupted (Ctrl-C)"
     kept = ("Train nodes saved their last completed step: run again with --resume to continue from it" if saved
             else "no training step had completed, so nothing was saved to resume from")

@@ -249,6 +249,34 @@ def test_a_chain_no_single_node_can_check_is_refused_before_any_node_runs(tmp_pa
         assert "Train node 8: optimizer='adamw_schedulefree' does not work with optimizer_offload=True" in err
 
 
+def test_a_stop_report_counts_a_finished_node_and_keeps_stops_polite_while_it_reports(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """--resume stopped as node 8 starts, node 7 finished in an earlier run: the report said nothing was saved, and
+    a run without --resume then trained node 7 again (found by a helper). And while a stop is reported, a second
+    signal still meets the polite handler, not the default one (which ended the process with -15)."""
+    from tightrope.headless import stop_signals
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_chain()))
+    real, handlers = training_run.train, []
+
+    def train(session, steps, **kw):
+        if kw["save"].owner.node == "8":
+            raise KeyboardInterrupt
+        return real(session, steps, **kw)
+    real_report = stop_signals.report_stop
+    monkeypatch.setattr(stop_signals, "report_stop",
+                        lambda *a, **k: (handlers.append(signal.getsignal(signal.SIGTERM)), real_report(*a, **k))[1])
+    monkeypatch.setattr(training_run, "train", train)
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == 130
+    for p in (tmp_path / "o").rglob("*.state.safetensors"):
+        os.utime(p, (p.stat().st_atime, p.stat().st_mtime - 3600))  # node 7's: an earlier run's
+    capsys.readouterr()
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o"), "--resume"]) == 130
+    assert "Train nodes saved their last completed step: run again with --resume" in capsys.readouterr().err
+    assert handlers and all(h not in (signal.SIG_DFL, signal.default_int_handler) and callable(h) and
+                            h.__qualname__.startswith("polite_stops") for h in handlers)
+
+
 def test_cli_ctrl_c_in_the_second_node_then_resume_twice(tmp_path, monkeypatch, capsys):
     """Through `tightrope run`, which gives each Train node its id: exact after a stop in node 8, then "nothing to
     do" on a finished run (no step trained, the same LoRA saved again)."""
