@@ -139,11 +139,12 @@ def _reported(started: float, workflow_path: str, output_dir: str, resume: bool,
         if debug or not user_error:  # a bug: the traceback is what helps
             traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
-        finished = getattr(exc, "finished_train_states", [])
-        if finished and os.environ.get("RANK", "0") == "0":
-            print(f"{len(finished)} Train node(s) finished before it, their training state kept ("
-                  f"{', '.join(map(str, finished))}): once fixed, run again with --resume to use them instead of "
-                  "training them again", file=sys.stderr)
+        kept = getattr(exc, "train_states_written", [])
+        if kept and os.environ.get("RANK", "0") == "0":  # --resume goes on from these, nothing trained again
+            shown = ", ".join(f"{path} ({'finished' if left is None else f'step {left[0]} of {left[1]}'})"
+                              for path, left in kept)
+            print(f"training state kept for {len(kept)} Train node(s) ({shown}): once fixed, run again with "
+                  "--resume to go on from it instead of training again", file=sys.stderr)
         return EXIT_WORKFLOW_ERROR if isinstance(exc.__cause__, bad_input_types()) else EXIT_FAILED
     except Exception as exc:  # a bug, not a workflow problem: the traceback is what helps
         traceback.print_exc(file=sys.stderr)
@@ -196,12 +197,12 @@ def _train_state_paths(graph) -> list[Path]:
     return paths
 
 
-def _finished_train_states(graph, started: float) -> list[Path]:
-    """The training state files of this workflow's Train nodes that finished in this run (written since `started`,
-    a wall-clock time): --resume returns their results without training."""
+def _written_train_states(graph, started: float) -> list[tuple[Path, tuple[int, int] | None]]:
+    """(state file, (step, run end) or None when finished) of this workflow's Train nodes written in this run (since
+    `started`, a wall-clock time; coarse mtimes): --resume goes on from them, or returns a finished node's result."""
     from .training.state.resume import unfinished_run
-    return [p for p in _train_state_paths(graph)
-            if p.is_file() and p.stat().st_mtime >= started - 1 and unfinished_run(p) is None]  # coarse mtimes
+    return [(p, unfinished_run(p)) for p in _train_state_paths(graph)
+            if p.is_file() and p.stat().st_mtime >= started - 1]
 
 
 def user_error_types() -> tuple[type[Exception], ...]:
@@ -280,7 +281,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
                                    extra_pnginfo=extra_pnginfo, call_node=library.call_node if library else None,
                                    lazy_status=library.lazy_status if library else None)
         except NodeExecutionError as exc:
-            exc.finished_train_states = _finished_train_states(graph, wall)  # for the report: --resume uses them
+            exc.train_states_written = _written_train_states(graph, wall)  # for the report: --resume uses them
             raise
         except KeyboardInterrupt as stop:
             stop.train_states = _train_state_paths(graph)  # for the stop report: what --resume would go on from

@@ -210,8 +210,8 @@ def test_a_bad_input_in_a_later_node_exits_2_and_names_resume_for_the_nodes_that
         assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == cli.EXIT_WORKFLOW_ERROR
     err = capsys.readouterr().err
     assert "error: node 8 'TightropeTrain' failed: ConfigError: batch_size=64" in err and "Traceback" not in err
-    assert "1 Train node(s) finished before it, their training state kept (" in err
-    assert "chain.node-7.state.safetensors): once fixed, run again with --resume to use them" in err
+    assert "training state kept for 1 Train node(s) (" in err
+    assert "chain.node-7.state.safetensors (finished)): once fixed, run again with --resume to go on from it" in err
     calls.clear()
     with monkeypatch.context() as m:
         m.setattr(training_run, "train", lambda session, steps, **kw: (calls.append(kw["save"].owner.node),
@@ -247,6 +247,27 @@ def test_a_chain_no_single_node_can_check_is_refused_before_any_node_runs(tmp_pa
     assert calls == [] and message in err and "Traceback" not in err
     if "offload" in message:  # node 8 trains with node 7's strategy: refused too
         assert "Train node 8: optimizer='adamw_schedulefree' does not work with optimizer_offload=True" in err
+
+
+def test_a_run_that_fails_mid_node_names_the_state_it_kept(tmp_path, monkeypatch, capsys):
+    """Node 7 fails at its third step (as a torchrun rank does when its peer is gone: a RuntimeError, exit 1, the
+    traceback): its last completed step was saved, and the report says so and names --resume (found by a helper:
+    the surviving rank reported only the bug)."""
+    from tightrope.memory.runtime import MemoryRuntime
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps(_api_chain()))
+    real, calls = MemoryRuntime.start_step, []
+
+    def start_step(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("Connection closed by peer")
+        return real(self, *a, **k)
+    monkeypatch.setattr(MemoryRuntime, "start_step", start_step)
+    assert cli.main(["run", str(path), "--output-dir", str(tmp_path / "o")]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: Connection closed by peer" in err
+    assert f"chain.node-7.state.safetensors (step 2 of {A})): once fixed, run again with --resume" in err
 
 
 def test_a_stop_report_counts_a_finished_node_and_keeps_stops_polite_while_it_reports(tmp_path, monkeypatch,

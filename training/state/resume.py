@@ -274,7 +274,9 @@ def _follow(path: Path, session: Any, owner: StateOwner | None, steps: int | Non
     if not path.is_file():
         raise ResumeError(f"{where} does not exist; {fix}")
     try:
-        resumed = resume_session(path, session, owner=owner, steps=steps, strategy=strategy)
+        with warnings.catch_warnings():  # rank 0 warned of what changed: once, not once per rank
+            warnings.simplefilter("ignore")
+            resumed = resume_session(path, session, owner=owner, steps=steps, strategy=strategy)
     except ResumeError as e:
         raise ResumeError(f"{where} cannot be used ({e}); {fix}") from None
     if resumed is None or _identity(resumed[1]) != chosen:
