@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,13 +13,13 @@ from ..memory.host_memory import release_freed_host_memory
 from ..memory.strategy import Strategy
 from .state.atomic_write import user_output_path
 from .models.model_with_lora import model_with_lora
-from .state.resume import (NotThisRun, ResumeError, StateOwner, resume_agreed, session_digest, state_path,
-                           unfinished_run)
+from .state.resume import (NotThisRun, ResumeError, StateOwner, plan_changes, resume_agreed, session_digest,
+                           state_path, unfinished_run)
 from .session import TrainingSession
 from .state.lock import state_lock
 from .strategy_choice import AutoStrategy
 from .train_config import ConfigError, TrainConfig
-from .distributed import on_main_rank, resolve_device
+from .distributed import current, on_main_rank, resolve_device
 from .input_checks import check_run_inputs
 from .trainer import SaveTarget, train
 from .validation import report_line as validation_report_line
@@ -73,7 +74,7 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
     state_file = state_path(save_dir if state_dir is None else state_dir, filename_prefix, node_id)
     owner = StateOwner(node=node_id, input_step=session.step, input=session_digest(session))
     with state_lock(state_file):
-        run_start, left = None, steps
+        run_start, left, given = None, steps, session
         resumed = _resumed(state_file, session, owner, steps, resume, notify, strategy)  # rank 0's
         if resumed is not None:
             session, state = resumed
@@ -99,6 +100,15 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
         elif strategy is not None:
             chosen, explanation = resolve_strategy(strategy, session, dev, probe_progress)
             session = session.advanced(strategy=chosen)
+            changed = plan_changes(resumed[1].info, chosen) if resumed is not None else []
+            if changed and resume == "same run":  # not the very same run: it trains anew (found by a helper)
+                if notify is not None:
+                    notify(f"Train node{_named(node_id)} trains from its input, not from its saved state: "
+                           f"{'; '.join(changed)}; the file is replaced")
+                session, run_start, left = given.advanced(strategy=chosen), None, steps
+            elif changed and current().is_main:  # rank 0 says it, once
+                warnings.warn(f"resuming '{state_file}' with changed training settings ({'; '.join(changed)}): the "
+                              "run goes on, but will not match an uninterrupted run", stacklevel=2)
         save = SaveTarget(save_dir, filename_prefix, save_every, state=state_file,
                           owner=StateOwner(node_id, owner.input_step, owner.input, explanation, plan))
         result = train(session, left, device=dev, save=save, progress=progress, should_stop=should_stop,

@@ -302,6 +302,38 @@ def test_resume_keeps_the_plan_of_an_auto_strategy(out, monkeypatch):
     assert all(torch.equal(resumed.lora_state[k], v) for k, v in whole.lora_state.items())
 
 
+def test_a_new_auto_plan_that_changes_the_numbers_is_said_or_trains_anew(out, monkeypatch):
+    """Interrupted with token_chunks 2, resumed with an auto strategy whose plan has none: --resume went on silently,
+    7e-9 off an uninterrupted run (found by a helper). Now headless warns; ComfyUI's resume widget (the very same run
+    only) trains from the input and says why."""
+    from reliability_kit import strategy
+    from tightrope.memory.strategy import Strategy
+    from tightrope.training import auto_plan
+    model, dataset, spec, _ = world(out)
+    kw = dict(steps=4, save_every=1)
+    with torch.inference_mode():
+        path = state_path(host.state_dir(), "rt/lora")
+        monkeypatch.setattr(host, "interrupt_requested", lambda: path.is_file() and load_state(path).step >= 2)
+        with pytest.raises(KeyboardInterrupt):
+            train_node(model, dataset, spec, strategy(token_chunks=2, checkpoint="all"), **kw)
+        monkeypatch.setattr(host, "interrupt_requested", lambda: False)
+        monkeypatch.setattr(auto_plan, "plan_for_session",
+                            lambda *a, **k: (Strategy.of(compute_dtype="fp32"), "planned"))
+        auto = strategy(mode="auto", vram_budget_gb=4.0)
+        saved = path.read_bytes()
+        with resuming(), pytest.warns(UserWarning, match=r"changed training settings \(auto strategy's token_chunks: "
+                                                         r"2 -> 1\): the run goes on, but will not match"):
+            resumed, _, _ = train_node(model, dataset, spec, auto, **kw)
+        assert resumed.step == 4 and len(resumed.losses) == 4
+        path.write_bytes(saved)  # interrupted again; now queued again in ComfyUI
+        notes = []
+        monkeypatch.setattr(host, "notify", notes.append)
+        monkeypatch.setattr(host, "resume_mode", lambda widget=True: "same run")
+        anew, _, _ = train_node(model, dataset, spec, auto, **kw)
+    assert anew.step == 4 and any("trains from its input, not from its saved state: auto strategy's token_chunks: "
+                                  "2 -> 1; the file is replaced" in n for n in notes), notes
+
+
 class _HostInterrupt(Exception):
     """Stands in for ComfyUI's InterruptProcessingException, which its ops raise inside a step."""
 

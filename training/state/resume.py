@@ -318,6 +318,13 @@ def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
     return out
 
 
+def plan_changes(info: dict, chosen: Strategy) -> list[str]:
+    """What of `chosen` (an `auto` strategy's new plan for a resumed run) changes the numbers against the strategy
+    the state was trained with, as resume's diff lists it (empty: the run goes on bit for bit)."""
+    was, now = _numeric_parts(info.get("strategy") or {}), _numeric_parts(_as_saved(chosen.to_dict()))
+    return [f"auto strategy's {k}: {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
+
+
 def _numeric_parts(strategy: dict) -> dict:
     """The parts of a strategy (as saved) that change a run's numbers: the precision; token chunks (a block's
     matmuls by chunks sum its weight gradients in another order); per-block compile (inductor's fused kernels round
@@ -344,5 +351,6 @@ def _as_saved(values: dict) -> dict:
 
 
 __all__ = ["STATE_SUFFIX", "ResumeError", "NotThisRun", "StateOwner", "TrainingState", "state_path", "session_digest",
-           "save_state", "load_state", "resume_session", "resume_agreed", "fingerprints", "model_fingerprint",
+           "save_state", "load_state", "resume_session", "resume_agreed", "plan_changes", "fingerprints",
+           "model_fingerprint",
            "dataset_fingerprint"]
