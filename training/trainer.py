@@ -147,7 +147,7 @@ def train(session: TrainingSession, steps: int, *, device: torch.device, save: S
                     raise TrainingOutOfMemoryError(oom_message(session, run, runtime.device, oom, save))
                 ending.enter_context(held_stops())  # a stop from here on waits until the run is saved and undone
                 state, optimizer_state = trained_states(module, optimizer, run.scaler)
-                if run.step < session.step + steps or (steps and save is not None and save.every):  # stopped, saving
+                if run.step < session.step + steps or run.stopped or (steps and save is not None and save.every):
                     _save_last_step(session, run, module, save, optimizer)  # a failing save warns, keeps a copy
                 elif save is not None and run.saved_step != run.step:  # finished: --resume returns it, no training
                     _save_final_state(session, run, save, state, optimizer_state)
