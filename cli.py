@@ -182,26 +182,27 @@ def _close_progress_bars() -> None:
         bar.close()
 
 
-def _train_state_paths(graph) -> list[Path]:
-    """The training state files of this workflow's Train nodes (those whose filename_prefix is a literal)."""
+def _train_states(graph) -> dict[str, Path]:
+    """Train node id -> its training state file, for this workflow's Train nodes whose filename_prefix is a literal
+    (a linked one is known when the node runs; a bad one, its node's validation names)."""
     from .nodes import host
     from .training.state.resume import state_path
-    paths = []
+    states = {}
     for node_id, node in graph.items():
         prefix = node.inputs.get("filename_prefix")
         if node.class_type == "TightropeTrain" and isinstance(prefix, str):
             try:
-                paths.append(state_path(host.state_dir(), prefix, node_id))
-            except ValueError:  # a bad prefix: its node says so
+                states[node_id] = state_path(host.state_dir(), prefix, node_id)
+            except ValueError:
                 continue
-    return paths
+    return states
 
 
 def _written_train_states(graph, started: float) -> list[tuple[Path, tuple[int, int] | None]]:
     """(state file, (step, run end) or None when finished) of this workflow's Train nodes written in this run (since
     `started`, a wall-clock time; coarse mtimes): --resume goes on from them, or returns a finished node's result."""
     from .training.state.resume import unfinished_run
-    return [(p, unfinished_run(p)) for p in _train_state_paths(graph)
+    return [(p, unfinished_run(p)) for p in _train_states(graph).values()
             if p.is_file() and p.stat().st_mtime >= started - 1]
 
 
@@ -284,7 +285,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
             exc.train_states_written = _written_train_states(graph, wall)  # for the report: --resume uses them
             raise
         except KeyboardInterrupt as stop:
-            stop.train_states = _train_state_paths(graph)  # for the stop report: what --resume would go on from
+            stop.train_states = list(_train_states(graph).values())  # for the stop report: what --resume would go on from
             raise
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):
@@ -298,18 +299,10 @@ def _refuse_interrupted_runs(graph) -> None:
     and its first save would replace that run's state (its steps lost). Each one is refused, naming --resume (a
     Train node whose filename_prefix is linked is checked when it runs)."""
     from .headless.graph import WorkflowError
-    from .nodes import host
     from .training.distributed import on_main_rank
-    from .training.state.resume import ResumeError, state_path
+    from .training.state.resume import ResumeError
     from .training.training_run import refuse_unfinished
-    for node_id, node in graph.items():
-        prefix = node.inputs.get("filename_prefix")
-        if node.class_type != "TightropeTrain" or not isinstance(prefix, str):
-            continue
-        try:
-            state_file = state_path(host.state_dir(), prefix, node_id)
-        except ValueError:  # a bad prefix: the graph's validation names it
-            continue
+    for node_id, state_file in _train_states(graph).items():
         try:
             on_main_rank(lambda: refuse_unfinished(state_file, node_id))
         except ResumeError as e:  # a command-line matter (exit 2, one line), like the other checks before any node

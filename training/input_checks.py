@@ -17,7 +17,7 @@ from safetensors import safe_open
 from . import distributed
 from .data.image_folder import DatasetError
 from .lora.layers import resolve_existing_lora
-from .lora.files import TEXT_ENCODER_KEY
+from .lora.files import LORA_SUFFIXES, TEXT_ENCODER_KEY
 from .lora.lycoris import check_file_algorithm
 from .lora.targets import LoraError
 from .models import adapter_for
@@ -90,7 +90,7 @@ def check_existing_lora(name: str, loras_dir: str | os.PathLike, algorithm: str 
     return path
 
 
-_RANK_KEYS = (".lora_A.weight", ".lora_A.default.weight", ".lora_down.weight")  # (rank, in)
+_RANK_KEYS = tuple(suffix for suffix, part in LORA_SUFFIXES.items() if part == "A")  # (rank, in)
 _ADAPTER_MARK = re.compile(r"lora_|\.lora\.|hada_|lokr_|dora_scale", re.IGNORECASE)  # a key of any adapter format
 
 

@@ -38,7 +38,7 @@ from .targets import LoraError
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
 LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # key suffix -> part; A is the down projection (rank, in), B the up projection (out, rank)
-_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weight": "A",
+LORA_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_A.default.weight": "A",
              ".lora_B.default.weight": "B", ".lora_down.weight": "A", ".lora_up.weight": "B", ".alpha": "alpha"}
 _STRIPPED_PREFIXES = (PREFIX, "base_model.model.")  # ours; peft's PeftModel
 KOHYA_PREFIX = "lora_unet_"
@@ -168,7 +168,7 @@ def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[
     parts: dict[str, dict[str, Tensor]] = {}
     unknown = []
     for key, t in tensors.items():
-        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        suffix = next((s for s in LORA_SUFFIXES if key.endswith(s)), None)
         if suffix is None:
             unknown.append(key)
             continue
@@ -177,10 +177,10 @@ def lora_modules_in_file(tensors: dict[str, Tensor], module_names=None) -> dict[
             name = kohya.get(name[len(KOHYA_PREFIX):], name)
         else:
             name = next((name[len(p):] for p in _STRIPPED_PREFIXES if name.startswith(p)), name)
-        if _SUFFIXES[suffix] in parts.setdefault(name, {}):
-            raise LoraError(f"the LoRA file has two {_SUFFIXES[suffix]} weights for {name!r} (e.g. {key!r}): it "
+        if LORA_SUFFIXES[suffix] in parts.setdefault(name, {}):
+            raise LoraError(f"the LoRA file has two {LORA_SUFFIXES[suffix]} weights for {name!r} (e.g. {key!r}): it "
                             "mixes key formats; save it again from one trainer")
-        parts[name][_SUFFIXES[suffix]] = t
+        parts[name][LORA_SUFFIXES[suffix]] = t
     if unknown:
         raise LoraError(f"the LoRA file has {len(unknown)} keys that are not plain LoRA weights (e.g. "
                         f"{', '.join(unknown[:3])}): a LoRA (algorithm 'lora') file holds lora_A/lora_B (+alpha) "

@@ -311,18 +311,16 @@ def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
     out = []
     if "lora_file" in info and info["lora_file"] != lora_file_digest(session.lora):
         out.append("existing_lora: the same name, another file")
-    saved = info.get("strategy")
-    if saved and isinstance(strategy, Strategy):
-        was, now = _numeric_parts(saved), _numeric_parts(_as_saved(strategy.to_dict()))
-        out += [f"{k}: {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
+    if info.get("strategy") and isinstance(strategy, Strategy):
+        out += plan_changes(info, strategy, label="")
     return out
 
 
-def plan_changes(info: dict, chosen: Strategy) -> list[str]:
-    """What of `chosen` (an `auto` strategy's new plan for a resumed run) changes the numbers against the strategy
-    the state was trained with, as resume's diff lists it (empty: the run goes on bit for bit)."""
+def plan_changes(info: dict, chosen: Strategy, label: str = "auto strategy's ") -> list[str]:
+    """What of `chosen` (by default an `auto` strategy's new plan for a resumed run) changes the numbers against the
+    strategy the state was trained with, as resume's diff lists it (empty: the run goes on bit for bit)."""
     was, now = _numeric_parts(info.get("strategy") or {}), _numeric_parts(_as_saved(chosen.to_dict()))
-    return [f"auto strategy's {k}: {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
+    return [f"{label}{k}: {was[k]} -> {now[k]}" for k in now if k in was and was[k] != now[k]]
 
 
 def _numeric_parts(strategy: dict) -> dict:
