@@ -285,7 +285,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
             exc.train_states_written = _written_train_states(graph, wall)  # for the report: --resume uses them
             raise
         except KeyboardInterrupt as stop:
-            stop.train_states = list(_train_states(graph).values())  # for the stop report: what --resume would go on from
+            stop.train_states = list(_train_states(graph).values())  # the stop report: what --resume goes on from
             raise
     if main_rank:
         for line in summary_lines(results, graph, node_mappings, output_dir):
