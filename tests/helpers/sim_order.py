@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 COPY = torch.ops.aten.copy_.default
 ITEM = torch.ops.aten._local_scalar_dense.default
+LIFT_FRESH = torch.ops.aten.lift_fresh.default  # torch.tensor(data): made outside the dispatcher, then lifted
 
 
 @dataclass
@@ -147,7 +148,8 @@ class ComputeLog(TorchDispatchMode):
     only copies do. Side-stream ops, landing copies and views (no bytes touched) are left out, but an allocation on a
     side stream is that stream's pool's (StreamSim.pool_allocation: what compute did to those bytes is forgotten,
     what compute does to them later is checked when the pool reuses them); `*_like` ops read only their input's
-    shape."""
+    shape; a tensor made from Python data (torch.tensor, seen only as `lift_fresh`) is new memory: what compute did
+    to a freed tensor at its address is forgotten (_fresh_from_data)."""
 
     def __init__(self, sim):
         super().__init__()
@@ -157,6 +159,9 @@ class ComputeLog(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         sim, local = self.sim, self.sim._local
+        if func is LIFT_FRESH and not getattr(local, "executing", False):
+            self._fresh_from_data(out)
+            return out
         if func.is_view or func in METADATA or getattr(local, "executing", False):
             return out
         host = getattr(local, "host", 0)
@@ -182,3 +187,14 @@ class ComputeLog(TorchDispatchMode):
                 if func is ITEM:  # .item() (a tensor's value read on the host) waits for compute up to here
                     sim._host_saw(sim.timeline.pos)
         return out
+
+    def _fresh_from_data(self, t: torch.Tensor) -> None:
+        """torch.tensor(...) / as_tensor(list) (Adafactor's host `step`): memory the allocator just gave out, with
+        no allocation op on the log (`lift_fresh`, the only op seen, is an alias of its input: a view here). On a GPU
+        such a tensor has no past on the compute stream (a host tensor; or a device one, whose blocking copy from
+        the host waited for compute), but the CPU allocator may have put it where a freed tensor compute touched
+        was: forget that one's past, as for any fresh host tensor. Not for memory it does not own (from_numpy,
+        as_tensor(ndarray): not resizable): those bytes live on, their past is theirs."""
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.untyped_storage().resizable():
+            with self.sim.lock:
+                self.sim.timeline.forget(span(t))

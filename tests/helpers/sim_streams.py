@@ -32,7 +32,8 @@ The model is a GPU whose host runs ahead as far as it may:
   later than the host synchronised, is a `Hazard`: recorded in `sim.hazards` (with the compute op last seen there)
   and raised as an AssertionError when the `with` ends, unless the test took them (`sim.take_hazards()`). On a GPU
   such a race shows only when the compute stream runs late (gpu-check's `torch.cuda._sleep` rows); here it is caught
-  whatever the timing.
+  whatever the timing. A tensor made from Python data (torch.tensor: the log sees only its `lift_fresh`) has no past
+  there, though the CPU allocator may have put it where a freed tensor that compute touched was.
 - Lifetimes: a queued copy holds aliases of its tensors that keep no view's base alive; when it runs, a tensor
   whose memory only queued copies still hold (the program let go of it) and that was not `record_stream`ed on the
   copy's stream while queued is a Hazard too: the caching allocator would have handed that memory out again (a

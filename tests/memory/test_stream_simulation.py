@@ -31,13 +31,16 @@ see them.
 import mmap
 import threading
 
+import numpy as np
 import pytest
 import torch
 from ema_reference import change_weights, lora_like_weights, reference_ema
 from equivalence import assert_equivalent
 from fake_cudart import FakeCudart
 from sim_branches import cuda_branches
+from sim_order import span
 from sim_streams import SimStream, StreamSim, simulated_cuda
+from torch.utils._python_dispatch import TorchDispatchMode
 from two_stream import make_lora_model, train_steps
 
 from tightrope.memory.activation_host import ActivationHost
@@ -294,6 +297,58 @@ def test_host_side_writes_wait_for_the_compute_that_reads_them(sim):
     locked.mul_(3)
     assert not sim.take_hazards()
     assert sim.cudart.cudaHostUnregister(locked.data_ptr()) == 0
+
+
+class _AllocatorReuse(TorchDispatchMode):
+    """Stands in for the CPU allocator handing out the bytes of a tensor compute used and freed: each new tensor
+    torch.tensor makes (before the simulation's log sees its `lift_fresh`) gets that past, a compute op on its
+    bytes, as Adafactor's `step` did where the finite check's norms had been (which the CPU allocator does or not
+    with the heap's layout)."""
+
+    def __init__(self, sim):
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.lift_fresh.default:
+            self.sim.timeline.record([span(args[0])], [], "aten.stack.default")  # compute read the freed norm there
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_tensor_made_from_python_data_has_no_compute_past(sim):
+    """torch.tensor(...) (Adafactor's host `step`) allocates outside the dispatcher and shows up only as
+    `lift_fresh`, an alias of its input: what compute did to a freed tensor at those bytes is not its past (on a GPU
+    a new host tensor has none on the compute stream). A fresh one compute then reads (a copy not yet waited for) is
+    still the host's to wait for; and so are bytes that live on under a new tensor (from_numpy, as_tensor(ndarray):
+    memory the tensor does not own)."""
+    with _AllocatorReuse(sim):
+        with sim.host_side():
+            steps = [torch.tensor(0.0) for _ in range(3)]
+    with sim.host_side():
+        for s in steps:
+            s += 1  # Adafactor's step_t += 1: no compute op touched this tensor
+    assert not sim.take_hazards()
+
+    device = torch.zeros(1)
+    with sim.host_side():
+        step = torch.tensor(0.0)
+    device.copy_(step, non_blocking=True)  # compute reads the fresh host tensor (queued on a GPU)
+    with sim.host_side():
+        step += 1  # not waited for: the copy may read the old value or the new one
+    assert [(h.who, h.does, h.op) for h in sim.take_hazards()] == [("host", "writes (aten.add_.Tensor)",
+                                                                     "aten.copy_.default")]
+    torch.cuda.synchronize()
+    with sim.host_side():
+        step += 1
+    assert not sim.take_hazards()
+
+    array = np.ones(4, np.float32)  # host memory that outlives its tensors
+    device = torch.zeros(4)
+    device.copy_(torch.from_numpy(array), non_blocking=True)  # compute reads it (queued on a GPU); tensor dropped
+    with sim.host_side():
+        again = torch.as_tensor(array)  # lift_fresh too, on the same bytes
+        again.mul_(2)  # not waited for
+    assert [(h.who, h.does) for h in sim.take_hazards()] == [("host", "writes (aten.mul_.Tensor)")]
 
 
 def test_memory_dropped_under_a_queued_copy_needs_record_stream(sim):
