@@ -94,8 +94,23 @@ def meta(device: torch.device, tiny: bool) -> dict[str, Any]:
             "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "cudnn": torch.backends.cudnn.version() if cuda else None, "driver": nvidia_driver() if cuda else None,
-            "python": platform.python_version(),
+            "python": platform.python_version(), "peft": _version("peft"),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": _commit(), "tiny": tiny}
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version (the GPU image's own: e.g. peft, whose LoRA forward the token-chunked single
+    blocks compute by columns only where they recognise it, training/lora/linear_columns.py), or None."""
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cell(text: str) -> str:
+    """Text for one cell of the summary table: CUDA's errors run over several lines, and a '|' would split it."""
+    return re.sub(r"\s*\n\s*", " ", text.strip("\n")).replace("|", "\\|")
 
 
 def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
@@ -125,10 +140,14 @@ class Run:
         self.result: dict[str, Any] = {"meta": meta(device, tiny), "sections": {}}
         self.summary: list[tuple[str, str, str, bool | None]] = []  # (what, result, target, passed or None)
         self.t0 = time.perf_counter()
+        self.running: str | None = None  # the section under way (the files written meanwhile say so)
+        self.finished = False
 
     def section(self, key: str, fn: Callable[[], Any]) -> Any:
         self.log(f"{self.name}: {key} ...")
         t0 = time.perf_counter()
+        self.running = key
+        self.write()  # stopped in this section, the files say so
         try:
             value = fn()
         except Exception as exc:
@@ -136,11 +155,12 @@ class Run:
             self.add(f"{key}: crashed", value["error"][:120], "runs", False)
         self.result["sections"][key] = value
         self.result["sections"][f"{key}_wall_s"] = time.perf_counter() - t0
+        self.running = None
         self.write()  # a later crash (or a timeout) leaves what was done on disk
         return value
 
     def add(self, what: str, result: str, target: str = "", passed: bool | None = None) -> None:
-        self.summary.append((what, result, target, passed))
+        self.summary.append((_cell(what), _cell(result), _cell(target), passed))
 
     def failed(self) -> bool:
         return any(p is False for *_, p in self.summary)
@@ -153,6 +173,10 @@ class Run:
             status = "–" if passed is None else ("PASS" if passed else "FAIL")
             rows.append(f"| {what} | {result} | {target} | {status} |")
         verdict = "FAILED" if self.failed() else "all checks passed"
+        if not self.finished:  # written as it goes: a run stopped at a time limit must not read as a whole one
+            verdict = (f"INCOMPLETE (stopped, or still running, in section '{self.running}'; its rows so far are in "
+                       f"the JSON)" if self.running else "INCOMPLETE (stopped, or still running, between sections)") \
+                + ("; FAILED so far" if self.failed() else "; nothing failed so far")
         rows += ["", f"{verdict}; wall {time.perf_counter() - self.t0:.0f} s; everything in "
                  f"{self.folder}/{self.name}.json"]
         return "\n".join(rows)
@@ -160,10 +184,12 @@ class Run:
     def write(self) -> None:
         self.result["summary"] = [dict(zip(("what", "result", "target", "passed"), row)) for row in self.summary]
         self.result["wall_s"] = time.perf_counter() - self.t0
+        self.result["complete"] = self.finished
         (self.folder / f"{self.name}.json").write_text(json.dumps(self.result, indent=1, sort_keys=True, default=str))
         (self.folder / f"{self.name}.md").write_text(self.table() + "\n")
 
     def finish(self) -> int:
+        self.finished, self.running = True, None
         self.write()
         self.log(self.table())
         return 1 if self.failed() else 0
