@@ -174,6 +174,9 @@ def _converted(spec: InputSpec, value):
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
         raise ValueError(f"is {value!r}; it needs true or false")
+    if kind == "COMBO" and value is None:  # JSON null: a node checking its own inputs would take it for a link
+        shown = ", ".join(repr(c) for c in list(spec.choices or ())[:20])
+        raise ValueError(f"is null, not one of its choices: {shown or 'none available'}")
     return value  # COMBO values are checked against the choices; other types are the node's business
 
 

@@ -52,18 +52,25 @@ def workflow_format(data) -> str:
 def read_workflow_json(path) -> dict:
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as handle:
+        # utf-8-sig: a file an editor saved with a UTF-8 byte order mark (Windows Notepad) loads, as in ComfyUI
+        with open(path, encoding="utf-8-sig") as handle:
             return json.load(handle)
     except FileNotFoundError:
         raise WorkflowError(f"workflow file {path!r} does not exist: check the path") from None
     except IsADirectoryError:
         raise WorkflowError(f"{path!r} is a folder: pass the workflow's .json file") from None
-    except UnicodeDecodeError:
-        raise WorkflowError(f"{path!r} is not a text file: pass the workflow's .json file (a PNG with an "
-                            f"embedded workflow must be loaded in ComfyUI and saved as JSON)") from None
+    except UnicodeDecodeError as exc:
+        if exc.object[:8].startswith((b"\x89PNG", b"\xff\xd8", b"RIFF")):  # an image (with an embedded workflow?)
+            raise WorkflowError(f"{path!r} is not a text file: pass the workflow's .json file (a PNG with an "
+                                f"embedded workflow must be loaded in ComfyUI and saved as JSON)") from None
+        raise WorkflowError(f"{path!r} is not UTF-8 text (bad byte at offset {exc.start}): re-save it with UTF-8 "
+                            f"encoding, or save it again from ComfyUI") from None
     except json.JSONDecodeError as exc:
         raise WorkflowError(f"{path!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): "
                             f"fix the file or save it again from ComfyUI") from None
+    except RecursionError:  # brackets nested thousands deep: no workflow has that
+        raise WorkflowError(f"{path!r} is not a workflow: its JSON is nested too deeply to read; save the workflow "
+                            f"again from ComfyUI") from None
 
 
 def looks_like_api_prompt(data) -> bool:

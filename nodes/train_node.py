@@ -135,7 +135,8 @@ class TightropeTrain:
     def VALIDATE_INPUTS(cls, **inputs):
         """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
         the device available, the optimizer installed and able to run on it, tensorboard installed if logs are asked
-        for (and its folder writable), under torchrun the global batch divisible by the world size."""
+        for (and its folder writable), under torchrun the global batch divisible by the world size, a session or
+        model, dataset and lora connected."""
         prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
         schedule, batch_size = inputs.get("schedule"), inputs.get("batch_size")
         log_dir = host.tensorboard_dir(inputs.get("log_dir") or "")
@@ -145,7 +146,20 @@ class TightropeTrain:
                                  lambda: None in (optimizer, schedule) or TrainConfig(optimizer=optimizer,
                                                                                       schedule=schedule),
                                  lambda: log_dir is None or summary_writer_class(log_dir),
-                                 lambda: not isinstance(batch_size, int) or check_batch_size(batch_size))  # torchrun
+                                 lambda: not isinstance(batch_size, int) or check_batch_size(batch_size),  # torchrun
+                                 lambda: _check_connected(inputs))
+
+
+def _check_connected(inputs: dict) -> None:
+    """A session, or model, dataset and lora, are connected: ComfyUI (and the headless runner) give a validator a
+    linked input as None and leave out an optional input nothing is connected to, so this is known before any node
+    runs (it failed when the node ran: after the model had loaded and the dataset was encoded)."""
+    if "session" in inputs or not all(name in inputs for name in TightropeTrain.INPUT_TYPES()["required"]):
+        return  # a session; or not a queued node's inputs (ComfyUI and the runner pass every required one)
+    missing = [name for name in ("model", "dataset", "lora") if name not in inputs]
+    if missing:
+        raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora (to "
+                          "start) or a session from another Train node (to continue)")
 
 
 def _optimizer_runs(optimizer: str | None, device: str | None) -> None:

@@ -23,7 +23,7 @@ def out(tmp_path):
 def _queued(name: str, **changes) -> dict:
     """What ComfyUI passes for a node whose widgets hold their defaults and whose sockets are linked (None)."""
     specs = node_input_specs(NODE_CLASS_MAPPINGS[name])
-    values = {n: (s.default if s.is_widget else None) for n, s in specs.items() if s.required or s.is_widget}
+    values = {n: (s.default if s.is_widget else None) for n, s in specs.items()}  # every socket linked
     values |= {"TightropeLoadDataset": {"folder": None}}.get(name, {})
     return values | changes
 

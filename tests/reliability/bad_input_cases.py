@@ -153,6 +153,9 @@ CASES = [
          lambda c: strict_load(c, ("huge.png", huge_png()), ("huge.txt", b"x"))),
     Case("all_images_bad", "every image unusable (strict off)", DATA, "DatasetError", ("no usable images", "bad.png"),
          lambda c: _all_bad(c)),
+    Case("repeats_date_folder", "a subfolder named like a date, read as kohya repeats ('20240615_beach')", DATA,
+         "DatasetError", ("'<tmp>/dated/20240615_beach' asks for 20240615 repeats", "rename the folder",
+                          "use_repeats to false"), lambda c: _dated(c)),
     Case("rank_0", "LoRA rank 0", LORA, "LoraError", ("rank=0", "rank of 1 or more"), lambda c: lora(rank=0)),
     Case("rank_too_big", "LoRA rank larger than the layer", TRAIN, "LoraError", ("rank=512", "use rank <= 128"),
          lambda c: train_with(c, lora_spec=lora(rank=512, alpha=512.0))),
@@ -216,6 +219,16 @@ CASES = [
     Case("comfyui_too_old", "--comfyui DIR holding a ComfyUI older than 0.33", "tightrope run", "ComfyUIUnavailable",
          ("version 0.3.10", "0.33 and newer"), lambda c: load_comfyui(fake_comfyui(c.tmp / "old", "0.3.10"))),
 ]
+
+
+def _dated(c):
+    """A folder named by date: kohya reads 20 million repeats an image (found by a helper: minutes and gigabytes per
+    Train node, then out of memory)."""
+    d = c.tmp / "dated" / "20240615_beach"
+    d.mkdir(parents=True)
+    (d / "a.png").write_bytes(png(Image.new("RGB", (32, 32), (200, 30, 30))))
+    (d / "a.txt").write_text("a beach")
+    return load_dataset(c.tmp / "dated")
 
 
 def _all_bad(c):

@@ -216,3 +216,90 @@ def test_tiny_images_upscaled_a_lot_are_named_in_a_warning(out):
         load_dataset(folder)  # resolution 32: each 1x1 dot becomes a 32x32 bucket
     assert not [w for w in caught if "fine.png" in str(w.message)]
     assert warned_before[0], "the upscale warning came after the encoding"
+
+
+def test_use_repeats_off_reads_no_repeat_count_from_folder_names(out):
+    """use_repeats=False: '0_misc' and a date-named folder are plain folders, each image once (found by a helper: a
+    '0_misc' folder was refused, or with strict off its images dropped, although repeats were off)."""
+    folder = out.parent / "named"
+    for sub in ("0_misc", "20240615_beach", "3_char"):
+        (folder / sub).mkdir(parents=True)
+        Image.new("RGB", (32, 32), (len(sub) * 9, 0, 0)).save(folder / sub / "a.png")
+        (folder / sub / "a.txt").write_text(f"a {sub}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no image skipped, no warning about large counts
+        dataset = load_dataset(folder, use_repeats=False, strict=True)
+    assert dataset.num_images == 3 and len(dataset) == 3
+
+
+# --- workflow files and literals that used to end in a traceback or be found only when a node ran (a helper's
+# input fuzzing) ---
+def _run_prompt_cli(tmp_path, monkeypatch, capsys, prompt, name="wf.json") -> tuple[int, str, list]:
+    """`tightrope run` (in process) on `prompt` (a dict, or the file's bytes); (exit code, stderr, training calls)."""
+    import json
+
+    from tightrope import cli
+    from tightrope.training import training_run
+    trained = []
+    real_train = training_run.train
+    monkeypatch.setattr(training_run, "train", lambda *a, **k: trained.append(a) or real_train(*a, **k))
+    path = tmp_path / name
+    path.write_bytes(prompt if isinstance(prompt, bytes) else json.dumps(prompt).encode())
+    code = cli.main(["run", str(path), "--output-dir", str(tmp_path / "out")])
+    return code, capsys.readouterr().err, trained
+
+
+def test_a_workflow_file_with_a_utf8_byte_order_mark_runs(tmp_path, monkeypatch, capsys):
+    """Windows Notepad saves UTF-8 with a BOM; ComfyUI's frontend loads such a file, so does `tightrope run`."""
+    import json
+
+    from bad_input_run_cases import chain_prompt
+    code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys,
+                                         b"\xef\xbb\xbf" + json.dumps(chain_prompt()).encode())
+    assert code == 0 and len(trained) == 2, err
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"[" * 100_000 + b"]" * 100_000, ("is not a workflow", "nested too deeply", "save the workflow again")),
+    (b'{"1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}, "_meta": {"title": "caf\xe9"}}}',
+     ("is not UTF-8 text (bad byte at offset 89)", "re-save it with UTF-8")),
+], ids=["nested_too_deeply", "latin1_text"])
+def test_an_unreadable_workflow_file_is_one_line_naming_it(tmp_path, monkeypatch, capsys, data, words):
+    code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys, data)
+    assert code == 2 and not trained and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_train_node_without_model_dataset_or_lora_fails_before_any_node_runs(tmp_path, monkeypatch, capsys):
+    """Known from the graph: refused before the model loads and the dataset is encoded, not when the node runs."""
+    from bad_input_run_cases import chain_prompt
+    prompt = chain_prompt()
+    del prompt["7"]["inputs"]["dataset"], prompt["7"]["inputs"]["lora"]
+    code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys, prompt)
+    assert code == 2 and not trained, err
+    assert not (tmp_path / "out" / "imgs").exists()  # not even the demo images were drawn
+    assert ("node 7 'TightropeTrain' failed its own input check: the Train node has no dataset, lora input: connect "
+            "model, dataset and lora (to start) or a session") in err
+
+
+def test_a_train_node_feeding_no_output_is_not_checked(tmp_path, monkeypatch, capsys):
+    """As in ComfyUI, a node that feeds no output node neither runs nor is checked (a half-built side branch)."""
+    from bad_input_run_cases import chain_prompt
+    prompt = chain_prompt()
+    prompt["20"] = {"class_type": "TightropeTrain", "inputs": {**prompt["8"]["inputs"]}}
+    del prompt["20"]["inputs"]["session"]
+    code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys, prompt)
+    assert code == 0 and len(trained) == 2, err
+
+
+@pytest.mark.parametrize("node, name", [("8", "device"), ("6", "mode"), ("5", "targets")])
+def test_a_null_choice_is_refused_before_any_node_runs(tmp_path, monkeypatch, capsys, node, name):
+    """JSON null for a COMBO: the node's own check takes None for a linked input, so it reached the node (device:
+    an AttributeError traceback; Memory Strategy mode: trained as 'manual' without a word)."""
+    from bad_input_run_cases import chain_prompt
+    prompt = chain_prompt()
+    prompt[node]["inputs"][name] = None
+    code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys, prompt)
+    assert code == 2 and not trained and "Traceback" not in err, err
+    assert f"input '{name}' is null, not one of its choices: " in err

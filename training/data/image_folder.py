@@ -36,6 +36,9 @@ MASK_SUFFIX = ".mask.png"  # name.mask.png beside name.png (or name.jpg ...) is 
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXIF_ORIENTATION = 0x0112
 _MANY_REPEATS = 100  # more repeats than this in a folder name get a warning (a year, say)
+# more than this is refused: an epoch of 'N_name' repeats is planned item by item, so a date-named folder
+# ('20240615_beach': 20 million repeats an image) takes minutes and gigabytes per Train node, then runs out of memory
+_MAX_REPEATS = 10_000
 
 
 class DatasetError(ValueError):
@@ -67,7 +70,11 @@ def _repeats_for(folder: Path, root: Path) -> int:
     repeats = int(match.group(1))
     if repeats < 1:
         raise DatasetError(f"folder '{root / top}' asks for {repeats} repeats: rename it with a count of at least 1, "
-                           f"e.g. '1_{match.group(2)}'")
+                           f"e.g. '1_{match.group(2)}', or set use_repeats to false")
+    if repeats > _MAX_REPEATS:
+        raise DatasetError(f"folder '{root / top}' asks for {repeats} repeats an epoch (kohya's 'N_name' folders), "
+                           f"more than the {_MAX_REPEATS} allowed: a number that large is a date or an id, not a "
+                           f"repeat count; rename the folder (e.g. '1_{match.group(2)}'), or set use_repeats to false")
     return repeats
 
 
@@ -135,8 +142,8 @@ def folder_fingerprint(folder: str | Path) -> str:
 
 
 def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = True) -> list[ImageEntry]:
-    """Find every image with its caption and repeat count (images are not decoded here); use_repeats=False only
-    silences the warning about large counts (the caller ignores them)."""
+    """Find every image with its caption and repeat count (images are not decoded here); use_repeats=False counts
+    every image once: 'N_name' folder names are not read as repeat counts (nor refused: '0_misc', '20240615_beach')."""
     root = check_dataset_folder(folder)
     images, unsupported = _list_images(root)
     if not images:
@@ -148,7 +155,7 @@ def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = 
     entries, problems = [], []
     for path in images:
         try:
-            entries.append(ImageEntry(path, read_caption(path), _repeats_for(path.parent, root)))
+            entries.append(ImageEntry(path, read_caption(path), _repeats_for(path.parent, root) if use_repeats else 1))
         except DatasetError as e:
             skip_or_raise(e, strict)
             problems.append(e)
