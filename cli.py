@@ -116,7 +116,7 @@ def _reported(started: float, workflow_path: str, output_dir: str, resume: bool,
     try:
         try:
             with launched(fsdp=fsdp), one_line_warnings(debug):  # torchrun's process group
-                return _run(workflow_path, os.path.abspath(output_dir), resume, comfyui, models_dir, log_dir,
+                return _run(workflow_path, _output_dir(output_dir), resume, comfyui, models_dir, log_dir,
                             custom_nodes or [])
         finally:
             _close_progress_bars()  # what is printed next starts a line of its own, and no bar is drawn after it
@@ -131,7 +131,7 @@ def _reported(started: float, workflow_path: str, output_dir: str, resume: bool,
         if ours is not None:  # any state of its Train nodes is what --resume goes on from (or returns, finished)
             saved = any(p.is_file() for p in ours)
         else:  # written in this run (coarse mtimes)
-            states = (Path(output_dir).resolve() / HEADLESS_STATE_DIR).rglob("*.state.safetensors")
+            states = (Path(output_dir).expanduser().resolve() / HEADLESS_STATE_DIR).rglob("*.state.safetensors")
             saved = any(p.stat().st_mtime >= started - 1 for p in states)
         return report_stop(stop, saved=saved, quiet=os.environ.get("RANK", "0") != "0")  # rank 0 reports
     except NodeExecutionError as exc:
@@ -234,6 +234,16 @@ def bad_input_types() -> tuple[type[Exception], ...]:
     from .training.state.resume import ResumeError
     from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
     return ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteDataError, StateLockedError
+
+
+def _output_dir(output_dir: str) -> str:
+    """--output-dir as an absolute path; an empty one (`--output-dir ""`, an unset shell variable) is refused rather
+    than taken for the working directory."""
+    if not output_dir.strip():
+        from .headless.graph import WorkflowError
+        raise WorkflowError(f"--output-dir {output_dir!r} is empty: pass the folder the run writes into (default "
+                            f"'output')")
+    return os.path.abspath(os.path.expanduser(output_dir))
 
 
 def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None = None,

@@ -54,6 +54,18 @@ def test_workflow_error_exits_2_with_a_message_and_no_traceback(tmp_path, fake_c
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_an_empty_output_dir_is_refused_not_taken_for_the_working_directory(tmp_path, fake_cli, capsys,
+                                                                            monkeypatch):
+    """`--output-dir "$OUT"` with OUT unset wrote into whatever folder the shell was in."""
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, {"1": {"class_type": "Constant", "inputs": {"value": 1}},
+                             "2": {"class_type": "Record", "inputs": {"value": ["1", 0]}}})
+    assert cli.main(["run", path, "--output-dir", " "]) == 2
+    err = capsys.readouterr().err
+    assert "error: --output-dir ' ' is empty: pass the folder the run writes into" in err and "Traceback" not in err
+    assert fake_cli == [] and sorted(p.name for p in tmp_path.iterdir()) == [Path(path).name]
+
+
 def test_node_failure_exits_1(tmp_path, fake_cli, capsys):
     path = _write(tmp_path, {"1": {"class_type": "Constant", "inputs": {"value": 1}},
                              "2": {"class_type": "Explode", "inputs": {"value": ["1", 0]}},

@@ -192,6 +192,8 @@ CASES = [
     Case("prefix_absolute", "absolute filename prefix", TRAIN, "OutputPathError",
          ("'/tmp/escape'", "relative to the folder files go under"),
          lambda c: train_with(c, filename_prefix="/tmp/escape")),
+    Case("prefix_home", "filename prefix starting with '~'", TRAIN, "OutputPathError",
+         ("'~/loras/x' starts with '~'", "not a home folder"), lambda c: train_with(c, filename_prefix="~/loras/x")),
     Case("save_prefix_dotdot", "Save LoRA prefix with '..'", "Save LoRA", "OutputPathError", ("'a/../../x'", "only go down"),
          lambda c: TightropeSaveLora().save(train_node(*world(c.out), steps=1)[0], "a/../../x")),
     Case("resume_other_model", "resume file of another model", TRAIN + " (--resume)", "ResumeError",

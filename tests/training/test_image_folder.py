@@ -1,6 +1,7 @@
 import io
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -42,6 +43,29 @@ def test_missing_folder(tmp_path):
     with pytest.raises(DatasetError) as e:
         scan_folder(tmp_path / "nope")
     _says(e, tmp_path / "nope", "does not exist", "pass the folder that holds your images")
+    assert "working directory" not in str(e.value)
+
+
+def test_a_missing_relative_folder_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """In ComfyUI a relative folder is taken from the server's working directory, which the user may not know."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DatasetError) as e:
+        scan_folder("data/good")
+    _says(e, "dataset folder 'data/good' does not exist (relative to the working directory: "
+          f"{Path.cwd() / 'data' / 'good'})", "pass the folder")
+
+
+def test_an_image_link_to_a_missing_file_is_reported_not_ignored(tmp_path):
+    """A dataset of links whose targets moved trained on the rest without a word, even with strict on."""
+    _image(tmp_path / "a.png")
+    (tmp_path / "b.png").symlink_to(tmp_path / "moved" / "b.png")
+    (tmp_path / "b.txt").write_text("b")
+    with pytest.raises(DatasetError) as e:
+        scan_folder(tmp_path)
+    _says(e, f"image '{tmp_path / 'b.png'}' is a link to '{tmp_path / 'moved' / 'b.png'}', which does not exist",
+          "fix or remove the link")
+    with pytest.warns(UserWarning, match="skipping an image .strict=False.: image .* is a link to"):
+        assert [p.name for p in (e.path for e in scan_folder(tmp_path, strict=False))] == ["a.png"]
 
 
 def test_folder_is_a_file(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -101,7 +102,8 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
     """Supported images and would-be images in unsupported formats, both sorted, hidden names skipped."""
     images, unsupported = [], []
     for path in sorted(root.rglob("*")):
-        if any(part.startswith(".") for part in path.relative_to(root).parts) or not path.is_file() \
+        dangling = path.is_symlink() and not path.exists()  # an image's link to a moved file: reported by the scan
+        if any(part.startswith(".") for part in path.relative_to(root).parts) or not (path.is_file() or dangling) \
                 or path.name.lower().endswith(MASK_SUFFIX):  # an image's mask (training/masks.py), not an image
             continue
         suffix = path.suffix.lower()
@@ -119,7 +121,8 @@ def check_dataset_folder(folder: str | Path) -> Path:
         raise DatasetError(f"the dataset folder is not set (folder={str(folder)!r}): {fix}")
     root = Path(folder).expanduser()
     if not root.exists():
-        raise DatasetError(f"dataset folder '{root}' does not exist: {fix}")
+        where = "" if root.is_absolute() else f" (relative to the working directory: {root.absolute()})"
+        raise DatasetError(f"dataset folder '{root}' does not exist{where}: {fix}")
     if not root.is_dir():
         raise DatasetError(f"dataset folder '{root}' is a file, not a folder: {fix}")
     return root
@@ -155,6 +158,9 @@ def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = 
     entries, problems = [], []
     for path in images:
         try:
+            if not path.exists():
+                raise DatasetError(f"image '{path}' is a link to '{os.readlink(path)}', which does not exist: fix or "
+                                   f"remove the link")
             entries.append(ImageEntry(path, read_caption(path), _repeats_for(path.parent, root) if use_repeats else 1))
         except DatasetError as e:
             skip_or_raise(e, strict)

@@ -223,6 +223,9 @@ def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename
         raise OutputPathError(f"{name}={prefix!r} is an absolute path: give a name relative to the folder files "
                               f"go under ({os.fspath(root)}), e.g. '{example}'")
     parts = re.split(r"[/\\]", prefix)
+    if parts[0].startswith("~"):  # '~/loras/x' is not the home folder here: it would make a folder named '~'
+        raise OutputPathError(f"{name}={prefix!r} starts with '~': it is a name relative to the folder files go "
+                              f"under ({os.fspath(root)}), not a home folder; e.g. '{example}'")
     # '..' and also '...'/'.. ', which Windows trims to '..'
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
         raise OutputPathError(f"{name}={prefix!r} contains '..': subfolders may only go down, e.g. "
