@@ -106,6 +106,22 @@ def _guard_in_place_residuals(module: nn.Module) -> None:
                 m.forward = guarded(m, m.forward)
 
 
+def _refuse_quantized_layers(diffusion_model: nn.Module, source: str) -> None:
+    """ComfyUI loads a "scaled fp8" file (a `scaled_fp8` key and per-layer `.scale_weight`) or one with quantization
+    metadata (`.comfy_quant`/`.weight_scale`: fp8 "mixed"/"scaled", NVFP4, MXFP8) with its mixed-precision layers, whose
+    weights are QuantizedTensors and which are no torch Linear: LoRA cannot go on them (the target check said "a
+    Linear: LoRA goes on Linear layers only", wrong advice). Refused here, naming the file and what to load instead."""
+    for name, m in diffusion_model.named_modules():
+        quant = getattr(m, "quant_format", None)
+        if quant is None and not type(getattr(m, "weight", None)).__name__ == "QuantizedTensor":
+            continue
+        raise ConfigError(f"{source}: its weights are stored quantized with per-layer scales ({quant or 'quantized'}, "
+                          f"e.g. layer {name!r}: a 'scaled fp8', 'fp8 mixed' or NVFP4/MXFP8 file), which ComfyUI "
+                          "loads into its own quantized layers that Tightrope cannot train a LoRA on: load the bf16 "
+                          "or fp16 file of this model instead (with weight_dtype fp8_e4m3fn in Load Diffusion Model "
+                          "to hold it in 8 bits), or a GGUF file through ComfyUI-GGUF")
+
+
 def _first_linear_in_features(module: nn.Module, path: str) -> int:
     if not path:
         return 0
@@ -135,6 +151,7 @@ class ComfyModelAdapter:
         init = getattr(model_patcher, "cached_patcher_init", None)  # (loader, (path, options)) from ComfyUI loaders
         path = init[1][0] if init and len(init) > 1 and init[1] and isinstance(init[1][0], str) else None
         self.base_name = os.path.basename(path) if path else f"comfyui-{type(base.model_config).__name__}"
+        _refuse_quantized_layers(dm, path or name)
         context, pooled = _CONDITIONING_INPUTS[family]
         self._dims = (_first_linear_in_features(dm, context), _first_linear_in_features(dm, pooled))
 

@@ -1,0 +1,92 @@
+"""Model files users bring to `tightrope run --comfyui`, each refused before training with one line naming the file
+and the fix: a scaled-fp8 checkpoint (ComfyUI's quantized layers, no LoRA target), a GGUF file given to the core
+UNETLoader, a checkpoint in the wrong folder, a truncated download, a safetensors file named .ckpt, keys with an
+extra prefix. All runs share one ComfyUI process (headless_batch.py)."""
+import json
+
+import pytest
+import torch
+from api_graph import Graph
+from comfy_env import run_headless_batch
+from safetensors.torch import load_file, save_file
+
+from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
+
+
+def _models(models):
+    dm = models / "diffusion_models"
+    base = make_tiny_checkpoint(dm / "flux.safetensors", seed=3)
+    sd = load_file(base)
+    scaled = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for k, v in sd.items():
+        if v.ndim == 2:
+            scale = v.abs().max() / 448.0
+            scaled[k] = (v / scale).to(torch.float8_e4m3fn)
+            scaled[k[:-len("weight")] + "scale_weight"] = scale.reshape(()).float()
+        else:
+            scaled[k] = v.to(torch.bfloat16)
+    save_file(scaled, str(dm / "flux_scaled_fp8.safetensors"))
+    save_file({f"diffusion_model.{k}": v for k, v in sd.items()}, str(dm / "flux_prefixed.safetensors"))
+    data = open(base, "rb").read()
+    (dm / "flux_truncated.safetensors").write_bytes(data[: len(data) // 2])
+    (dm / "flux_renamed.ckpt").write_bytes(data)
+    (dm / "flux-Q8_0.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
+    (models / "checkpoints").mkdir()
+    (models / "checkpoints" / "flux_ckpt.safetensors").write_bytes(data)
+
+
+def _workflow(name: str) -> dict:
+    g = Graph()
+    unet = g.add("UNETLoader", unet_name=name, weight_dtype="default")
+    cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
+    latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
+    dataset = g.add("TightropeDatasetFromLatents", latent=[latent, 0], conditioning=[cond, 0])
+    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0, targets="attention_mlp")
+    train = g.add("TightropeTrain", steps=1, learning_rate=0.01, device="cpu", filename_prefix="t/x",
+                  model=[unet, 0], dataset=[dataset, 0], lora=[lora, 0])
+    g.add("TightropeSaveLora", session=[train, 0], filename_prefix="t/x_final")
+    return g.nodes
+
+
+CASES = {  # case -> (file, exit code, what the one error line must hold)
+    "scaled_fp8": ("flux_scaled_fp8.safetensors", 2,
+                   ["flux_scaled_fp8.safetensors: its weights are stored quantized", "load the bf16 or fp16 file"]),
+    "gguf": ("flux-Q8_0.gguf", 2, ["it is there (", "Unet Loader (GGUF)", "--custom-node"]),
+    "wrong_folder": ("flux_ckpt.safetensors", 2, ["it is in ComfyUI's checkpoints folder (",
+                                                   "Load Checkpoint (CheckpointLoaderSimple)"]),
+    "typo": ("flux.safetensor", 2, ["did you mean 'flux.safetensors'"]),
+    "truncated": ("flux_truncated.safetensors", 1, ["SafetensorError: Error while deserializing header",
+                                                    "flux_truncated.safetensors is damaged, incomplete"]),
+    "renamed": ("flux_renamed.ckpt", 1, ["flux_renamed.ckpt is a safetensors file with another extension",
+                                         "rename it to flux_renamed.safetensors"]),
+    "prefixed": ("flux_prefixed.safetensors", 1, ["Could not detect model type of:", "flux_prefixed.safetensors",
+                                                  "use the model's original release file"]),
+}
+
+
+@pytest.fixture(scope="module")
+def batch(comfyui_python, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("model_files")
+    models = tmp / "models"
+    _models(models)
+    runs = []
+    for case, (name, _code, _parts) in CASES.items():
+        path = tmp / f"{case}.json"
+        path.write_text(json.dumps(_workflow(name)))
+        runs.append({"argv": ["run", str(path), "--models-dir", str(models), "--output-dir", str(tmp / "out")],
+                     "log": str(tmp / f"{case}.log"), "ui_from": None})
+    return run_headless_batch(comfyui_python, tmp, runs, list(CASES), timeout=900)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_model_file_that_cannot_train_is_refused_with_one_line_naming_it_and_the_fix(batch, case):
+    code, log = batch[case]
+    _name, expected_code, parts = CASES[case]
+    assert code == expected_code, log[-3000:]
+    errors = [i for i, line in enumerate(log.splitlines()) if line.startswith("error: ")]
+    assert len(errors) == 1, log[-3000:]
+    lines = log.splitlines()[errors[0]:]
+    assert len([line for line in lines if line.strip()]) == 1, f"the message runs over several lines: {lines}"
+    for part in parts:
+        assert part in lines[0], lines[0]
+    assert "Traceback" not in log and "training:" not in log and "weights_only" not in log
