@@ -11,3 +11,14 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+# TIGHTROPE_BACKWARD_THREAD=1: every backward of the run runs on a thread of its own, as the autograd engine runs a
+# CUDA backward on its device thread (tests/helpers/device_thread.py); the CPU runs it on the caller's thread
+if os.environ.get("TIGHTROPE_BACKWARD_THREAD"):
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _backward_on_another_thread(monkeypatch):
+        from device_thread import backward_on_another_thread
+        yield backward_on_another_thread(monkeypatch)
