@@ -338,6 +338,9 @@ def _comfyui_folders(library, models_dir: str | None):
             raise WorkflowError("--models-dir is where ComfyUI's loaders look for model files: it needs ComfyUI "
                                 "(--comfyui DIR or COMFYUI_DIR)")
         return contextlib.nullcontext()
+    if models_dir is not None and not models_dir.strip():  # an unset shell variable: not the working directory
+        raise WorkflowError(f"--models-dir {models_dir!r} is empty: pass the folder that holds diffusion_models/, "
+                            f"checkpoints/, ... (laid out like ComfyUI's models/)")
     return library.run_folders(host.output_dir(), host.loras_dir(), models_dir)
 
 

@@ -31,7 +31,7 @@ def model_file_failure(node: NodeSpec, exc: Exception, comfyui_version: str) -> 
         files += [path for folder in folders if (path := folder_paths.get_full_path(folder, value))]
     if not files:
         return None
-    path, kind, text = files[0], type(exc).__name__, str(exc)
+    path, kind, text = _failed_file(exc, files), type(exc).__name__, str(exc)
     first_line = text.strip().splitlines()[0] if text.strip() else ""
     try:
         with open(path, "rb") as handle:
@@ -55,6 +55,18 @@ def model_file_failure(node: NodeSpec, exc: Exception, comfyui_version: str) -> 
     return None
 
 
+def _failed_file(exc: Exception, files: list[str]) -> str:
+    """Which of the node's model files `exc` came from: the one ComfyUI's load_torch_file was reading when it raised
+    (a loader of several files, DualCLIPLoader say, reads them in turn), else the node's first."""
+    reading, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_torch_file" and isinstance(tb.tb_frame.f_locals.get("ckpt"), str):
+            reading = tb.tb_frame.f_locals["ckpt"]
+        tb = tb.tb_next
+    same = [f for f in files if reading is not None and os.path.abspath(f) == os.path.abspath(reading)]
+    return same[0] if same else files[0]
+
+
 def missing_file_hint(folder_paths, value: str, folders: tuple, searched: list, choices: list) -> str:
     """What to do about a model file the loader's list lacks: the file is there but of a type the loader does not
     read (GGUF), it is in another model folder (a checkpoint given to Load Diffusion Model), the value is a path, or
@@ -70,7 +82,7 @@ def missing_file_hint(folder_paths, value: str, folders: tuple, searched: list, 
     if here:
         return (f"it is there ({here[0]}), but this loader reads only "
                 f"{', '.join(sorted(folder_paths.supported_pt_extensions))} files: save it as .safetensors")
-    if os.path.isabs(value) or os.path.isfile(value):
+    if os.path.isabs(value) or (os.path.dirname(value) and os.path.isfile(value)):  # a bare name: not a path
         return (f"{value!r} is a path: this input takes a file name inside those folders (as the loader's list shows "
                 f"it); pass the folder that holds diffusion_models/, checkpoints/ ... as --models-dir, or "
                 f"put the file in one of them")
@@ -80,8 +92,10 @@ def missing_file_hint(folder_paths, value: str, folders: tuple, searched: list, 
         if other in folders or other not in folder_paths.folder_names_and_paths:
             continue
         if value in folder_paths.get_filename_list(other):
-            return (f"it is in ComfyUI's {other} folder ({folder_paths.get_full_path(other, value)}): load it with "
-                    f"{loader}, or move it into one of the folders above")
+            # another model loader's file: that loader may be the fix; a LoRA, VAE ... there is only misplaced
+            use = f"load it with {loader}, or " if set(folders) & set(loaders) else ""
+            return (f"it is in ComfyUI's {other} folder ({folder_paths.get_full_path(other, value)}): {use}move it "
+                    f"into one of the folders above")
     stems = {}
     for choice in choices:  # compared without extensions, which every name shares
         stems.setdefault(os.path.splitext(choice)[0], choice)

@@ -89,6 +89,8 @@ class TightropeMemoryStrategy:
         return validation_result(cls, inputs, fields_fit)
 
     def make(self, mode, vram_budget_gb, host_ram_budget_gb=0.0, **fields):
+        if mode not in ("manual", "auto"):  # a null in an API prompt reaches here: ComfyUI cannot tell it from a link
+            raise s.StrategyError(f"input 'mode' is {mode!r}: choose 'manual' or 'auto'")
         if mode == "auto":
             return (AutoStrategy(vram_budget_gb=vram_budget_gb, host_ram_budget_gb=host_ram_budget_gb),)
         return (s.Strategy.of(**fields),)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of issues 12 and 13, in parts that each fit one 10-minute call of a lent GPU machine with no
 # network (the checkout is imported through a symlink: `pip install -e .` cannot fetch there), most needed first:
-#   bash scripts/gpu_session.sh check   # make gpu-check: correctness, the 2048 px headline, the allocator trace (~8-9 min)
+#   bash scripts/gpu_session.sh check   # make gpu-check: correctness, the 2048 px headline, allocator trace (~8-9 min)
 #   bash scripts/gpu_session.sh bench   # the host-memory bench on the GPU (~2 min), then make gpu-bench (~3 min)
 #   bash scripts/gpu_session.sh default # make gpu-bench under the default CUDA allocator (~3 min)
 # Each part writes straight into $OUT/<part>/ (default ./gpu-session/<part>/), and every command there saves its

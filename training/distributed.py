@@ -181,6 +181,8 @@ def local_device(device: torch.device) -> torch.device:
 def resolve_device(name: str = "auto") -> torch.device:
     """The device this process trains on, from `name` ('auto', 'cpu', 'cuda', 'cuda:1'); under torchrun, this
     rank's own GPU."""
+    if not isinstance(name, str):  # a null in an API prompt reaches here: ComfyUI cannot tell it from a link
+        raise ConfigError(f"device={name!r} is not a device: choose 'auto', 'cuda' or 'cpu'")
     if name == "auto":
         return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if name.startswith("cuda") and not torch.cuda.is_available():

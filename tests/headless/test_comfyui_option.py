@@ -71,3 +71,10 @@ def test_a_comfyui_whose_requirements_are_missing_exits_2_with_the_install_comma
     assert (f"the ComfyUI at {comfy} cannot be imported in this python (No module named "
             f"'comfy_requirement_not_installed'): run tightrope with ComfyUI's python, or install ComfyUI's "
             f"requirements into this one (pip install -r {comfy}/requirements.txt)") in err
+
+
+def test_an_empty_models_dir_is_refused_not_taken_for_the_working_directory():
+    """`--models-dir "$MODELS"` with MODELS unset made ComfyUI look for models in the working directory."""
+    from tightrope.headless.graph import WorkflowError
+    with pytest.raises(WorkflowError, match=r"^--models-dir '' is empty: pass the folder that holds diffusion_models/"):
+        cli._comfyui_folders(object(), "")

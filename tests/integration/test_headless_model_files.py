@@ -33,11 +33,28 @@ def _models(models):
     (dm / "flux-Q8_0.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 64)
     (models / "checkpoints").mkdir()
     (models / "checkpoints" / "flux_ckpt.safetensors").write_bytes(data)
+    (dm / "my_style_lora.safetensors").write_bytes(data)  # a LoRA downloaded into the wrong folder
+    te = models / "text_encoders"
+    te.mkdir()
+    (te / "clip_l.safetensors").write_bytes(data)  # read first, and fine
+    (te / "t5_truncated.safetensors").write_bytes(data[: len(data) // 2])
+    (te / "t5_renamed.pt").write_bytes(data)
 
 
-def _workflow(name: str) -> dict:
+def _dual_clip(clip_name2: str) -> dict:
+    """Two text encoders, the second one bad: the message names the second."""
+    g = Graph()
+    clip = g.add("DualCLIPLoader", clip_name1="clip_l.safetensors", clip_name2=clip_name2, type="flux",
+                 device="default")
+    g.add("CLIPSave", clip=[clip, 0], filename_prefix="clip/x")
+    return g.nodes
+
+
+def _workflow(name: str, lora: str | None = None) -> dict:
     g = Graph()
     unet = g.add("UNETLoader", unet_name=name, weight_dtype="default")
+    if lora:
+        unet = g.add("LoraLoaderModelOnly", model=[unet, 0], lora_name=lora, strength_model=1.0)
     cond = g.add("TightropeDemoConditioning", model=[unet, 0], text="a red circle", tokens=8)
     latent = g.add("EmptySD3LatentImage", width=64, height=64, batch_size=1)
     dataset = g.add("TightropeDatasetFromLatents", latent=[latent, 0], conditioning=[cond, 0])
@@ -61,6 +78,14 @@ CASES = {  # case -> (file, exit code, what the one error line must hold)
                                          "rename it to flux_renamed.safetensors"]),
     "prefixed": ("flux_prefixed.safetensors", 1, ["Could not detect model type of:", "flux_prefixed.safetensors",
                                                   "use the model's original release file"]),
+    # the second file of a two-file loader: that one named, not the first
+    "second_truncated": (_dual_clip("t5_truncated.safetensors"), 1, ["t5_truncated.safetensors is damaged"]),
+    "second_renamed": (_dual_clip("t5_renamed.pt"), 1, ["t5_renamed.pt is a safetensors file with another extension",
+                                                        "rename it to t5_renamed.safetensors"]),
+    # a LoRA in diffusion_models: moved, not loaded as a diffusion model
+    "lora_in_diffusion_models": (_workflow("flux.safetensors", lora="my_style_lora.safetensors"), 2,
+                                 ["it is in ComfyUI's diffusion_models folder (",
+                                  "): move it into one of the folders"]),
 }
 
 
@@ -72,7 +97,7 @@ def batch(comfyui_python, tmp_path_factory):
     runs = []
     for case, (name, _code, _parts) in CASES.items():
         path = tmp / f"{case}.json"
-        path.write_text(json.dumps(_workflow(name)))
+        path.write_text(json.dumps(_workflow(name) if isinstance(name, str) else name))
         runs.append({"argv": ["run", str(path), "--models-dir", str(models), "--output-dir", str(tmp / "out")],
                      "log": str(tmp / f"{case}.log"), "ui_from": None})
     return run_headless_batch(comfyui_python, tmp, runs, list(CASES), timeout=900)
@@ -89,4 +114,5 @@ def test_a_model_file_that_cannot_train_is_refused_with_one_line_naming_it_and_t
     assert len([line for line in lines if line.strip()]) == 1, f"the message runs over several lines: {lines}"
     for part in parts:
         assert part in lines[0], lines[0]
+    assert "clip_l.safetensors" not in lines[0] and "load it with Load Diffusion Model" not in lines[0]
     assert "Traceback" not in log and "training:" not in log and "weights_only" not in log

@@ -303,3 +303,16 @@ def test_a_null_choice_is_refused_before_any_node_runs(tmp_path, monkeypatch, ca
     code, err, trained = _run_prompt_cli(tmp_path, monkeypatch, capsys, prompt)
     assert code == 2 and not trained and "Traceback" not in err, err
     assert f"input '{name}' is null, not one of its choices: " in err
+
+
+def test_a_null_choice_that_reaches_a_node_is_refused_there():
+    """In ComfyUI a null COMBO passes the queue-time check (our VALIDATE_INPUTS takes **inputs, so ComfyUI skips its
+    list check, and None is what a linked input looks like): the node refuses it when it runs, naming the input."""
+    from tightrope.memory.strategy import StrategyError
+    from tightrope.nodes.strategy_node import TightropeMemoryStrategy
+    from tightrope.training.distributed import resolve_device
+    from tightrope.training.train_config import ConfigError
+    with pytest.raises(ConfigError, match=r"^device=None is not a device: choose 'auto', 'cuda' or 'cpu'$"):
+        resolve_device(None)
+    with pytest.raises(StrategyError, match=r"^input 'mode' is None: choose 'manual' or 'auto'$"):
+        TightropeMemoryStrategy().make(None, 0.0)

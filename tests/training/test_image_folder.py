@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tightrope.training.data.image_folder import (DatasetError, load_image, read_caption, read_image_size,
-                                             scan_folder)
+from tightrope.training.data.image_folder import (DatasetError, folder_fingerprint, load_image, read_caption,
+                                             read_image_size, scan_folder)
 
 
 def _image(path, size=(16, 16), colour="red", caption="a red square", mode="RGB", **save):
@@ -53,6 +53,15 @@ def test_a_missing_relative_folder_says_where_it_was_looked_for(tmp_path, monkey
         scan_folder("data/good")
     _says(e, "dataset folder 'data/good' does not exist (relative to the working directory: "
           f"{Path.cwd() / 'data' / 'good'})", "pass the folder")
+
+
+def test_a_folder_under_an_unknown_users_home_is_a_dataset_error():
+    """'~nosuchuser/x': pathlib raised a RuntimeError (a traceback in the node's input check)."""
+    with pytest.raises(DatasetError) as e:
+        scan_folder("~tightrope_no_such_user/images")
+    _says(e, "dataset folder '~tightrope_no_such_user/images' starts with '~tightrope_no_such_user', a user whose "
+          "home folder this machine does not know: give the folder's full path")
+    assert folder_fingerprint("~tightrope_no_such_user/images").startswith("unreadable: ")
 
 
 def test_an_image_link_to_a_missing_file_is_reported_not_ignored(tmp_path):

@@ -114,12 +114,22 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
     return images, unsupported
 
 
+def _expanded(folder: str | Path) -> Path:
+    """The folder with '~' expanded; an unknown '~user' is a DatasetError (pathlib raises a RuntimeError)."""
+    try:
+        return Path(folder).expanduser()
+    except RuntimeError:
+        user = re.split(r"[/\\]", str(folder))[0]
+        raise DatasetError(f"dataset folder '{folder}' starts with '{user}', a user whose home folder this machine "
+                           f"does not know: give the folder's full path") from None
+
+
 def check_dataset_folder(folder: str | Path) -> Path:
     """The folder as a Path, if it exists and is a folder (cheap: nothing is listed); DatasetError otherwise."""
     fix = "pass the folder that holds your images and their .txt captions"
     if not str(folder).strip():
         raise DatasetError(f"the dataset folder is not set (folder={str(folder)!r}): {fix}")
-    root = Path(folder).expanduser()
+    root = _expanded(folder)
     if not root.exists():
         where = "" if root.is_absolute() else f" (relative to the working directory: {root.absolute()})"
         raise DatasetError(f"dataset folder '{root}' does not exist{where}: {fix}")
@@ -132,14 +142,15 @@ def folder_fingerprint(folder: str | Path) -> str:
     """What a dataset folder holds, cheaply: a hash of every file's relative path, size and modification time (no
     file is read), hidden names skipped as the scan skips them. Images, captions or masks added, removed or edited
     change it; an unreadable or missing folder gives its own value (the node's input check reports it)."""
-    root, digest = Path(str(folder)).expanduser(), hashlib.sha256()
+    digest = hashlib.sha256()
     try:
+        root = _expanded(str(folder))
         for path in sorted(root.rglob("*")):
             relative = path.relative_to(root)
             if not any(part.startswith(".") for part in relative.parts) and path.is_file():
                 stat = path.stat()
                 digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    except OSError as e:
+    except (OSError, DatasetError) as e:
         return f"unreadable: {e}"
     return digest.hexdigest()
 
