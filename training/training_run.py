@@ -79,7 +79,15 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
         if resumed is not None:
             session, state = resumed
             run_start, left = state.run_start, state.run_start + steps - session.step  # what this node has left
-            if left < 1 and not _validation_unscored(session):
+            done = left < 1 and not _validation_unscored(session)
+            if strategy is None or isinstance(strategy, Strategy):  # the memory settings now, not the state's: a
+                # Memory Strategy edited to fit, on this node or (none here) on the node before it, is the one the
+                # rest of the run trains with, and a finished run's result names it as a fresh run would; unless
+                # it changes the numbers (headless --resume goes on anyway): the result names what it was trained with
+                now = given.strategy if strategy is None else strategy
+                if not (done and plan_changes(state.info, now)):
+                    session = session.advanced(strategy=now)
+            if done:
                 return _finished(session, state, state_file, steps, progress, notify)
             if left < 1:  # a stop landed in the last step's validation: scored now (0 steps), then saved
                 left = 0

@@ -231,6 +231,23 @@ def test_resume_with_changed_settings_or_data_warns_and_goes_on(tmp_path):
         resume_session(path, session.advanced(dataset=other_data))
 
 
+def test_a_finished_run_resumed_with_changed_settings_says_they_took_no_effect(out, monkeypatch):
+    """`tightrope run --resume` after editing a finished Train node's learning rate: the node returns its saved result
+    (by design), and must say that the change took no effect, not that "the run goes on"; its session (so the Save
+    LoRA metadata) names the learning rate it was trained with (found by a helper: it named the edited one)."""
+    model, dataset, spec, strat = world(out)
+    kw = dict(steps=3, learning_rate=1e-3)
+    with torch.inference_mode(), resuming():
+        first, _, _ = train_node(model, dataset, spec, strat, **kw)
+        with pytest.warns(UserWarning, match=r"holds a finished run with other training settings \(learning_rate: "
+                                             r"0.001 -> 0.002\): --resume returns its result") as caught:
+            again, _, _ = train_node(model, dataset, spec, strat, **kw | dict(learning_rate=2e-3))
+    assert not [w for w in caught if "the run goes on" in str(w.message)]
+    assert again.step == 3 and again.losses == first.losses
+    assert all(torch.equal(again.lora_state[k], v) for k, v in first.lora_state.items())
+    assert again.config.learning_rate == 1e-3  # as trained: Save LoRA writes this in tightrope.training
+
+
 def test_resume_with_another_global_batch_is_refused(tmp_path):
     """The world size may change between runs; the global batch may not (a step would mean other samples)."""
     from tightrope.training.train_config import ConfigError

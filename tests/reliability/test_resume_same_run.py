@@ -158,6 +158,12 @@ def _change_token_chunks(out, model, dataset, spec, strat):
         "token_chunks: 1 -> 2"
 
 
+def _remove_strategy(out, model, dataset, spec, strat):
+    """The Memory Strategy disconnected: the node trains with the default one (found in a real ComfyUI server: the
+    node returned the finished result of the disconnected strategy's run)."""
+    return (model, dataset, spec, strategy(token_chunks=2)), (model, dataset, spec, None), "token_chunks: 2 -> 1"
+
+
 def _change_existing_lora(out, model, dataset, spec, strat):
     """The LoRA Setup continues from a file that is then replaced under the same name."""
     path = out / "continue_from.safetensors"
@@ -172,7 +178,7 @@ def _change_existing_lora(out, model, dataset, spec, strat):
 
 
 @pytest.mark.parametrize("change", [_change_model, _change_image, _change_precision, _change_token_chunks,
-                                    _change_existing_lora])
+                                    _remove_strategy, _change_existing_lora])
 @pytest.mark.parametrize("finished", [False, True])
 def test_changed_inputs_train_anew_and_say_what(out, comfy, change, finished):
     """Interrupted (or finished), then queued with one input changed: the node must train from its input, to what
@@ -189,3 +195,47 @@ def test_changed_inputs_train_anew_and_say_what(out, comfy, change, finished):
     assert any("trains from its input, not from its saved state" in n and named in n for n in comfy["notes"]), \
         comfy["notes"]
     assert again.losses == fresh.losses and _same(again.lora_state, fresh.lora_state)
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_a_continued_session_s_node_with_its_strategy_disconnected_trains_with_the_session_s(out, comfy, finished):
+    """Train -> Train on with its own Memory Strategy (token_chunks 2); queued again with that strategy disconnected:
+    the second node trains with the first's strategy, to what a fresh server gives (found in a real ComfyUI server:
+    it returned the disconnected strategy's result, 24 of 36 tensors off)."""
+    model, dataset, spec, strat = world(out)
+    first, _, _ = train_node(model, dataset, spec, strat, steps=2, filename_prefix="rt/first")
+    own = strategy(token_chunks=2)
+    if finished:
+        train_node(session=first, strat=own, **KW)
+    else:
+        _interrupted(comfy, session=first, strat=own)
+    fresh, _, _ = train_node(session=first, **KW, filename_prefix="rt/fresh", resume=False)
+    comfy["notes"].clear()
+    again, _, _ = train_node(session=first, **KW)
+    assert any("trains from its input, not from its saved state" in n and "token_chunks: 2 -> 1" in n
+               for n in comfy["notes"]), comfy["notes"]
+    assert again.losses == fresh.losses and _same(again.lora_state, fresh.lora_state)
+
+
+@pytest.mark.parametrize("finished", [False, True])
+@pytest.mark.parametrize("where", ["before", "own"])
+def test_memory_settings_edited_before_queueing_again_are_the_ones_trained_with(out, comfy, finished, where):
+    """Interrupted (or finished), then queued again with the Memory Strategy edited to move the same values (what a
+    user does after running out of memory), on the node before (whose strategy this node inherits) or on its own:
+    the node goes on to the same LoRA, with the edited strategy, as a fresh server would (found in a real ComfyUI
+    server: it went on with, or returned, the strategy restored from its state file, so an out-of-memory B could
+    not be fixed by editing A's Memory Strategy, and B's LoRA metadata named the old strategy)."""
+    model, dataset, spec, strat = world(out)
+    first, _, _ = train_node(model, dataset, spec, strat, steps=2, filename_prefix="rt/first")
+    leaner = strategy(offload_fraction=1.0, checkpoint="all", activation_offload=True)
+    own = {"own": dict(strat=strat), "before": {}}[where]
+    if finished:
+        train_node(session=first, **own, **KW)
+    else:
+        _interrupted(comfy, session=first, **own)
+    edited_input = first.advanced(strategy=leaner) if where == "before" else first  # A re-run with its edit
+    edited_own = dict(strat=leaner) if where == "own" else {}
+    whole, _, _ = train_node(session=first, **own, **KW, filename_prefix="rt/whole", resume=False)
+    again, _, _ = train_node(session=edited_input, **edited_own, **KW)
+    assert again.strategy == leaner
+    assert again.losses == whole.losses and _same(again.lora_state, whole.lora_state)

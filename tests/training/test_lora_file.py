@@ -311,3 +311,18 @@ def test_merge_strength(tmp_path):
     assert d_full.abs().max() > 0 and torch.allclose(d_half, 0.5 * d_full, atol=1e-6)
     with pytest.raises(LoraError, match="has peft LoRA layers"):
         merge_lora_into(model, path)
+
+
+def test_the_version_of_a_plain_checkout_is_its_pyproject_s(monkeypatch):
+    """In ComfyUI's custom_nodes (a git clone, not pip-installed) the LoRA files named version 'unknown': the
+    pyproject.toml was looked for in training/, not the checkout's root (found by a helper in a real server)."""
+    import re
+    from pathlib import Path
+    from tightrope.training.lora import files
+
+    def not_installed(name):
+        raise files.importlib_metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(files.importlib_metadata, "version", not_installed)
+    root = Path(files.__file__).resolve().parents[2]
+    assert files.tightrope_version() == re.search(r'^version\s*=\s*"([^"]+)"', (root / "pyproject.toml").read_text(),
+                                                  re.M).group(1)

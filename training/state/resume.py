@@ -164,7 +164,8 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     (another input session) ignored with a warning: None. steps: the node's steps now (warns if they changed).
     same_run (ComfyUI's `resume` widget): go on only from this very run, whose end equals an uninterrupted run's:
     another input, model, dataset, setting or step count raises NotThisRun naming it (the caller trains anew).
-    strategy: the node's (a Strategy: its precision must be the state's to count as the same run)."""
+    strategy: the node's (a Strategy: its precision must be the state's to count as the same run; None, no strategy
+    input: the session's, which the node then trains with)."""
     from ..models import adapter_for
     try:
         state = load_state(path)
@@ -223,10 +224,17 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     if other_data:
         warnings.warn(f"resuming '{path}' with a different dataset than it was trained on: the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
-    if diff:
+    finished = steps is not None and state.step >= state.run_start + steps  # nothing left: its result is returned
+    if diff and finished:  # the changed settings take no effect: its LoRA's metadata must not claim them
+        warnings.warn(f"'{path}' holds a finished run with other training settings ({'; '.join(diff)}): --resume "
+                      "returns its result, trained with the settings it was trained with (its LoRA's metadata names "
+                      "them); run without --resume, or delete the file, to train with the settings now",
+                      stacklevel=2)
+    elif diff:
         warnings.warn(f"resuming '{path}' with changed training settings ({'; '.join(diff)}): the run goes on, but "
                       "will not match an uninterrupted run", stacklevel=2)
-    resumed = session.advanced(
+    trained = _trained_config(info, session.config) if finished else session.config
+    resumed = session.advanced(config=trained,
         step=state.step, lora_state=state.lora_state, optimizer_state=state.optimizer_state,
         losses=tuple(info["losses"]), stats=tuple(info["stats"]), saved=tuple(info["saved"]), interrupted=False,
         strategy=Strategy.from_dict(info["strategy"]),  # a node given a strategy input resolves it again to train on
@@ -304,6 +312,15 @@ def _other_run(path: Path, saved: dict | None, owner: StateOwner, quiet: bool = 
     return True
 
 
+def _trained_config(info: dict, config: Any) -> Any:
+    """The training settings a finished run's state was trained with (`config` where the file's cannot be read back:
+    a state from another version)."""
+    try:
+        return type(config).from_dict({**config.to_dict(), **info["config"]})
+    except (ValueError, TypeError):
+        return config
+
+
 def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
     """What changed besides the settings, as resume's diff lists it: the bytes of the existing_lora file (its name
     can stay), and the parts of the node's strategy that change the numbers (_numeric_parts). An `auto` strategy's
@@ -311,6 +328,8 @@ def _changed_inputs(info: dict, session: Any, strategy: Any) -> list[str]:
     out = []
     if "lora_file" in info and info["lora_file"] != lora_file_digest(session.lora):
         out.append("existing_lora: the same name, another file")
+    if strategy is None:  # no strategy input: the node trains with its session's (the one before it, or the default)
+        strategy = session.strategy
     if info.get("strategy") and isinstance(strategy, Strategy):
         out += plan_changes(info, strategy, label="")
     return out
