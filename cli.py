@@ -219,9 +219,10 @@ def user_error_types() -> tuple[type[Exception], ...]:
     from .training.state.lock import StateLockedError
     from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
     from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
+    from .training.rank_lost import RankLostError  # another rank ended first: its output says why
     return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,
             NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, StateLockedError,
-            TrainingOutOfMemoryError)
+            TrainingOutOfMemoryError, RankLostError)
 
 
 def bad_input_types() -> tuple[type[Exception], ...]:
@@ -252,6 +253,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
     from .headless.custom_nodes import load_custom_nodes
     from .headless.executor import NodeExecutionError, run_workflow, summary_lines
     from .headless.graph import WorkflowError
+    from .headless.same_run import check_same_run_on_every_rank
     from .headless.workflow_format import UI_FORMAT, load_workflow, parse_workflow, read_workflow_json, workflow_format
     from .nodes.workflow_checks import train_chain_problems
     from .training.distributed import current
@@ -282,6 +284,7 @@ def _run(workflow_path: str, output_dir: str, resume: bool, comfyui: str | None 
         chain_problems = train_chain_problems(graph)  # what one node's own validation cannot see
         if chain_problems:
             raise WorkflowError(chain_problems)
+        check_same_run_on_every_rank(graph, resume)  # before any node: other ranks' collectives would not line up
         if not resume:
             _refuse_interrupted_runs(graph)
         extra_pnginfo = {"workflow": data} if workflow_format(data) == UI_FORMAT else None

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..memory.strategy import ShardingConfig, Strategy
+from .rank_lost import collective
 from .train_config import ConfigError
 
 T = TypeVar("T")
@@ -236,9 +237,11 @@ def on_main_rank(fn: Callable[[], T]) -> T:
             box[0] = ("ok", fn())
         except BaseException as exc:
             box[0] = ("error", f"{type(exc).__name__}: {exc}")
-            torch.distributed.broadcast_object_list(box, src=0)
+            with collective("rank 0's report of its error", current().rank):
+                torch.distributed.broadcast_object_list(box, src=0)
             raise
-    torch.distributed.broadcast_object_list(box, src=0)
+    with collective("an exchange of rank 0's decision", current().rank):
+        torch.distributed.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":  # rank 0 reports its own error (a traceback there if it is a bug): one line here
         raise DistributedError(f"rank 0 failed ({value}), so rank {par.rank} stops too: see rank 0's output")
@@ -251,7 +254,8 @@ def from_every_rank(value: T) -> list[T]:
     if not par.distributed:
         return [value]
     values: list = [None] * par.world_size
-    torch.distributed.all_gather_object(values, value)
+    with collective("an exchange of every rank's check", current().rank):
+        torch.distributed.all_gather_object(values, value)
     return values
 
 
@@ -321,14 +325,16 @@ def all_reduce_gradients(params: Iterable[nn.Parameter], loss: float) -> float:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     carrier = torch.tensor([loss], dtype=grads[0].dtype, device=grads[0].device)
-    _flat_collective([carrier] + grads, lambda flat: torch.distributed.all_reduce(flat))
+    with collective("the gradient all-reduce", current().rank):
+        _flat_collective([carrier] + grads, lambda flat: torch.distributed.all_reduce(flat))
     return float(carrier.item())
 
 
 def broadcast_parameters(params: Iterable[torch.Tensor], src: int = 0) -> None:
     """Make every rank's tensors equal to rank `src`'s (the LoRA at the start of a run)."""
     if current().distributed:
-        _flat_collective([p.data for p in params], lambda flat: torch.distributed.broadcast(flat, src))
+        with collective("the broadcast of rank 0's LoRA", current().rank):
+            _flat_collective([p.data for p in params], lambda flat: torch.distributed.broadcast(flat, src))
 
 
 # ------------------------------------------------------------------------------------------------------ resume
