@@ -29,6 +29,20 @@ def test_a_bad_chain_is_refused_at_queue_time(comfy_server):
     assert not (comfy_server.base / "output" / "it_queue_check").exists()  # nothing ran
 
 
+def test_a_train_node_with_nothing_to_train_is_refused_at_queue_time(comfy_server):
+    """Neither a session nor model, dataset and lora connected: refused when queued (it failed when the node ran,
+    after the model had loaded and the dataset was encoded), naming what to connect."""
+    g = Graph()
+    train = g.add("TightropeTrain", steps=1, device="cpu", model=[g.add("TightropeDemoModel", seed=0), 0])
+    g.add("TightropeSaveLora", session=[train, 0])
+    with pytest.raises(PromptFailed, match="400") as refused:
+        comfy_server.queue(g.nodes)
+    errors = json.loads(str(refused.value).split(": ", 1)[1])["node_errors"]
+    assert set(errors) == {train}, errors
+    assert "the Train node has no dataset, lora input: connect model, dataset and lora (to start) or a session from " \
+        "another Train node (to continue)" in json.dumps(errors[train])
+
+
 def test_the_demo_stand_ins_in_comfyuis_own_nodes_say_they_are_training_only(comfy_server):
     """The demo Flux and encoders travel on MODEL / CLIP wires (so Tightrope's nodes take them like loaded ones) but
     are no ModelPatcher or CLIP: in ComfyUI's own nodes the error names that and the fix, not a bare missing
@@ -45,7 +59,12 @@ def test_the_demo_stand_ins_in_comfyuis_own_nodes_say_they_are_training_only(com
     g = Graph()
     patched = g.add("ModelSamplingFlux", model=[g.add("TightropeDemoModel", seed=0), 0], max_shift=1.15,
                     base_shift=0.5, width=64, height=64)
-    g.add("TightropeSaveLora", session=[g.add("TightropeTrain", steps=1, model=[patched, 0]), 0])
+    encoders = g.add("TightropeDemoEncoders", seed=0)
+    folder = g.add("TightropeDemoImages", subfolder="it_demo_sampling", count=2, size=32, seed=0)
+    dataset = g.add("TightropeLoadDataset", folder=[folder, 0], vae=[encoders, 0], clip=[encoders, 1], resolution=32)
+    train = g.add("TightropeTrain", steps=1, model=[patched, 0], dataset=[dataset, 0],
+                  lora=[g.add("TightropeLoraSetup", rank=4, alpha=4.0), 0])
+    g.add("TightropeSaveLora", session=[train, 0])
     node, message = _error(comfy_server, g)
     assert node == "ModelSamplingFlux" and "ReferenceFluxModel has no 'clone': it is Tightrope's training-only " \
         "model" in message and message.endswith("load a real model (Load Diffusion Model) to sample")
