@@ -208,21 +208,14 @@ def _written_train_states(graph, started: float) -> list[tuple[Path, tuple[int, 
 
 def user_error_types() -> tuple[type[Exception], ...]:
     """Exceptions that mean bad input, not a bug: their message names the input and the fix, so `tightrope run`
-    prints it without a traceback (unless --debug)."""
+    prints it without a traceback (unless --debug): the bad input, and runs that failed for a reason it names."""
     from .headless.graph import WorkflowError
-    from .memory.strategy import StrategyError
-    from .training.state.atomic_write import FileWriteError
-    from .training.finite_check import NonFiniteDataError
-    from .training.data.image_folder import DatasetError
     from .training.lora.rescue import LoraNotSavedError
-    from .training.state.resume import ResumeError
-    from .training.state.lock import StateLockedError
-    from .training.train_config import ConfigError  # also LoraError, DistributedError, OutputPathError
-    from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
     from .training.rank_lost import RankLostError  # another rank ended first: its output says why
-    return (WorkflowError, ConfigError, DatasetError, ResumeError, StrategyError, NonFiniteLossError,
-            NonFiniteWeightsError, NonFiniteDataError, FileWriteError, LoraNotSavedError, StateLockedError,
-            TrainingOutOfMemoryError, RankLostError)
+    from .training.state.atomic_write import FileWriteError
+    from .training.trainer import NonFiniteLossError, NonFiniteWeightsError, TrainingOutOfMemoryError
+    return bad_input_types() + (WorkflowError, NonFiniteLossError, NonFiniteWeightsError, FileWriteError,
+                                LoraNotSavedError, TrainingOutOfMemoryError, RankLostError)
 
 
 def bad_input_types() -> tuple[type[Exception], ...]:

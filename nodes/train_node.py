@@ -8,7 +8,7 @@ from ..training.train_config import OPTIMIZERS, ON_NONFINITE, SCHEDULES, ConfigE
 from ..training.tensorboard_log import summary_writer_class
 from ..training.timesteps import SAMPLINGS
 from ..training.distributed import check_batch_size, resolve_device
-from ..training.training_run import run_training_node
+from ..training.training_run import require_start_inputs, run_training_node
 from . import host
 from .input_validation import validation_result
 
@@ -156,10 +156,7 @@ def _check_connected(inputs: dict) -> None:
     runs (it failed when the node ran: after the model had loaded and the dataset was encoded)."""
     if "session" in inputs or not all(name in inputs for name in TightropeTrain.INPUT_TYPES()["required"]):
         return  # a session; or not a queued node's inputs (ComfyUI and the runner pass every required one)
-    missing = [name for name in ("model", "dataset", "lora") if name not in inputs]
-    if missing:
-        raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora (to "
-                          "start) or a session from another Train node (to continue)")
+    require_start_inputs(inputs)
 
 
 def _optimizer_runs(optimizer: str | None, device: str | None) -> None:

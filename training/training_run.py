@@ -5,7 +5,7 @@ import dataclasses
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -50,10 +50,8 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: train at least 1 step")
     if session is None:
-        missing = [name for name, v in (("model", model), ("dataset", dataset), ("lora", lora)) if v is None]
-        if missing:
-            raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora "
-                              "(to start) or a session from another Train node (to continue)")
+        require_start_inputs(name for name, v in (("model", model), ("dataset", dataset), ("lora", lora))
+                             if v is not None)
         session = TrainingSession(model=model, dataset=dataset, lora=lora, strategy=Strategy(), config=config,
                                   validation_dataset=validation_dataset)
     else:
@@ -126,6 +124,16 @@ exceptions, which end the run as interrupted when raised inside a step (trainer.
     release_freed_host_memory()  # train() has returned: its optimizer, LoRA layers and save buffers are freed now
     node_start = session.step if run_start is None else run_start  # the report covers the node's whole run
     return result, model_with_lora(result), report(result, result.step - node_start, explanation)
+
+
+def require_start_inputs(connected: Iterable[str]) -> None:
+    """A run without a session starts from a model, a dataset and a LoRA: ConfigError naming those not `connected`
+    (the node's queue-time check passes the names of its inputs; the run, those it got)."""
+    connected = set(connected)
+    missing = [name for name in ("model", "dataset", "lora") if name not in connected]
+    if missing:
+        raise ConfigError(f"the Train node has no {', '.join(missing)} input: connect model, dataset and lora (to "
+                          "start) or a session from another Train node (to continue)")
 
 
 def _resumed(state_file: Path, session: TrainingSession, owner: StateOwner, steps: int, mode: str,
