@@ -218,6 +218,28 @@ def test_tiny_images_upscaled_a_lot_are_named_in_a_warning(out):
     assert warned_before[0], "the upscale warning came after the encoding"
 
 
+def test_animated_images_are_named_in_a_warning_and_train_on_their_first_frame(out):
+    """An animated PNG or WebP trains on its first frame: said once, naming them, before the encoding (it was
+    silent); a camera's MPO JPEG (the photo, then a preview) and a still image are not named."""
+    folder = out.parent / "animated"
+    folder.mkdir()
+    red, blue = Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 0, 255))
+    for ext in ("png", "webp"):  # GIF is refused by its extension
+        red.save(folder / f"moving.{ext}", save_all=True, append_images=[blue], duration=100, loop=0)
+    red.save(folder / "camera.jpg", format="MPO", save_all=True, append_images=[blue])
+    red.save(folder / "still.png")
+    for image in folder.iterdir():
+        image.with_suffix(".txt").write_text("a red square")
+    with Image.open(folder / "camera.jpg") as mpo:
+        assert mpo.format == "MPO" and mpo.is_animated  # what the warning must not count
+    with pytest.warns(UserWarning, match=r"2 image\(s\) are animated and train on their first frame only: "
+                                         r"'[^']*moving\.png', '[^']*moving\.webp': export "
+                                         r"the frames you want as separate images") as caught:
+        dataset = load_dataset(folder)
+    assert not [w for w in caught if "camera.jpg" in str(w.message) or "still.png" in str(w.message)]
+    assert dataset.num_images == 4
+
+
 def test_use_repeats_off_reads_no_repeat_count_from_folder_names(out):
     """use_repeats=False: '0_misc' and a date-named folder are plain folders, each image once (found by a helper: a
     '0_misc' folder was refused, or with strict off its images dropped, although repeats were off)."""

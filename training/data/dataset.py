@@ -31,7 +31,8 @@ from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, image_to_tensor,
-                           load_image, no_usable_images, read_image_size, scan_folder, skip_or_raise, warn_upscaled)
+                           load_image, no_usable_images, read_image_header, read_image_size, scan_folder,
+                           skip_or_raise, warn_animated, warn_upscaled)
 from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 
@@ -75,20 +76,24 @@ def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
 
 
-def _upscaled(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> list[tuple[Path, float]]:
-    """(path, factor) of the images that fitting to their bucket enlarges more than UPSCALE_WARNING_FACTOR, from their
-    headers (an image that cannot be read is the encoding's to report)."""
-    out = []
+def _warn_from_headers(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> None:
+    """From the images' headers, before any encoding: the images that fitting to their bucket enlarges more than
+    UPSCALE_WARNING_FACTOR (path, factor), and those with several frames (an image that cannot be read is the
+    encoding's to report)."""
+    upscaled, animated = [], []
     for entry in entries:
         try:
-            size = read_image_size(entry.path, max_pixels=max_image_pixels)
+            size, frames = read_image_header(entry.path, max_pixels=max_image_pixels)
         except (DatasetError, OSError):
             continue
         bucket = choose_bucket(*size, max_pixels, multiple)
         factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
         if factor > UPSCALE_WARNING_FACTOR:
-            out.append((entry.path, factor))
-    return out
+            upscaled.append((entry.path, factor))
+        if frames:
+            animated.append(entry.path)
+    warn_upscaled(upscaled)
+    warn_animated(animated)
 
 
 class TrainingDataset(EpochBatches):
@@ -125,7 +130,7 @@ class TrainingDataset(EpochBatches):
         self._empty_text = text_index.get("")
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
-        warn_upscaled(_upscaled(entries, max_pixels, multiple, max_image_pixels))
+        _warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
         samples, repeats, problems = [], [], []
         for k, entry in enumerate(entries):
             if progress is not None and k:

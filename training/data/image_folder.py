@@ -231,6 +231,17 @@ def warn_upscaled(upscaled: list[tuple[Path, float]]) -> None:
                   f"Load Dataset resolution", stacklevel=3)
 
 
+def warn_animated(animated: list[Path]) -> None:
+    """One warning naming the animated images (PNG or WebP with several frames): training sees their first frame only,
+    as Pillow decodes it."""
+    if not animated:
+        return
+    shown = ", ".join(f"'{path}'" for path in animated[:5])
+    more = f" and {len(animated) - 5} more" if len(animated) > 5 else ""
+    warnings.warn(f"{len(animated)} image(s) are animated and train on their first frame only: "
+                  f"{shown}{more}: export the frames you want as separate images", stacklevel=3)
+
+
 def _unreadable(path: Path, error: Exception) -> DatasetError:
     return DatasetError(f"cannot read image '{path}' ({error}): re-export it as PNG or JPEG, or delete it "
                         f"(strict=False skips such images)")
@@ -239,13 +250,24 @@ def _unreadable(path: Path, error: Exception) -> DatasetError:
 def read_image_size(path: Path, *, data: bytes | None = None,
                     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
     """(width, height) as the image will be trained, i.e. after EXIF rotation, from the header alone."""
+    return read_image_header(path, data=data, max_pixels=max_pixels)[0]
+
+
+def read_image_header(path: Path, *, data: bytes | None = None,
+                      max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[tuple[int, int], bool]:
+    """(read_image_size's (width, height), whether the file holds several frames). A camera's MPO JPEG (a preview or
+    depth image after the photo) does not count: its first frame is the photo."""
     with _open(path, data, max_pixels) as image:
         width, height = image.size
         try:
             orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
         except Exception:  # a broken EXIF block: load_image will ignore it too
             orientation = 1
-    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+        try:
+            frames = image.format != "MPO" and bool(getattr(image, "is_animated", False))
+        except (OSError, SyntaxError, ValueError, EOFError):  # a damaged later frame: the first is all we decode
+            frames = False
+    return ((height, width) if orientation in (5, 6, 7, 8) else (width, height)), frames
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
