@@ -27,6 +27,34 @@ EXIT_OK, EXIT_FAILED, EXIT_WORKFLOW_ERROR = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    with _escaping_stdout():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def _escaping_stdout():
+    """stdout writes a character its encoding lacks as an escape (as Python's stderr always does), not raising
+    UnicodeEncodeError: on Windows (Python < 3.15) stdout redirected to a file or a pipe is in the ANSI code page
+    (cp1252 on Western systems) with errors='strict', and the summary printed after a run names output folders and
+    files, which may hold any letter: a finished run exited 1 with a traceback. Restored on return."""
+    stream = sys.stdout
+    errors = getattr(stream, "errors", None)
+    if errors != "strict" or not hasattr(stream, "reconfigure"):
+        yield
+        return
+    try:
+        stream.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError, OSError):  # not a reconfigurable text stream
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors=errors)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     prefer_expandable_segments(os.environ)
     if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench CLI, --help included

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -122,8 +121,12 @@ def rss_child(mode: str) -> dict:
     if mode != "baseline":
         with MemoryRuntime(model, Strategy.of(compute_dtype="fp32", checkpoint=mode), "cpu"):
             _steps(model, inputs, target, opt, 1, None)
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"mode": mode, "peak_rss_bytes": kib * 1024, "step_s": time.perf_counter() - t0,
+    # POSIX only, so imported here: `tightrope bench --host-memory` imports this module, and on Windows it says
+    # "Linux only" instead of failing with ModuleNotFoundError
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mode": mode, "peak_rss_bytes": peak if sys.platform == "darwin" else peak * 1024,  # macOS: bytes
+            "step_s": time.perf_counter() - t0,
             "model": _describe(RSS_MODEL, bench)}
 
 
@@ -174,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rss_child:
         print(json.dumps(rss_child(args.rss_child)))
         return 0
+    if sys.platform == "win32":
+        print("error: the runtime-overhead benchmark reads peak RSS with getrusage, which Windows lacks: run it on "
+              "Linux or macOS", file=sys.stderr)
+        return 2
     date = datetime.date.today().isoformat()
     result = {"date": date, "torch": torch.__version__, "overhead": measure_overhead(args.reps, args.steps),
               "rss": measure_rss()}

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch._functorch.config as functorch_config
 
-from .strategy import CompileConfig
+from .strategy import CompileConfig, StrategyError
 
 _BACKENDS: dict[tuple[str, float, str], Callable] = {}
 
@@ -91,3 +91,28 @@ def compiled_graph_count() -> int:
     """Graphs compiled in this process so far (recompiles show up as growth between steps)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def _triton_installed() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # a torch without the helper: let inductor say it
+        return True
+    return has_triton()
+
+
+def check_compiler(compiler: CompileConfig, device: torch.device) -> None:
+    """compile=per_block on a CUDA GPU builds its kernels with Triton, which PyTorch for Windows does not ship:
+    without it the first step failed deep in inductor (TritonMissing, a traceback), after the model and data had
+    loaded. Refused here in one line, before anything is placed."""
+    if not (compiler.per_block and compiler.backend == "inductor" and device.type == "cuda"):
+        return
+    if not _triton_installed():
+        raise StrategyError("compile=per_block builds the blocks' GPU kernels with Triton, which is not installed "
+                            "(PyTorch for Windows does not ship it): set the Memory Strategy's compile to off, or "
+                            "install Triton (on Windows: pip install triton-windows)")
+    props = torch.cuda.get_device_properties(device)
+    if props.major < 7:  # inductor's GPUTooOldForTriton, at the first step
+        raise StrategyError(f"compile=per_block builds the blocks' GPU kernels with Triton, which needs a GPU of CUDA "
+                            f"capability 7.0 or newer; {device} ({props.name}) has {props.major}.{props.minor}: set "
+                            "the Memory Strategy's compile to off")

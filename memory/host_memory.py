@@ -60,7 +60,7 @@ def file_backed_bytes(spans: dict[int, int]) -> int:
 def _memory_file_systems() -> list[str]:
     """Mount points of tmpfs file systems, each ending in '/' (from /proc/mounts; /dev/shm/ where unreadable)."""
     try:
-        with open("/proc/mounts") as f:
+        with open("/proc/mounts", encoding="utf-8", errors="surrogateescape") as f:
             points = [fields[1] for fields in (line.split() for line in f) if len(fields) > 2 and fields[2] == "tmpfs"]
     except OSError:
         points = ["/dev/shm"]

@@ -28,7 +28,9 @@ class Mapping:
 def mappings() -> list[Mapping] | None:
     """Every mapping of this process, in address order; None where the system does not list them (not Linux)."""
     try:
-        with open("/proc/self/maps") as f:
+        # paths are bytes as the file system holds them: decoded as os.fsdecode does, so a mapped file whose name
+        # is not UTF-8 (a folder named in Latin-1) is not a UnicodeDecodeError in the middle of a run
+        with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
             lines = f.readlines()
     except OSError:
         return None

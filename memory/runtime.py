@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .activation_offload import ActivationOffload
-from .block_compile import CompileCaches, compile_block, compiled_graph_count
+from .block_compile import CompileCaches, check_compiler, compile_block, compiled_graph_count
 from .blocks import MUTATES_INPUTS, Block, discover_blocks
 from .checkpointing import InPlaceInputs, checkpointed_call
 from .dtypes import TORCH_DTYPES
@@ -58,6 +58,7 @@ class MemoryRuntime:
             raise StrategyError(f"device '{device}' was asked for but CUDA is not available: use device 'cpu' "
                                 "or install a CUDA build of PyTorch")
         self.device = normalize_device(device)
+        check_compiler(strategy.compiler, self.device)
         self.poison_slots = poison_slots
         self.activation_min_bytes = activation_min_bytes
         self.blocks: list[Block] = discover_blocks(model, strategy.block_lists)

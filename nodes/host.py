@@ -75,6 +75,18 @@ def in_comfyui() -> bool:
     return _headless is None and "folder_paths" in sys.modules
 
 
+def comfyui_device_type() -> str | None:
+    """The type of the device ComfyUI runs models on ('cuda', 'mps', 'xpu', 'privateuseone' for DirectML, 'cpu');
+    None headless or where ComfyUI cannot say."""
+    if not in_comfyui():
+        return None
+    try:
+        import comfy.model_management
+        return comfy.model_management.get_torch_device().type
+    except Exception:  # noqa: BLE001  (a note's detail: never a reason to fail a node)
+        return None
+
+
 def output_dir() -> Path:
     if in_comfyui():
         import folder_paths

@@ -115,6 +115,7 @@ class TightropeTrain:
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
               strategy=None, unique_id=None, validation_dataset=None, log_dir="", resume=True, **config):
         mode = host.resume_mode(resume)
+        _note_training_on_the_cpu(device, unique_id)
         result, model_out, report = run_training_node(
             TrainConfig(**config), steps, session=session, model=model, dataset=dataset, lora=lora,
             strategy=strategy, device=device, save_dir=host.loras_dir(), filename_prefix=filename_prefix,
@@ -148,6 +149,16 @@ class TightropeTrain:
                                  lambda: log_dir is None or summary_writer_class(log_dir),
                                  lambda: not isinstance(batch_size, int) or check_batch_size(batch_size),  # torchrun
                                  lambda: _check_connected(inputs))
+
+
+def _note_training_on_the_cpu(device: str, node_id) -> None:
+    """device 'auto' without CUDA trains on the CPU, though ComfyUI itself may run on Apple's MPS, Intel's XPU or
+    DirectML, which Tightrope does not train on: say so in one line, or a Mac user waits on CPU speed not knowing."""
+    theirs = host.comfyui_device_type()
+    if device != "auto" or theirs in (None, "cpu", "cuda") or resolve_device(device).type != "cpu":
+        return
+    host.notify(f"Train node {node_id} trains on the CPU (device auto): Tightrope trains on CUDA GPUs (NVIDIA, or AMD "
+                f"with ROCm) or the CPU, not on this ComfyUI's device '{theirs}'; expect CPU speed")
 
 
 def _check_connected(inputs: dict) -> None:

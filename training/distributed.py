@@ -133,6 +133,10 @@ def launched(*, fsdp: bool = False) -> Iterator[Parallel]:
     rank, world, local = env
     if not torch.distributed.is_available():
         raise DistributedError("this PyTorch build has no torch.distributed: install a build with it to use torchrun")
+    if torch.cuda.is_available() and not torch.distributed.is_nccl_available() \
+            and not torch.distributed.is_initialized():  # else init_process_group's RuntimeError, as a bug's traceback
+        raise DistributedError("torchrun on CUDA GPUs needs NCCL, which this PyTorch build lacks (PyTorch for Windows "
+                               "has none): train in one process (run without torchrun), or use torchrun on Linux")
     previous_device = None  # the process's current GPU, set back on exit (a ComfyUI or a script goes on using it)
     if torch.cuda.is_available():
         if local >= torch.cuda.device_count():

@@ -107,3 +107,19 @@ def test_server_only_refuses_a_width_comfyui_cannot_detect_and_a_missing_comfyui
     monkeypatch.delenv("COMFYUI_DIR", raising=False)
     assert host_memory.main(["--server-only"]) == 2
     assert f"--server-only needs a ComfyUI: {host_memory_server.SKIP_REASON}" in capsys.readouterr().err
+
+
+def test_the_bench_modules_import_without_posix_only_modules(monkeypatch, capsys):
+    """Windows has no `resource`: importing bench/runtime_overhead (also by `tightrope bench --host-memory`, which
+    then says it is Linux only) failed with ModuleNotFoundError; `--overhead` now refuses in one line."""
+    import subprocess
+    import sys
+    code = ("import sys, tightrope, tightrope.memory.runtime; sys.modules['resource'] = None; "  # libraries first
+            "import tightrope.bench.host_memory, tightrope.bench.runtime_overhead; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    from tightrope.bench import runtime_overhead
+    monkeypatch.setattr(sys, "platform", "win32")
+    assert runtime_overhead.main([]) == 2
+    assert "error: the runtime-overhead benchmark reads peak RSS with getrusage, which Windows lacks" in \
+        capsys.readouterr().err

@@ -270,3 +270,29 @@ def test_a_rank_whose_dataset_differs_from_rank_0s_stops_every_rank(rank1_of_2, 
     with pytest.raises(DatasetError, match=rf"rank 1's dataset \({dataset.num_images} images\) differs from rank 0's "
                                            rf"\({dataset.num_images + 4} images; .*copy it identically"):
         check_same_data_on_every_rank(dataset)
+
+
+def test_torchrun_where_pytorch_has_no_nccl_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Windows: its CUDA builds of PyTorch have no NCCL, and the group tightrope made ('cpu:gloo,cuda:nccl') failed in
+    init_process_group with RuntimeError "Distributed package doesn't have NCCL built in": a bug's traceback, exit 1.
+    Now one line before anything runs, exit 2. (This CPU-only torch has no NCCL either; CUDA is faked available.)"""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    for name, fake in (("device_count", lambda: 1), ("current_device", lambda: 0), ("set_device", lambda i: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    with pytest.raises(DistributedError, match=r"torchrun on CUDA GPUs needs NCCL, which this PyTorch build lacks"):
+        with distributed.launched():
+            pass
+    assert not torch.distributed.is_initialized()
+    workflow = tmp_path / "w.json"
+    workflow.write_text('{"1": {"class_type": "TightropeDemoModel", "inputs": {"seed": 0}}}')
+    assert cli.main(["run", str(workflow), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: torchrun on CUDA GPUs needs NCCL") and "Traceback" not in err

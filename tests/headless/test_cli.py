@@ -249,3 +249,20 @@ def test_our_warnings_print_as_one_line_each(tmp_path):
     assert any(line.startswith("warning: activation_offload=True moves the inputs checkpointed blocks keep")
                for line in lines), done.stderr
     assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+
+
+def test_a_name_outside_the_consoles_code_page_does_not_fail_a_finished_run(tmp_path, ui_workflow, fake_cli,
+                                                                            monkeypatch):
+    """Windows (Python 3.12/3.13): stdout redirected to a file or a pipe is in the ANSI code page (cp1252 on Western
+    systems), with errors='strict'; the summary naming an output folder (or a LoRA file) with a letter outside it,
+    printed after every node ran, raised UnicodeEncodeError: exit 1 and a traceback after a successful run. stderr
+    already escapes such letters (Python's default for it); stdout now does too."""
+    import io
+    raw = io.BytesIO()
+    stdout = io.TextIOWrapper(raw, encoding="cp1252", errors="strict", write_through=True)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    out_dir = tmp_path / "out_Łódź_日本"
+    assert cli.main(["run", _write(tmp_path, ui_workflow), "--output-dir", str(out_dir)]) == 0
+    printed = raw.getvalue().decode("cp1252")
+    assert "ran 6 node(s)" in printed and "out_\\u0141ód\\u017a_\\u65e5\\u672c" in printed
+    assert sys.stdout is stdout and stdout.errors == "strict"  # the caller's stream is as it was after main()

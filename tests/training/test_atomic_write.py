@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tightrope.training.state import atomic_write
-from tightrope.training.state.atomic_write import (FileWriteError, atomic_save_file, next_free_path,
+from tightrope.training.state.atomic_write import (FileWriteError, atomic_save_file, next_counter, next_free_path,
                                              remove_stale_temporaries, safe_output_path)
 
 
@@ -118,6 +118,9 @@ def test_input_errors(tmp_path):
     ("a/.../x", "'..'"), ("/etc/x", "absolute"), ("\\x", "absolute"), ("C:\\x", "':'"),
     ("C:x", "':'"), ("\\\\server\\share\\x", "absolute"), ("a\0b", "'\\x00'"), ("a:b", "':'"),
     ("", "empty"), ("  ", "empty"), ("tightrope/", "ends in a folder"),
+    # Windows device names, in any case, with any extension (the state file adds '.node-<id>.state.safetensors')
+    ("tightrope/CON", "'CON', a name Windows reserves"), ("nul/x", "'nul', a name Windows"),
+    ("a/Aux.v2/x", "'Aux.v2', a name Windows"), ("lpt1", "'lpt1', a name Windows"), ("com\u00b9/x", "a name Windows"),
 ])
 def test_unsafe_prefixes_are_rejected(tmp_path, prefix, why):
     with pytest.raises(ValueError, match="filename_prefix=") as e:
@@ -129,6 +132,8 @@ def test_safe_prefixes_stay_inside(tmp_path):
     assert safe_output_path(tmp_path, "tightrope/my_lora") == tmp_path / "tightrope" / "my_lora"
     assert safe_output_path(tmp_path, "./a//b") == tmp_path / "a" / "b"
     assert safe_output_path(tmp_path, "v1.2_lora") == tmp_path / "v1.2_lora"
+    for name in ("console", "nul_lora", "com10", "lpt", "auxiliary/con_x", "my.con"):  # not device names
+        assert safe_output_path(tmp_path, name) == tmp_path.joinpath(*name.split("/"))
 
 
 def test_next_free_path_counts_like_comfyui(tmp_path):
@@ -142,3 +147,12 @@ def test_next_free_path_counts_like_comfyui(tmp_path):
     assert next_free_path(tmp_path, "tightrope/my_lora", ext=".png").name == "my_lora_00051_.png"
     with pytest.raises(ValueError, match="filename_prefix='../x'"):
         next_free_path(tmp_path, "../x")
+
+
+def test_the_counter_sees_a_name_in_another_unicode_normal_form(tmp_path):
+    """macOS's HFS+ stores 'café' decomposed (NFD) and opens it under either form: a prefix typed composed (NFC)
+    counted no file, so the next LoRA's name was the existing file's (the save then retried 100 times, then failed:
+    'could not find a free file name')."""
+    import unicodedata
+    (tmp_path / unicodedata.normalize("NFD", "café_00001_.safetensors")).write_bytes(b"1")
+    assert next_counter(tmp_path, unicodedata.normalize("NFC", "café")) == 2

@@ -1,6 +1,7 @@
 """LoRA settings, target presets per family, and peft injection / removal / state."""
 import json
 import math
+import os
 import re
 
 import pytest
@@ -332,3 +333,14 @@ def test_resolve_existing_lora(tmp_path):
         resolve_existing_lora("nope.safetensors", tmp_path)
     with pytest.raises(LoraError, match="existing_lora='prev.pt' is not a .safetensors"):
         resolve_existing_lora("prev.pt", tmp_path)
+
+
+@pytest.mark.skipif(os.sep != "/", reason="a backslash separates folders where os.sep is one")
+def test_an_existing_lora_named_as_comfyui_lists_it_on_windows_is_found_here(tmp_path):
+    """ComfyUI on Windows lists LoRAs in subfolders as 'sub\\prev.safetensors'; a workflow made there and run on
+    Linux (a rented GPU) gave that name, where a backslash is a letter of a file name: 'was not found'."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "prev.safetensors").write_bytes(b"x")
+    assert resolve_existing_lora("sub\\prev.safetensors", tmp_path) == str(tmp_path / "sub" / "prev.safetensors")
+    (tmp_path / "sub\\prev.safetensors").write_bytes(b"a file so named, here")  # the name as given comes first
+    assert resolve_existing_lora("sub\\prev.safetensors", tmp_path) == str(tmp_path / "sub\\prev.safetensors")

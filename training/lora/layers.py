@@ -12,7 +12,7 @@ import os
 import re
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import torch
 from peft import inject_adapter_in_model
@@ -116,7 +116,12 @@ def resolve_existing_lora(name: str, loras_dir: str | os.PathLike) -> str:
     """A LoRA to continue from, given as a full path or as a name inside the loras folder -> its full path."""
     LoraSpec(existing_lora=name)  # the .safetensors check, same message
     given = Path(name).expanduser()
-    for candidate in ([given] if given.is_absolute() else [Path(loras_dir) / given, given]):
+    candidates = [given] if given.is_absolute() else [Path(loras_dir) / given, given]
+    if os.sep == "/" and "\\" in name and not given.is_absolute():
+        # a name from ComfyUI's LoRA list on Windows ('tightrope\\my_lora_00001_.safetensors'), in a workflow run
+        # here (a Linux GPU): its folders are separated by backslashes, which are letters of a name here
+        candidates.append(Path(loras_dir) / Path(*PureWindowsPath(name).parts))
+    for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
     raise LoraError(f"existing_lora={name!r} was not found (looked in {os.fspath(loras_dir)} and at the path "

@@ -16,6 +16,7 @@ import errno
 import os
 import re
 import secrets
+import unicodedata
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from safetensors.torch import save
@@ -35,6 +36,11 @@ except ImportError:  # Windows: an open file cannot be deleted there, so a live 
 # Characters Windows forbids in names (':' would also open an NTFS alternate stream): refused on every OS, so a
 # workflow written on Linux still saves on Windows.
 _FORBIDDEN_CHARS = set('<>:"|?*')
+# Names Windows gives to devices, in any case and with any extension ('NUL.state.safetensors' is NUL): a folder or a
+# training state file ('<prefix>.node-<id>.state.safetensors') so named cannot be made there. Refused on every OS, as
+# the characters above.
+_WINDOWS_DEVICES = {"CON", "PRN", "AUX", "NUL", "CONIN$", "CONOUT$",
+                    *(f"{port}{n}" for port in ("COM", "LPT") for n in (*"0123456789", "\u00b9", "\u00b2", "\u00b3"))}
 # our temp files (and those of tempfile.mkstemp, which earlier versions used): ".<name>.safetensors.<8 chars>.tmp"
 _TEMP_NAME = re.compile(r"\..+\.safetensors\.[a-z0-9_]{8}\.tmp")
 _FIXES = {errno.ENOSPC: "free disk space there or choose another folder",
@@ -230,6 +236,11 @@ def safe_output_path(root: str | os.PathLike, prefix: str, name: str = "filename
     if any(p not in ("", ".") and not p.rstrip(". ") for p in parts):
         raise OutputPathError(f"{name}={prefix!r} contains '..': subfolders may only go down, e.g. "
                          f"'{example}'")
+    device = next((p for p in parts if p.split(".")[0].rstrip(" ").upper() in _WINDOWS_DEVICES), None)
+    if device is not None:
+        raise OutputPathError(f"{name}={prefix!r} contains {device!r}, a name Windows reserves for a device (CON, PRN, "
+                              "AUX, NUL, COM1-9, LPT1-9, with any extension), under which it cannot save: choose "
+                              f"another name, e.g. '{example}'")
     if (not parts[-1] or parts[-1] == ".") and name != "filename_prefix":
         raise OutputPathError(f"{name}={given!r} is the output folder itself: give a folder inside it, e.g. "
                               f"'{example}'")
@@ -279,9 +290,12 @@ def next_counter(folder: str | os.PathLike, prefix: str, ext: str = ".safetensor
     base = safe_output_path(folder, prefix)
     if not base.parent.is_dir():
         return 1
-    # case-insensitive: on Windows/macOS "My_lora_00001_" and "my_lora_00001_" are the same file
-    pattern = re.compile(re.escape(base.name) + r"_(\d+)_" + re.escape(ext), re.IGNORECASE)
-    used = [int(m.group(1)) for p in base.parent.iterdir() if (m := pattern.fullmatch(p.name))]
+    # case-insensitive: on Windows/macOS "My_lora_00001_" and "my_lora_00001_" are the same file; and in one Unicode
+    # normal form: macOS's HFS+ lists "café" decomposed (NFD) and takes either form for the same file
+    pattern = re.compile(re.escape(unicodedata.normalize("NFC", base.name)) + r"_(\d+)_" + re.escape(ext),
+                         re.IGNORECASE)
+    used = [int(m.group(1)) for p in base.parent.iterdir()
+            if (m := pattern.fullmatch(unicodedata.normalize("NFC", p.name)))]
     return max(used, default=0) + 1
 
 

@@ -115,7 +115,10 @@ def load_state(path: str | os.PathLike) -> TrainingState:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # copies: safetensors' tensors are views of a mapping of the whole file, which would stay mapped as long
+            # as they live (the optimizer state and a finished run's LoRA do, for the run or in ComfyUI's cache), and
+            # Windows refuses to replace a mapped file: the run's next save of this state failed (PermissionError)
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as e:  # safetensors raises several types for a damaged or truncated file
         raise ResumeError(f"training state file '{path}' could not be read ({e}): it is damaged; {fix}") from None
     if meta.get("format") != FORMAT or _META not in meta:
