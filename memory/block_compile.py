@@ -9,6 +9,8 @@ both the forward and the lazily compiled backward graph (inductor's own config_p
 """
 from __future__ import annotations
 
+import types
+import weakref
 from typing import Callable
 
 import torch
@@ -44,22 +46,30 @@ def _backend(name: str, budget: float, mode: str) -> Callable:
 
 
 RECOMPILE_LIMIT = 64  # per code object while a runtime compiles (dynamo's default: 8)
+KEEP_LIMIT = RECOMPILE_LIMIT // 2  # entries a code object we compiled on may keep between runs
 
 
 class CompileCaches:
-    """Dynamo's caches for one runtime's compiled blocks (open from apply to undo).
+    """Dynamo's caches for the runtimes' compiled blocks, kept from one runtime to the next (bounded).
 
-    Dynamo keeps compiled graphs on the code objects it compiled: the blocks' forwards, and functions of peft's
-    adapters where a graph breaks (LoHa's, LoKr's). A long-lived process (a ComfyUI server) that trains one LoRA
-    setup after another piled entries up on those code objects (adapter types x grad modes x block types), and past
-    dynamo's recompile limit (8) the blocks ran eagerly without a word: slower, and holding the activations the
-    memory budget was meant to drop. So while the runtime runs the limit is RECOMPILE_LIMIT (one LoKr run alone can
-    pass 8), and at undo every code object that gained cache entries in the meantime has its cache dropped (ComfyUI
-    runs one prompt at a time, so those entries are this run's; an entry another compile had there is compiled
-    again when next needed). A chain of Train nodes compiles again at each node (inductor's graph cache makes that
-    quicker than the first time)."""
+    Dynamo keeps compiled graphs on the code objects it compiled. Each block forward is compiled as a function with a
+    code object of Tightrope's own (`_own_code`: a copy of the block class's forward), so Tightrope's graphs never
+    sit with, count against the recompile limit of, or get dropped with, the graphs of a compile of the same class
+    elsewhere in the process (a ComfyUI user's compiled model). Those graphs are kept at undo: the next runtime of
+    the same setup (a chained Train node, the next prompt, another model of the same architecture) runs them without
+    compiling again (dynamo's guards check the blocks' structure, tensors' shapes, dtypes, devices and grad mode, not
+    the module objects, so a kept graph holds no reference to a model: a model the user drops is freed).
+
+    A long-lived process (a ComfyUI server) that trains one LoRA setup after another piles entries up (adapter
+    types x grad modes x block types x budgets), and past dynamo's recompile limit (8) the blocks ran eagerly without
+    a word: slower, and holding the activations the memory budget was meant to drop. So while a runtime runs the
+    limit is RECOMPILE_LIMIT (one LoKr run alone can pass 8), and when a runtime is applied every code object that a
+    runtime compiled on and that holds KEEP_LIMIT entries or more is dropped first (its graphs are compiled again
+    when next needed): a run always starts with room for RECOMPILE_LIMIT - KEEP_LIMIT new graphs per code object.
+    Code objects not Tightrope's own gain entries only where a graph breaks (functions of peft's LoHa and LoKr)."""
 
     def __init__(self):
+        _drop_piled_up()
         self._before = _entry_counts()
         self._limit = torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT,
                                                                      torch._dynamo.config.recompile_limit))
@@ -67,24 +77,68 @@ class CompileCaches:
 
     def close(self) -> None:
         try:
-            from torch._C._dynamo.eval_frame import reset_code
-            for code, n in _entry_counts().items():
-                if n > self._before.get(code, 0):
-                    reset_code(code)
+            for key, (code, n) in _entry_counts().items():
+                if n > self._before.get(key, (None, 0))[1]:
+                    _COMPILED_ON[key] = weakref.ref(code)
         finally:
             self._limit.__exit__(None, None, None)
 
 
+# id(code) -> code object runtimes gained entries on (by identity: equal code objects are distinct caches)
+_COMPILED_ON: dict[int, "weakref.ref[types.CodeType]"] = {}
+
+
+def _drop_piled_up() -> None:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    for key, ref in list(_COMPILED_ON.items()):
+        code = ref()
+        if code is None or len(_debug_get_cache_entry_list(code)) >= KEEP_LIMIT:
+            if code is not None:
+                reset_code(code)
+            del _COMPILED_ON[key]
+
+
 def _entry_counts() -> dict:
-    """code object -> how many compiled entries dynamo holds on it, for every code object dynamo has seen."""
+    """id(code) -> (code object, how many compiled entries dynamo holds on it), for every code object dynamo has
+    seen. Keyed by identity: code objects compare equal by value, and a copy is another cache (`_own_code`)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.convert_frame import input_codes
     codes = (ref() for ref in list(input_codes.seen))
-    return {code: len(_debug_get_cache_entry_list(code)) for code in codes if code is not None}
+    return {id(code): (code, len(_debug_get_cache_entry_list(code))) for code in codes if code is not None}
+
+
+_MARK = "tightrope: per-block compile"
+# id(a function's code object) -> (that code object, Tightrope's copy of it), while the function's code is alive
+_OWN_CODE: dict[int, tuple["weakref.ref[types.CodeType]", types.CodeType]] = {}
+
+
+def _own_code(fn: Callable) -> Callable:
+    """fn (a function or a bound method) running a copy of its code object made once per code object: the same
+    bytecode, so the same graphs, but dynamo's cache for it is Tightrope's alone (dynamo keys its cache on the code
+    object). Anything else is returned as it is."""
+    if isinstance(fn, types.MethodType):
+        func = _own_code(fn.__func__)
+        return fn if func is fn.__func__ else types.MethodType(func, fn.__self__)
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    key = id(fn.__code__)
+    known = _OWN_CODE.get(key)
+    if known is not None and known[0]() is fn.__code__:
+        code = known[1]
+    else:
+        # one constant more, never loaded: the copy runs as the original but does not compare equal to it (code
+        # objects compare by value, and dynamo keys some of its tables, its resume functions', on that)
+        code = fn.__code__.replace(co_consts=fn.__code__.co_consts + (_MARK,))
+        _OWN_CODE[key] = (weakref.ref(fn.__code__, lambda _, key=key: _OWN_CODE.pop(key, None)), code)
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__, own.__qualname__, own.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+    own.__dict__.update(fn.__dict__)
+    return own
 
 
 def compile_block(forward: Callable, config: CompileConfig) -> Callable:
-    return torch.compile(forward, backend=_backend(config.backend, config.activation_memory_budget, config.mode))
+    return torch.compile(_own_code(forward), backend=_backend(config.backend, config.activation_memory_budget,
+                                                              config.mode))
 
 
 def compiled_graph_count() -> int:

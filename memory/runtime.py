@@ -8,7 +8,7 @@ Apply order:
   2. placement: everything except offloaded blocks' frozen weights moves to the device (frozen weights in the
      weight dtype); trainable parameters (LoRA) are always resident, so their optimizer state is too.
   3. layer offload: host master copies and device slots for the offloaded blocks.
-  4. block forwards, from the inside out: per-block compile (the run's dynamo caches dropped at undo) or, with
+  4. block forwards, from the inside out: per-block compile (its graphs kept for the next runtime) or, with
      token_chunks > 1 for a block whose type has a registered chunked forward (token_chunks.py), that chunked
      forward (each chunk one recompute region that loads the block again before running: a chunk recomputed in
      backward must not read another block's slot), then
@@ -78,7 +78,7 @@ class MemoryRuntime:
         self.acts: ActivationOffload | None = None
         self._placed: list[tuple[torch.Tensor, torch.Tensor | None, torch.device, torch.dtype]] = []
         self._patched: list[tuple[nn.Module, Any]] = []
-        self._compile_caches: CompileCaches | None = None  # per-block compile: dynamo's caches, dropped at undo
+        self._compile_caches: CompileCaches | None = None  # per-block compile: dynamo's caches (kept, bounded)
         self._last_backward_block: int | None = None
         self._forwarding: set[int] = set()  # blocks whose patched forward is running (not their checkpoint's recompute)
         self._param_storages: set[int] = set()
@@ -134,11 +134,11 @@ class MemoryRuntime:
             else:
                 module.forward = previous
         self._patched.clear()
-        if self._compile_caches is not None:  # the compiled forwards are gone: their graphs go too
+        if self._compile_caches is not None:  # its graphs stay cached for the next runtime (block_compile.py)
             try:
                 self._compile_caches.close()
-            except Exception as e:  # torch internals it reads changed: the graphs stay cached, the undo goes on
-                warnings.warn(f"could not drop this run's compiled graphs ({type(e).__name__}: {e}): they stay in "
+            except Exception as e:  # torch internals it reads changed: the undo goes on
+                warnings.warn(f"could not count this run's compiled graphs ({type(e).__name__}: {e}): they stay in "
                               "dynamo's cache until the process ends", stacklevel=2)
             self._compile_caches = None
         if self.offload is not None:

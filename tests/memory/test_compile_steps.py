@@ -81,7 +81,7 @@ def test_undo_completes_when_dropping_the_graphs_fails(monkeypatch):
     rt = MemoryRuntime(model, strategy, "cpu")
     rt.apply()
     monkeypatch.setattr(block_compile, "_entry_counts", lambda: 1 / 0)
-    with pytest.warns(UserWarning, match=r"could not drop this run's compiled graphs \(ZeroDivisionError"):
+    with pytest.warns(UserWarning, match=r"could not count this run's compiled graphs \(ZeroDivisionError"):
         rt.undo()
     assert not rt.applied and rt.offload is None and not any("forward" in m.__dict__ for m in model.modules())
     assert torch._dynamo.config.recompile_limit == 8
@@ -160,3 +160,112 @@ def test_compiled_blocks_that_add_residuals_in_place_train_without_checkpointing
             assert (rt.counters()["graphs"] > 0) == compiled
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)  # fp32, another operation order
+
+
+def _graphs() -> int:
+    return block_compile.compiled_graph_count()
+
+
+@pytest.mark.parametrize("model_kind", ["two_stream", "in_place"])
+def test_a_chain_of_runtimes_compiles_the_blocks_once(monkeypatch, model_kind):
+    """Chained Train nodes in ComfyUI apply the strategy, train, undo it, and the next node applies it again: the
+    graphs compiled by the first runtime serve every later one of the same setup, on the same model (a chain link) and
+    on another model of the same architecture (the next prompt), with the same results as a fresh compile. (The undo
+    dropped them: every chain link compiled every block type again, seconds to minutes each with inductor on a GPU.)
+    `in_place`: blocks marked MUTATES_INPUTS, compiled through the runtime's input-copying wrapper."""
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})  # graphs of earlier tests are not this test's
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                           activation_memory_budget=0.5, offload_fraction=0.5)
+    g = torch.Generator().manual_seed(1)
+    x, vec = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def make():
+        return make_lora_model(n_double=2, n_single=2) if model_kind == "two_stream" else _InPlaceModel()
+
+    def run(model):
+        with MemoryRuntime(model, strategy, "cpu") as rt:
+            if model_kind == "two_stream":
+                losses, grads = train_steps(model, steps=1, runtime=rt)
+                return losses, grads[0]
+            model(x.clone(), vec).square().sum().backward()
+            return [], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    compiled, results = [], []
+    model = make()
+    for m in (model, model, make()):  # first link, next link, a new prompt's model
+        before = _graphs()
+        results.append(run(m))
+        compiled.append(_graphs() - before)
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], f"graphs compiled per runtime: {compiled}"
+    fresh = make()
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})  # the same run compiled anew
+    expected = run(fresh)
+    assert results[2][0] == expected[0]
+    assert all(torch.equal(results[2][1][n], v) for n, v in expected[1].items())
+
+
+def test_graphs_kept_between_runtimes_hold_no_model(monkeypatch):
+    """The graphs stay cached after undo, not the model they were compiled on: a model the user drops (ComfyUI
+    unloads it, loads another) is freed, its compiled graphs kept for the next model of that architecture."""
+    import gc
+    import weakref
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                           offload_fraction=0.5, activation_offload=True, checkpoint="all")
+    model = make_lora_model(n_double=1, n_single=1)
+    with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) as rt:
+        train_steps(model, steps=1, runtime=rt)
+    refs = [weakref.ref(model)] + [weakref.ref(p) for p in model.parameters()]
+    del model, rt
+    gc.collect()
+    assert all(r() is None for r in refs), "a dropped model is kept alive by its compiled graphs"
+    before = _graphs()
+    model = make_lora_model(n_double=1, n_single=1, seed=3)
+    with MemoryRuntime(model, strategy, "cpu", activation_min_bytes=0) as rt:
+        train_steps(model, steps=1, runtime=rt)
+    assert _graphs() == before, "the next model of the architecture compiled again"
+
+
+def test_a_users_own_compile_of_the_block_class_is_left_alone(monkeypatch):
+    """A ComfyUI user compiles the same block class for inference (a per-block compile node): a training run must
+    neither drop those graphs (the undo reset the class's code object: the user's next image compiled again) nor
+    leave its own graphs on it (they count against that code object's recompile limit, 8)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from two_stream import SingleBlock
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    user_block = make_lora_model(n_double=0, n_single=1, seed=5).single_blocks[0]
+    user_compiled = torch.compile(user_block, backend="eager")
+    x, vec, pe = torch.randn(2, 6, 32), torch.randn(2, 32), torch.ones(6, 16)
+    with torch.no_grad():
+        user_compiled(x.clone(), vec=vec, pe=pe)
+    code = SingleBlock.forward.__code__
+    user_entries = len(_debug_get_cache_entry_list(code))
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32")
+    model = make_lora_model(n_double=1, n_single=1)
+    with MemoryRuntime(model, strategy, "cpu") as rt:
+        train_steps(model, steps=1, runtime=rt)
+    assert len(_debug_get_cache_entry_list(code)) == user_entries > 0, "the user's graphs were dropped or joined"
+    before = _graphs()
+    with torch.no_grad():
+        user_compiled(x.clone(), vec=vec, pe=pe)
+    assert _graphs() == before, "the user's compiled block compiled again after a training run"
+
+
+def test_kept_graphs_are_bounded(monkeypatch):
+    """A code object the runtimes compiled on keeps fewer than KEEP_LIMIT entries into the next runtime (its graphs
+    are dropped at apply past that, then compiled again), so a run always has room under the recompile limit."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    monkeypatch.setattr(block_compile, "KEEP_LIMIT", 1)
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager_decomp_partition", compute_dtype="fp32",
+                           block_lists=("single_blocks",))
+    compiled = []
+    for _ in range(2):
+        model = make_lora_model(n_double=0, n_single=1)
+        before = _graphs()
+        with MemoryRuntime(model, strategy, "cpu") as rt:
+            train_steps(model, steps=1, runtime=rt)
+            compiled.append(_graphs() - before)
+    assert compiled == [1, 1], f"graphs compiled per runtime with KEEP_LIMIT=1: {compiled}"
+    assert max(len(_debug_get_cache_entry_list(ref())) for ref in block_compile._COMPILED_ON.values()
+               if ref() is not None) <= 1

@@ -112,3 +112,24 @@ def test_a_run_leaves_every_gpus_random_generator_alone(tmp_path, monkeypatch):
     before = torch.random.get_rng_state()
     train(session, 2, device=torch.device("cpu"))
     assert calls == [] and torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_chained_runs_with_per_block_compile_compile_once(tmp_path, monkeypatch):
+    """Chained Train nodes (and the next prompt) with compile='per_block': the second run compiles nothing (each link
+    compiled every block type again: minutes per link with inductor on Flux) and trains as one run of both."""
+    from tightrope.memory import block_compile
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})  # graphs of earlier tests are not this test's
+    strategy = Strategy.of(compute_dtype="fp32", compile="per_block", compile_backend="aot_eager_decomp_partition",
+                           activation_memory_budget=0.5)
+    compiled = []
+
+    def counted(session, steps):
+        before = block_compile.compiled_graph_count()
+        result = train(session, steps, device=CPU)
+        compiled.append(block_compile.compiled_graph_count() - before)
+        return result
+    halves = counted(counted(demo_session(tmp_path, strategy=strategy), 1), 1)
+    whole = counted(demo_session(tmp_path, strategy=strategy), 2)  # the next prompt, another model
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], f"graphs compiled per run: {compiled}"
+    assert halves.losses == whole.losses
+    assert all(torch.equal(v, halves.lora_state[k]) for k, v in whole.lora_state.items())
