@@ -80,7 +80,9 @@ class TightropeTrain:
                                    "tooltip": "Guidance fed to guidance-distilled models (Flux-dev) in training."}),
             "save_every": ("INT", {"default": 0, "min": 0, "max": 1_000_000,
                                    "tooltip": "Write a LoRA every N steps and at the last step (0: only if the run "
-                                              "stops early; Save LoRA writes the result)."}),
+                                              "stops early; Save LoRA writes the result). Each is a new file, "
+                                              "<prefix>_00001_ on (its step in the tightrope.steps metadata); none "
+                                              "is deleted."}),
             "filename_prefix": ("STRING", {"default": "tightrope/lora",
                                            "tooltip": "Name of the LoRA files written while training, inside the "
                                                       "loras folder."}),

@@ -245,13 +245,31 @@ def image_to_comfy(img: Image.Image) -> torch.Tensor:
 def loss_chart(session: TrainingSession) -> Image.Image:
     losses = list(session.losses)
     window = max(1, len(losses) // 20)
-    smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-              for i in range(len(losses))]
-    series = {"loss": losses, f"mean of {window}": smooth}
+    series = {"loss": losses, f"mean of {window}": running_mean(losses, window)}
     if session.validation_losses:  # at the steps done when scored; a training loss at the steps done before it
         series["validation"] = [(float(step), loss) for step, loss in session.validation_losses]
     title = "Training and validation loss" if session.validation_losses else "Training loss"
     return line_chart(series, title=title, xlabel="step", ylabel=f"flow-matching loss ({session.config.loss})")
+
+
+def running_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of each value and the `window` - 1 before it (fewer at the start), reading each value twice: a sum per
+    point made the loss chart quadratic in the steps (3 s at 100,000 steps, 40 s at 350,000). A window holding a NaN
+    or an infinity gives NaN (a point the chart drops), as its sum did."""
+    out, total, nonfinite = [], 0.0, 0
+    for i, v in enumerate(values):
+        if math.isfinite(v):
+            total += v
+        else:
+            nonfinite += 1
+        if i >= window:
+            old = values[i - window]
+            if math.isfinite(old):
+                total -= old
+            else:
+                nonfinite -= 1
+        out.append(math.nan if nonfinite else total / min(i + 1, window))
+    return out
 
 
 def memory_chart(session: TrainingSession) -> Image.Image:

@@ -6,10 +6,13 @@ atomically whenever it saves a LoRA and when the node's run ends, so a finished 
 It holds tensors under `lora.<peft name>` and `optimizer.<index>.<key>`; everything else is JSON in the metadata key
 `tightrope.resume_state`: step, the node run's start and end step, its owner (node id and a digest of the session the
 node started from, see StateOwner), LoRA spec, TrainConfig, Strategy, the optimizer's param_groups and non-tensor
-state, losses, stats, saved LoRA paths and fingerprints of the model, the dataset and an existing_lora file
-(fingerprints.py). No random state: every draw of a step (data order, noise, timesteps, dropout) is a
+state and fingerprints of the model, the dataset and an existing_lora file (fingerprints.py). The history, which grows
+with every step (losses, per-step stats, saved LoRA paths, validation losses: ~290 bytes a step), is JSON too, but in
+the uint8 tensor `history.json`: safetensors refuses a header over 100 MB, which the metadata reached after ~350,000
+steps of a session (chained nodes add up), and every save then failed (v1 files, with it in the metadata, still load).
+No random state: every draw of a step (data order, noise, timesteps, dropout) is a
 function of (seed, step), so resuming sets no global RNG (files of earlier versions hold `rng.*` tensors, ignored).
-With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`; the JSON also holds the validation losses.
+With an EMA (ema_decay > 0) the tensors include `ema.<peft name>`.
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ from ..lora.targets import LoraError
 from .fingerprints import dataset_fingerprint, fingerprints, lora_file_digest, model_fingerprint, model_mismatch
 
 STATE_SUFFIX = ".state.safetensors"
-FORMAT = "tightrope-training-state-v1"
+FORMAT = "tightrope-training-state-v2"  # v2: the history in the `history.json` tensor, not in the metadata
+_READABLE = (FORMAT, "tightrope-training-state-v1")
+_HISTORY = "history.json"  # the tensor holding the JSON of what grows with every step
 _META = "tightrope.resume_state"
 LORA_SHAPING = ("algorithm", "rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
 _LORA_BEFORE = {"algorithm": "lora"}  # what a state file written before a shaping field existed was trained with
@@ -101,11 +106,22 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
             "config": session.config.to_dict(), "strategy": session.strategy.to_dict(),
             "optimizer": {"param_groups": optimizer_state["param_groups"], "scalars": scalars,
                           "grad_scaler": optimizer_state.get("grad_scaler")},
-            "losses": list(losses), "stats": list(stats), "saved": list(saved), **fingerprints,
-            "validation": [list(p) for p in validation],
-            "owner": None if owner is None else asdict(owner),
+            **fingerprints, "owner": None if owner is None else asdict(owner),
             "layout": distributed.resume_fields(session.config.batch_size)}
+    history = {"losses": list(losses), "stats": list(stats), "saved": list(saved),
+               "validation": [list(p) for p in validation]}
+    tensors[_HISTORY] = _padded_bytes(json.dumps(history).encode())
     return atomic_save_file(tensors, path, {"format": FORMAT, _META: json.dumps(info)})
+
+
+def _padded_bytes(data: bytes) -> torch.Tensor:
+    """`data` as a uint8 tensor padded with spaces (JSON ignores them) to one of 8 lengths per doubling (a multiple of 4
+    KiB; at most 12.5% or 4 KiB more bytes): safetensors writes a tensor through a ctypes array type of its byte length, which
+    ctypes caches for good (5.7 KB each), so a history of a new length at every save grew the process by one such type
+    per save; this way a history of 100 MB has used at most ~120 lengths."""
+    granule = 1 << max(12, len(data).bit_length() - 4)
+    size = max(1 << 12, -(-len(data) // granule) * granule)
+    return torch.frombuffer(bytearray(data + b" " * (size - len(data))), dtype=torch.uint8)
 
 
 def load_state(path: str | os.PathLike) -> TrainingState:
@@ -121,10 +137,17 @@ def load_state(path: str | os.PathLike) -> TrainingState:
             tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as e:  # safetensors raises several types for a damaged or truncated file
         raise ResumeError(f"training state file '{path}' could not be read ({e}): it is damaged; {fix}") from None
-    if meta.get("format") != FORMAT or _META not in meta:
+    if meta.get("format") not in _READABLE or _META not in meta:
         raise ResumeError(f"'{path}' is not a Tightrope training state file ({FORMAT}): {fix}")
+    history = tensors.pop(_HISTORY, None)  # v2; a v1 file holds it in the metadata
     check_finite(tensors, f"training state file '{path}'", f"it is damaged or was saved by a run that diverged; {fix}")
     info = json.loads(meta[_META])
+    if history is not None:
+        try:
+            info.update(json.loads(history.numpy().tobytes().decode()))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError
+            raise ResumeError(f"training state file '{path}' could not be read (its history is not JSON): it is "
+                              f"damaged; {fix}") from None
     state: dict[int, dict[str, Any]] = {}
     for key, t in tensors.items():
         if key.startswith("optimizer."):
@@ -150,7 +173,7 @@ def unfinished_run(path: str | os.PathLike) -> tuple[int, int] | None:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-        info = json.loads(meta[_META]) if meta.get("format") == FORMAT else None
+        info = json.loads(meta[_META]) if meta.get("format") in _READABLE else None
     except Exception:  # missing, damaged, not ours
         return None
     if not info or not isinstance(info.get("step"), int) or not isinstance(info.get("run_end"), int):
