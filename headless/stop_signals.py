@@ -5,6 +5,8 @@ completed step, and the process exits with a message and 128 + the signal's numb
     SIGHUP    the terminal or SSH session closed                                                 exit 129
     SIGUSR1   SLURM's `--signal=USR1@<seconds>` warning before the time limit (its default
               action would kill the process with nothing saved)                                  exit 138
+    SIGBREAK  Windows: Ctrl-Break, or the console window closed (Windows then waits ~5 s before
+              it ends the process: enough for a LoRA's save, not always for a big state's)       exit 149
     SIGINT    Ctrl-C: a KeyboardInterrupt, as Python's own handler raises                        exit 130
 
 The handler raises StopSignal (a KeyboardInterrupt) in the main thread, exactly where Ctrl-C would: everything that
@@ -25,7 +27,7 @@ from typing import Iterator
 
 from ..training.held_stops import forget_raised, hold
 
-_POLITE = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1") if hasattr(signal, name))
+_POLITE_NAMES = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGBREAK")  # each where the OS has it (SIGBREAK: Windows only)
 EXIT_CTRL_C = 128 + signal.SIGINT
 
 
@@ -39,7 +41,7 @@ class StopSignal(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def polite_stops() -> Iterator[None]:
-    """Within this block, SIGTERM/SIGHUP/SIGUSR1 raise StopSignal and SIGINT KeyboardInterrupt in the main thread,
+    """Within this block, SIGTERM/SIGHUP/SIGUSR1/SIGBREAK raise StopSignal and SIGINT KeyboardInterrupt in the main thread,
     held back while an optimizer step is applied; outside the main thread, a no-op (signal handlers can only be set
     there)."""
     if threading.current_thread() is not threading.main_thread():
@@ -58,7 +60,8 @@ def polite_stops() -> Iterator[None]:
             raise stop
 
     forget_raised()
-    previous = {s: signal.signal(s, handler) for s in (*_POLITE, signal.SIGINT)}
+    polite = (getattr(signal, name) for name in _POLITE_NAMES if hasattr(signal, name))
+    previous = {s: signal.signal(s, handler) for s in (*polite, signal.SIGINT)}
     try:
         yield
     finally:

@@ -91,6 +91,23 @@ def test_each_polite_signal_raises_a_stop_and_the_handlers_are_restored(name):
     assert report_stop(caught.value) == 128 + signum
 
 
+def test_windows_ctrl_break_and_closing_the_console_stop_politely(monkeypatch):
+    """Windows has no SIGTERM/SIGHUP/SIGUSR1 a user sends; Ctrl-Break and closing the console window raise SIGBREAK,
+    whose default ends the process with nothing saved. Linux has no SIGBREAK: SIGUSR2 stands in for it."""
+    monkeypatch.setattr(signal, "SIGBREAK", signal.SIGUSR2, raising=False)
+
+    def unhandled(*_):  # what Windows' default would do, as an error here instead of ending pytest
+        raise AssertionError("SIGBREAK was not handled: the process would end with nothing saved")
+    previous = signal.signal(signal.SIGUSR2, unhandled)
+    try:
+        with pytest.raises(StopSignal, match="stopped by SIGUSR2"), polite_stops():
+            signal.raise_signal(signal.SIGUSR2)
+            time.sleep(1)  # the handler runs at the next bytecode; never reached
+        assert signal.getsignal(signal.SIGUSR2) is unhandled
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
 def test_a_second_signal_does_not_cut_the_save_short(capsys):
     saved = []
     with pytest.raises(StopSignal), polite_stops():
