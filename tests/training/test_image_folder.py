@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from tightrope.training.data.image_folder import (DatasetError, folder_fingerprint, load_image, read_caption,
-                                             read_image_size, scan_folder)
+                                             read_image_header, read_image_size, scan_folder)
 
 
 def _image(path, size=(16, 16), colour="red", caption="a red square", mode="RGB", **save):
@@ -37,6 +37,23 @@ def test_scan_reads_captions_and_kohya_repeats(tmp_path):
     entries = {e.path.relative_to(tmp_path).as_posix(): (e.caption, e.repeats) for e in scan_folder(tmp_path)}
     assert entries == {"root.png": ("root image", 1), "10_mychar/a.jpg": ("a", 10),
                        "10_mychar/deeper/b.webp": ("b", 10), "plain/c.bmp": ("c", 1), "3_style/d.PNG": ("d", 3)}
+
+
+
+def test_a_linked_subfolder_is_scanned_and_a_link_loop_ends(tmp_path):
+    """A kohya folder linked in from elsewhere (kohya's listing follows it) is trained with its repeats, not silently
+    left out; a link back up (a loop) is not followed forever; the same folder linked twice counts under each name."""
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    _image(data / "a.png", caption="a")
+    _image(elsewhere / "l.png", caption="linked")
+    (data / "10_char").symlink_to(elsewhere, target_is_directory=True)
+    (data / "2_again").symlink_to(elsewhere, target_is_directory=True)
+    (data / "10_char" / "loop").symlink_to(data, target_is_directory=True)
+    entries = {e.path.relative_to(data).as_posix(): (e.caption, e.repeats) for e in scan_folder(data)}
+    assert entries == {"a.png": ("a", 1), "10_char/l.png": ("linked", 10), "2_again/l.png": ("linked", 2)}
+    before = folder_fingerprint(data)
+    _image(elsewhere / "m.png", caption="added in the linked folder")
+    assert folder_fingerprint(data) != before  # the node's IS_CHANGED sees it
 
 
 def test_missing_folder(tmp_path):
@@ -214,3 +231,55 @@ def test_modes_convert_to_rgb(tmp_path):
         image = load_image(tmp_path / name)
         assert image.mode == "RGB", name
         assert all(abs(a - b) <= 2 for a, b in zip(image.getpixel((2, 2)), rgb)), (name, image.getpixel((2, 2)))
+
+
+def _count_png_decodes(monkeypatch) -> list:
+    from PIL import PngImagePlugin
+    decodes, load = [], PngImagePlugin.PngImageFile.load
+
+    def counting(self):
+        if getattr(self, "_im", None) is None:
+            decodes.append(self.filename)
+        return load(self)
+    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", counting)
+    return decodes
+
+
+def _with_chunk_before_iend(png: bytes, kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+    chunk = struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return png[:-12] + chunk + png[-12:]  # IEND is the last 12 bytes
+
+
+@pytest.mark.parametrize("exif_in_header", [False, True])
+def test_a_png_header_read_does_not_decode_the_image(tmp_path, monkeypatch, exif_in_header):
+    """Pillow's PNG getexif() decodes the whole image (0.1 s for 4 MP) unless the header has an eXIf chunk: a header
+    read (the size, orientation and frames, read up to twice per image per run) must not."""
+    path = tmp_path / "a.png"
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (40, 20)).save(path, **({"exif": exif} if exif_in_header else {}))
+    decodes = _count_png_decodes(monkeypatch)
+    assert read_image_header(path) == (((20, 40) if exif_in_header else (40, 20)), False)
+    assert read_image_header(path, data=path.read_bytes())[0] == ((20, 40) if exif_in_header else (40, 20))
+    assert decodes == []
+
+
+@pytest.mark.parametrize("kind", [b"eXIf", b"iTXt"])
+def test_png_orientation_after_the_pixel_data_is_still_honoured(tmp_path, kind):
+    """EXIF (or XMP) orientation may follow a PNG's pixel data; the header read then agrees with the decode."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 20), (255, 0, 0)).save(buffer, format="PNG")
+    if kind == b"eXIf":
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        data = exif.tobytes()
+    else:
+        xmp = '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:Description tiff:Orientation="6"/></x:xmpmeta>'
+        data = b"XML:com.adobe.xmp\0\0\0\0\0" + xmp.encode()
+    path = tmp_path / "late.png"
+    path.write_bytes(_with_chunk_before_iend(buffer.getvalue(), kind, data))
+    assert load_image(path).size == (20, 40)
+    assert read_image_size(path) == (20, 40)
+    assert read_image_size(path, data=path.read_bytes()) == (20, 40)

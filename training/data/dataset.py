@@ -126,7 +126,10 @@ class TrainingDataset(EpochBatches):
         masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
         # the empty caption only where dropout uses it: an encoder that does not pad gives it its own length
         captions = sorted({e.caption for e in entries} | ({""} if caption_dropout > 0 else set()))
-        text_index = self._encode_captions(captions, text_encoder)
+        # reported as 0 images done after each call: the captions come first, and the report is where an interrupt
+        # (ComfyUI's Cancel) stops the work; a caption encoded before it stays in the cache
+        text_index = self._encode_captions(captions, text_encoder,
+                                           None if progress is None else lambda: progress(0, len(entries)))
         self._empty_text = text_index.get("")
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
@@ -207,8 +210,10 @@ class TrainingDataset(EpochBatches):
         self._texts: list[tuple[Tensor, Tensor] | Path] = []
         self._text_shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
-    def _encode_captions(self, captions: list[str], encoder: TextEncoder) -> dict[str, int]:
-        """Fill the text store, from the cache where possible; returns caption -> store index."""
+    def _encode_captions(self, captions: list[str], encoder: TextEncoder,
+                         encoded: Callable[[], None] | None = None) -> dict[str, int]:
+        """Fill the text store, from the cache where possible; returns caption -> store index. encoded() after each
+        encoder call (what it raises stops the encoding)."""
         index, missing = {}, []
         for caption in captions:
             path = self._cache_path("text", _sha256(caption, encoder.cache_id))
@@ -235,6 +240,8 @@ class TrainingDataset(EpochBatches):
                     self._texts[i] = path or (c, p)
                     self._text_shapes[i] = (tuple(c.shape), tuple(p.shape))
                     self.encoded_captions += 1
+                if encoded is not None:
+                    encoded()
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,

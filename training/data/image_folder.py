@@ -2,7 +2,7 @@
 
 Layout: images sit in the folder itself or in subfolders; a subfolder named `N_name` (kohya's form,
 e.g. `10_mychar/`) repeats each image under it N times per epoch; anything else counts once. Hidden
-files and folders (".name") are ignored.
+files and folders (".name") are ignored; links to folders are followed (a link loop is not).
 
 Every problem raises DatasetError naming the file and saying how to fix it. With strict=False a
 problem with one image or its caption skips that image with a warning instead; a dataset left with no
@@ -19,6 +19,7 @@ import hashlib
 import io
 import os
 import re
+import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,7 @@ def read_caption(image_path: Path) -> str:
 def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
     """Supported images and would-be images in unsupported formats, both sorted, hidden names skipped."""
     images, unsupported = [], []
-    for path in sorted(root.rglob("*")):
+    for path in _walk(root):
         dangling = path.is_symlink() and not path.exists()  # an image's link to a moved file: reported by the scan
         if any(part.startswith(".") for part in path.relative_to(root).parts) or not (path.is_file() or dangling) \
                 or path.name.lower().endswith(MASK_SUFFIX):  # an image's mask (training/masks.py), not an image
@@ -112,6 +113,39 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
         elif suffix in _UNSUPPORTED_IMAGE_EXTENSIONS:
             unsupported.append(path)
     return images, unsupported
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every path under root, sorted as sorted(root.rglob("*")) sorts them, hidden folders not entered (their files are
+    skipped anyway). Links to folders are followed, as kohya's listing follows them: pathlib's "**" does not, so a
+    linked 'N_name' subfolder was silently left out of training. A link back to a folder above it (a loop) is not
+    followed again."""
+    found: list[Path] = []
+
+    def visit(folder: Path, above: frozenset) -> None:
+        try:
+            stat = folder.stat()
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError:  # an unreadable folder is skipped, as rglob skips it
+            return
+        above = above | {(stat.st_dev, stat.st_ino)}
+        for entry in entries:
+            path = folder / entry.name
+            found.append(path)
+            try:
+                is_dir = entry.is_dir()  # follows a link
+            except OSError:
+                is_dir = False
+            if is_dir and not entry.name.startswith("."):
+                try:
+                    target = entry.stat()
+                except OSError:
+                    continue
+                if (target.st_dev, target.st_ino) not in above:
+                    visit(path, above)
+
+    visit(root, frozenset())
+    return sorted(found)
 
 
 def _expanded(folder: str | Path) -> Path:
@@ -145,7 +179,7 @@ def folder_fingerprint(folder: str | Path) -> str:
     digest = hashlib.sha256()
     try:
         root = _expanded(str(folder))
-        for path in sorted(root.rglob("*")):
+        for path in _walk(root):
             relative = path.relative_to(root)
             if not any(part.startswith(".") for part in relative.parts) and path.is_file():
                 stat = path.stat()
@@ -260,7 +294,7 @@ def read_image_header(path: Path, *, data: bytes | None = None,
     with _open(path, data, max_pixels) as image:
         width, height = image.size
         try:
-            orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+            orientation = _header_exif(image).get(_EXIF_ORIENTATION, 1)
         except Exception:  # a broken EXIF block: load_image will ignore it too
             orientation = 1
         try:
@@ -268,6 +302,46 @@ def read_image_header(path: Path, *, data: bytes | None = None,
         except (OSError, SyntaxError, ValueError, EOFError):  # a damaged later frame: the first is all we decode
             frames = False
     return ((height, width) if orientation in (5, 6, 7, 8) else (width, height)), frames
+
+
+def _header_exif(image: Image.Image) -> Image.Exif:
+    """The image's EXIF as load_oriented will see it, without decoding the pixels where the header holds it all.
+    Pillow's PNG getexif() decodes the whole image first (metadata may follow the pixel data): 0.1 s for a 4 MP PNG,
+    paid for every header read of every image, a rerun whose latents are all cached included. A PNG whose metadata
+    chunks all come before its pixel data (what cameras and editors write) is read from the header; one with
+    metadata after it goes through Pillow's own path."""
+    if image.format == "PNG" and "exif" not in image.info and not _png_metadata_after_pixels(image):
+        return Image.Image.getexif(image)  # PngImageFile.getexif without its load(): the header's chunks are all
+    return image.getexif()
+
+
+_PNG_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # where Pillow finds EXIF (and XMP orientation) in a PNG
+
+
+def _png_metadata_after_pixels(image: Image.Image) -> bool:
+    """Whether a PNG has metadata chunks after its pixel data (IDAT) that only a decode would read; True where the
+    chunk walk cannot tell (a truncated or odd file: Pillow's own path decides). Seeks over the pixel data."""
+    fp = image.fp
+    start = fp.tell()
+    try:
+        fp.seek(8)  # past the signature
+        after_pixels = False
+        while True:
+            head = fp.read(8)
+            if len(head) < 8:
+                return True
+            length, kind = struct.unpack(">I4s", head)
+            if kind == b"IEND":
+                return False
+            if kind in (b"IDAT", b"fdAT"):
+                after_pixels = True
+            elif after_pixels and kind in _PNG_METADATA:
+                return True
+            fp.seek(length + 4, os.SEEK_CUR)  # the chunk's data and CRC
+    except (OSError, ValueError, struct.error):
+        return True
+    finally:
+        fp.seek(start)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
