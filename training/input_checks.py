@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,9 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            f"{validation_set.num_images} of {session.dataset.num_images} images: lower "
                            "validation_fraction or batch_size, or add images")
     data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
+    thin = getattr(data, "thin_batches", lambda _: None)(cfg.batch_size)
+    if thin:
+        warnings.warn(thin, stacklevel=1)  # one place: the node and the trainer both check, it is said once
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch
     check_dataset_fits_model(session)
     if session.strategy.optimizer.enabled:

@@ -1,7 +1,9 @@
 """The dataset's batches: deterministic epochs of single-bucket batches (TrainingDataset's batching half).
 
 A bucket is a (latent shape, caption-embedding shape) pair: every batch stacks samples of one bucket. Text encoders
-that pad (Flux's T5, SD3's CLIP + T5, Wan's UMT5) give every caption one shape, so buckets are the latent shapes;
+that pad (Flux's T5, SD3's CLIP + T5, Wan's UMT5) give every caption up to their padded length one shape, so buckets
+are mostly the latent shapes (ComfyUI pads Flux's T5 to 256 tokens and does not cut a longer caption: it has a shape,
+and a bucket, of its own);
 those that do not (Lumina 2's Gemma, Qwen-Image's Qwen2.5-VL) give each caption its own token count, and training
 sees each caption at its own length, as sampling does. Caption dropout then swaps in the empty caption, whose length
 differs: a batch of such a bucket drops all its captions or none (decided by its first item's draw), so each item
@@ -34,6 +36,23 @@ class EpochBatches:
         """Batches per epoch: each bucket gives ceil(items / batch_size), its last batch possibly smaller."""
         self._check_batch_size(batch_size)
         return sum(math.ceil(len(items) / batch_size) for items in self._buckets.values())
+
+    def thin_batches(self, batch_size: int) -> str | None:
+        """Why an epoch's batches average less than half of batch_size, or None: a batch holds one bucket's items,
+        and a dataset of many aspect ratios (or caption lengths) in few images has many buckets of one or two."""
+        self._check_batch_size(batch_size)
+        n, steps = len(self), self.steps_per_epoch(batch_size)
+        if batch_size < 2 or n < 2 * batch_size or 2 * n >= batch_size * steps:
+            return None
+        latent_shapes = {latent for latent, _ in self._buckets}
+        by_caption = len(latent_shapes) < len(self._buckets)
+        what = "image size and caption length" if by_caption else "image size"
+        fix = ("crop the images to a few aspect ratios and keep captions under the text encoder's padded length "
+               "(Flux: 256 T5 tokens)") if by_caption else "crop the images to a few aspect ratios"
+        return (f"batch_size={batch_size}: a batch holds images of one bucket (one {what}), and the {n} items fall "
+                f"into {len(self._buckets)} buckets: an epoch has {steps} batches of {n / steps:.1f} items on "
+                f"average, not {math.ceil(n / batch_size)} of {batch_size}: {fix} for full batches, or raise "
+                "grad_accumulation for a larger effective batch")
 
     def _check_batch_size(self, batch_size: int) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
