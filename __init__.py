@@ -2,6 +2,10 @@
 
 ComfyUI imports this folder from custom_nodes/ and reads the two mappings below.
 """
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from .versions import require_supported
+
+require_supported()  # an older Python, torch or peft: one line saying what is needed, before peft is imported
+
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -15,7 +15,7 @@ MAX_LINES = 400
 
 def _modules() -> dict[str, Path]:
     """Dotted name (tightrope.x.y) -> file, for the package's own modules (not tests or scripts)."""
-    files = [ROOT / "__init__.py", ROOT / "cli.py", ROOT / "__main__.py"]
+    files = [ROOT / "__init__.py", ROOT / "cli.py", ROOT / "__main__.py", ROOT / "versions.py"]
     for folder in PACKAGE_DIRS:
         files += sorted((ROOT / folder).rglob("*.py"))
     names = {}

@@ -74,7 +74,7 @@ def plain_tensors(*tensors: Tensor | None) -> bool:
 
 
 def _lora_columns(layer: LoraLinear, x: Tensor, cols: slice, base: BaseColumns) -> Tensor | None:
-    variants = getattr(layer, "lora_variant", None)  # a peft older than its lora_variant (0.13) does DoRA otherwise
+    variants = getattr(layer, "lora_variant", None)  # peft before 0.16 has no lora_variant (does DoRA otherwise)
     if variants is None or layer.disable_adapters or layer.merged or layer.fan_in_fan_out or \
             not runs_own_forward(layer, LoraLinear.forward):
         return None
