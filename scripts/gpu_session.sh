@@ -20,6 +20,15 @@ out=$dest/$part
 ln -sfn "$repo" "$pp/tightrope"
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PY:-python3}
+# The machine's image has a peft of a version not recorded; one older than Tightrope's floor (versions.py) stops the
+# import. A peft wheel carried in .whl/ (the run tool's `carry`) is put first on the path, offline (python3 there is
+# the one with torch; $PY may be a stand-in).
+wheel=$(ls "$repo"/.whl/peft-*.whl 2>/dev/null | head -1)
+if [ -n "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$pp/site" "$wheel" >/dev/null 2>&1; then
+    export PYTHONPATH="$pp:$pp/site${PYTHONPATH#$pp}"
+    echo "== peft from $(basename "$wheel") (carried in .whl/), not the machine's"
+fi
 mkdir -p "$out"
 status=0
 step() {  # step LIMIT_S ARGS...: one command of the part, stopped at its limit

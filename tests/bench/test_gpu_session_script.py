@@ -46,3 +46,32 @@ def test_an_unknown_part_is_refused_with_the_parts_named(tmp_path):
     proc = _run("everything", tmp_path)
     assert proc.returncode == 2
     assert "unknown part 'everything': give check, bench or default" in proc.stderr
+
+
+def test_a_peft_wheel_carried_in_whl_is_used_before_the_machines(tmp_path):
+    """The GPU image's peft has a version nobody recorded; one below Tightrope's floor stops the import, and the
+    machine has no network. A wheel carried in .whl/ is installed offline and put first on the path. (A stand-in
+    checkout here: its `python -m tightrope` prints which peft it sees.)"""
+    import shutil
+    import zipfile
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "scripts" / "gpu_session.sh")
+    (repo / "__init__.py").write_text("")
+    (repo / "__main__.py").write_text("import importlib.metadata, peft\n"
+                                      "print('peft', importlib.metadata.version('peft'), peft.__file__)\n")
+    (repo / ".whl").mkdir()
+    info = "peft-0.99.0.dist-info"
+    with zipfile.ZipFile(repo / ".whl" / "peft-0.99.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("peft/__init__.py", "__version__ = '0.99.0'\n")
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: peft\nVersion: 0.99.0\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gpu_session.sh"), "check"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert "== peft from peft-0.99.0-py3-none-any.whl (carried in .whl/), not the machine's" in proc.stdout, \
+        proc.stdout + proc.stderr
+    seen = next(line for line in proc.stdout.splitlines() if line.startswith("peft "))
+    assert seen.startswith("peft 0.99.0 ") and "/site/peft/" in seen, seen
