@@ -61,7 +61,7 @@ class Validation:
         self._recorded = len(self.history)
         by_shape: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
         for i in range(dataset.num_images):  # captions of several token counts (Lumina 2, Qwen-Image) batch apart
-            by_shape.setdefault((tuple(dataset.latent(i).shape), dataset.text_shape(i)), []).append(i)
+            by_shape.setdefault((dataset.latent_shape(i), dataset.text_shape(i)), []).append(i)  # read no file
         size = -(-config.batch_size // distributed.current().world_size)  # a rank's part of a training batch
         self.batches = [images[k:k + size] for _, images in sorted(by_shape.items())
                         for k in range(0, len(images), size)]

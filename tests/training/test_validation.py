@@ -247,3 +247,16 @@ def test_validation_batches_captions_of_one_length_and_weights_by_the_loss_mask(
     losses = _plain_losses(session, val)
     # batches of 2 against single images: the same fp32 math, matmuls of other shapes (a few ulps per element)
     assert batched == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+
+
+def test_setting_up_validation_reads_no_latent_file(tmp_path, monkeypatch):
+    """The held-out images are batched by shape: read from what the dataset knows, not by loading each cached latent
+    (a file read and a finite check per image before the first step)."""
+    from tightrope.training import validation
+    from tightrope.training.data import dataset as dataset_module
+    held_out = second_dataset(tmp_path, n=4)
+    reads, real = [], dataset_module._load_cached
+    monkeypatch.setattr(dataset_module, "_load_cached", lambda path: reads.append(path) or real(path))
+    config = demo_session(tmp_path).config
+    batches = validation.Validation(held_out, config, run_start=0, run_end=2).batches
+    assert sorted(i for batch in batches for i in batch) == list(range(4)) and reads == []

@@ -320,6 +320,10 @@ class TrainingDataset(EpochBatches):
         """The latent of distinct image `index` (0 <= index < num_images)."""
         return _load(self._samples[index].latent, "latent")
 
+    def latent_shape(self, index: int) -> tuple[int, ...]:
+        """The latent shape of distinct image `index`, without reading it (a cache file each)."""
+        return tuple(self._samples[index].shape)
+
     def mask(self, index: int) -> Tensor | None:
         """The loss mask (1, h, w) of distinct image `index` on its latent grid; None without masks."""
         mask = self._samples[index].mask
