@@ -5,8 +5,8 @@ completed step, and the process exits with a message and 128 + the signal's numb
     SIGHUP    the terminal or SSH session closed                                                 exit 129
     SIGUSR1   SLURM's `--signal=USR1@<seconds>` warning before the time limit (its default
               action would kill the process with nothing saved)                                  exit 138
-    SIGBREAK  Windows: Ctrl-Break, or the console window closed (Windows then waits ~5 s before
-              it ends the process: enough for a LoRA's save, not always for a big state's)       exit 149
+    SIGBREAK  Windows: Ctrl-Break (closing the console window ends the process as soon as the C
+              runtime's handler returns, before Python's runs: nothing past the last save)     exit 149
     SIGINT    Ctrl-C: a KeyboardInterrupt, as Python's own handler raises                        exit 130
 
 The handler raises StopSignal (a KeyboardInterrupt) in the main thread, exactly where Ctrl-C would: everything that

@@ -71,8 +71,11 @@ class CompileCaches:
     def __init__(self):
         _drop_piled_up()
         self._before = _entry_counts()
+        # skip_nnmodule_hook_guards=False: graphs kept for later runtimes must not bake in the hooks (or their
+        # absence) of the modules inside the blocks they were compiled on (dynamo's default skips those guards)
         self._limit = torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT,
-                                                                     torch._dynamo.config.recompile_limit))
+                                                                     torch._dynamo.config.recompile_limit),
+                                                 skip_nnmodule_hook_guards=False)
         self._limit.__enter__()
 
     def close(self) -> None:
@@ -148,11 +151,13 @@ def compiled_graph_count() -> int:
 
 
 def _triton_installed() -> bool:
+    """Whether the Triton package imports. Not torch's has_triton(): that also asks for a GPU of capability 7.0 (on
+    the current device), so an older GPU with Triton installed read as Triton missing (the advice: install it)."""
     try:
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton_package
     except ImportError:  # a torch without the helper: let inductor say it
         return True
-    return has_triton()
+    return has_triton_package()
 
 
 def check_compiler(compiler: CompileConfig, device: torch.device) -> None:
@@ -161,12 +166,12 @@ def check_compiler(compiler: CompileConfig, device: torch.device) -> None:
     loaded. Refused here in one line, before anything is placed."""
     if not (compiler.per_block and compiler.backend == "inductor" and device.type == "cuda"):
         return
-    if not _triton_installed():
-        raise StrategyError("compile=per_block builds the blocks' GPU kernels with Triton, which is not installed "
-                            "(PyTorch for Windows does not ship it): set the Memory Strategy's compile to off, or "
-                            "install Triton (on Windows: pip install triton-windows)")
     props = torch.cuda.get_device_properties(device)
     if props.major < 7:  # inductor's GPUTooOldForTriton, at the first step
         raise StrategyError(f"compile=per_block builds the blocks' GPU kernels with Triton, which needs a GPU of CUDA "
                             f"capability 7.0 or newer; {device} ({props.name}) has {props.major}.{props.minor}: set "
                             "the Memory Strategy's compile to off")
+    if not _triton_installed():
+        raise StrategyError("compile=per_block builds the blocks' GPU kernels with Triton, which is not installed "
+                            "(PyTorch for Windows does not ship it): set the Memory Strategy's compile to off, or "
+                            "install Triton (on Windows: pip install triton-windows)")

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .block_compile import compile_block
+from .block_compile import CompileCaches, compile_block
 from .layer_offload import in_backward
 from .probe_tools import Captured, Clock, SavedBytes, measure_h2d_bandwidth, output_tensors
 from .profile import ChunkedBlock, CompileFactors, Profile
@@ -339,6 +339,17 @@ def _probe_block(probe: _BlockProbe, i: int, forward, *, repeats: int | None = N
 def _probe_compile(probe: _BlockProbe, blocks: list[nn.Module], forwards: list, eager: list[dict[str, float]]):
     """Per block type: compiled/eager time and saved-bytes ratios at activation budgets 1.0 and 0.5 (eager: each
     block's _probe_block result with its unwrapped forward)."""
+    # compiled as a runtime compiles (CompileCaches): on the code objects later runtimes use and keep graphs on, so
+    # under the same recompile limit (dynamo's default, 8, may already be held there: the probe ran eagerly)
+    caches = CompileCaches()
+    try:
+        return _probe_compile_factors(probe, blocks, forwards, eager)
+    finally:
+        caches.close()
+
+
+def _probe_compile_factors(probe: _BlockProbe, blocks: list[nn.Module], forwards: list,
+                           eager: list[dict[str, float]]):
     factors: dict[str, dict[str, CompileFactors]] = {}
     for i, module in enumerate(blocks):
         kind = type(module).__name__

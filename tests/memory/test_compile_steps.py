@@ -269,3 +269,29 @@ def test_kept_graphs_are_bounded(monkeypatch):
     assert compiled == [1, 1], f"graphs compiled per runtime with KEEP_LIMIT=1: {compiled}"
     assert max(len(_debug_get_cache_entry_list(ref())) for ref in block_compile._COMPILED_ON.values()
                if ref() is not None) <= 1
+
+
+@pytest.mark.parametrize("hooked_first", [False, True])
+def test_a_kept_graph_is_not_reused_where_hooks_inside_the_blocks_differ(monkeypatch, hooked_first):
+    """Dynamo skips guards on nn.Module hooks by default (skip_nnmodule_hook_guards): a graph kept from a runtime whose
+    blocks' layers had no forward hook ran for the next prompt's model that has one (a ComfyUI node's hook), and the
+    other way round, computing what a fresh process would not."""
+    monkeypatch.setattr(block_compile, "_BACKENDS", {})
+    strategy = Strategy.of(compile="per_block", compile_backend="aot_eager", compute_dtype="fp32",
+                           block_lists=("blocks",))
+    x = torch.randn(3, 8)
+
+    def make(hooked):
+        model = _InPlaceModel()
+        if hooked:
+            for block in model.blocks:
+                block.linear.register_forward_hook(lambda m, i, o: o * 10)
+        return model
+
+    for hooked in (hooked_first, not hooked_first):
+        model = make(hooked)
+        with torch.no_grad():
+            expected = model(x.clone(), x)
+            with MemoryRuntime(model, strategy, "cpu"):
+                got = model(x.clone(), x)
+        torch.testing.assert_close(got, expected)

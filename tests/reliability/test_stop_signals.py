@@ -92,8 +92,8 @@ def test_each_polite_signal_raises_a_stop_and_the_handlers_are_restored(name):
 
 
 def test_windows_ctrl_break_and_closing_the_console_stop_politely(monkeypatch):
-    """Windows has no SIGTERM/SIGHUP/SIGUSR1 a user sends; Ctrl-Break and closing the console window raise SIGBREAK,
-    whose default ends the process with nothing saved. Linux has no SIGBREAK: SIGUSR2 stands in for it."""
+    """Windows has no SIGTERM/SIGHUP/SIGUSR1 a user sends; Ctrl-Break raises SIGBREAK, whose default ends the process
+    with nothing saved. Linux has no SIGBREAK: SIGUSR2 stands in for it."""
     monkeypatch.setattr(signal, "SIGBREAK", signal.SIGUSR2, raising=False)
 
     def unhandled(*_):  # what Windows' default would do, as an error here instead of ending pytest

@@ -63,13 +63,13 @@ def test_compile_on_a_gpu_without_triton_is_refused_before_anything_is_placed(mo
     from tightrope.memory.strategy import StrategyError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(block_compile, "_triton_installed", lambda: False)
+    import types
+    gpu = types.SimpleNamespace(major=8, minor=6, name="NVIDIA GeForce RTX 3090")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
     with pytest.raises(StrategyError, match=r"compile=per_block builds the blocks' GPU kernels with Triton, which is "
                                             r"not installed .*pip install triton-windows"):
         runtime.MemoryRuntime(demo_model(), Strategy.of(compile="per_block"), "cuda:0")
     monkeypatch.setattr(block_compile, "_triton_installed", lambda: True)
-    import types
-    gpu = types.SimpleNamespace(major=8, minor=6, name="NVIDIA GeForce RTX 3090")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
     per_block = Strategy.of(compile="per_block").compiler
     block_compile.check_compiler(per_block, torch.device("cuda", 0))  # installed: no refusal
     gpu.major, gpu.minor, gpu.name = 6, 1, "NVIDIA GeForce GTX 1080"  # Pascal: inductor's GPUTooOldForTriton
@@ -79,6 +79,32 @@ def test_compile_on_a_gpu_without_triton_is_refused_before_anything_is_placed(mo
     monkeypatch.setattr(block_compile, "_triton_installed", lambda: False)
     block_compile.check_compiler(per_block, CPU)  # the CPU's kernels are C++, not Triton's
     block_compile.check_compiler(Strategy.of(compile="off").compiler, torch.device("cuda", 0))
+
+
+def test_an_old_gpu_with_triton_installed_is_told_its_capability_not_to_install_triton(monkeypatch):
+    """torch's has_triton() is False on a GPU below capability 7.0 even with Triton installed: a GTX 1080 with Triton
+    was told to install Triton. Simulated where torch reads it (the package, the current GPU's properties), not by
+    replacing _triton_installed."""
+    import sys
+    import types
+    import torch.utils._triton as torch_triton
+    from torch._dynamo import device_interface
+    from tightrope.memory import block_compile
+    from tightrope.memory.strategy import StrategyError
+    gpu = types.SimpleNamespace(major=6, minor=1, name="NVIDIA GeForce GTX 1080")
+    monkeypatch.setattr(torch_triton, "has_triton_package", lambda: True)
+    stub = types.ModuleType("triton")
+    stub.backends = types.ModuleType("triton.backends")
+    stub.backends.backends = {"nvidia": None}  # Triton's CUDA backend, no CPU one
+    monkeypatch.setitem(sys.modules, "triton", stub)
+    monkeypatch.setitem(sys.modules, "triton.backends", stub.backends)
+    monkeypatch.setattr(device_interface.CudaInterface, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(device_interface.CudaInterface.Worker, "get_device_properties",
+                        staticmethod(lambda device=None: gpu))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gpu)
+    with pytest.raises(StrategyError, match=r"needs a GPU of CUDA capability 7.0 or newer; cuda:0 \(NVIDIA GeForce "
+                                            r"GTX 1080\) has 6.1"):
+        block_compile.check_compiler(Strategy.of(compile="per_block").compiler, torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("theirs,device,noted", [("mps", "auto", True), ("xpu", "auto", True),
