@@ -69,15 +69,9 @@ def test_encodes_once_and_second_construction_uses_the_cache(demo, tmp_path):
 def test_each_png_is_decoded_once_when_encoded_and_never_on_a_cache_hit(tmp_path, monkeypatch):
     """Header reads (upscale/animation check, bucket choice) must not decode: Pillow's PNG getexif() would decode each
     image twice more per run, 0.1 s per 4 MP PNG, on a run whose latents are all cached too."""
-    from PIL import PngImagePlugin
+    from png_decodes import count_png_decodes
     folder = make_demo_dataset(tmp_path / "data", n_images=6, size=32)
-    decodes, load = [], PngImagePlugin.PngImageFile.load
-
-    def counting(self):
-        if getattr(self, "_im", None) is None:
-            decodes.append(self.filename)
-        return load(self)
-    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", counting)
+    decodes = count_png_decodes(monkeypatch)
     first, _, _ = _build(folder, tmp_path / "cache")
     assert first.encoded_images == 6 and len(decodes) == 6
     decodes.clear()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from png_decodes import count_png_decodes
 
 from tightrope.training.data.image_folder import (DatasetError, folder_fingerprint, load_image, read_caption,
                                              read_image_header, read_image_size, scan_folder)
@@ -233,18 +234,6 @@ def test_modes_convert_to_rgb(tmp_path):
         assert all(abs(a - b) <= 2 for a, b in zip(image.getpixel((2, 2)), rgb)), (name, image.getpixel((2, 2)))
 
 
-def _count_png_decodes(monkeypatch) -> list:
-    from PIL import PngImagePlugin
-    decodes, load = [], PngImagePlugin.PngImageFile.load
-
-    def counting(self):
-        if getattr(self, "_im", None) is None:
-            decodes.append(self.filename)
-        return load(self)
-    monkeypatch.setattr(PngImagePlugin.PngImageFile, "load", counting)
-    return decodes
-
-
 def _with_chunk_before_iend(png: bytes, kind: bytes, data: bytes) -> bytes:
     import struct
     import zlib
@@ -260,7 +249,7 @@ def test_a_png_header_read_does_not_decode_the_image(tmp_path, monkeypatch, exif
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.new("RGB", (40, 20)).save(path, **({"exif": exif} if exif_in_header else {}))
-    decodes = _count_png_decodes(monkeypatch)
+    decodes = count_png_decodes(monkeypatch)
     assert read_image_header(path) == (((20, 40) if exif_in_header else (40, 20)), False)
     assert read_image_header(path, data=path.read_bytes())[0] == ((20, 40) if exif_in_header else (40, 20))
     assert decodes == []
