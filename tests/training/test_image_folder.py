@@ -272,3 +272,19 @@ def test_png_orientation_after_the_pixel_data_is_still_honoured(tmp_path, kind):
     assert load_image(path).size == (20, 40)
     assert read_image_size(path) == (20, 40)
     assert read_image_size(path, data=path.read_bytes()) == (20, 40)
+
+
+def test_images_of_one_name_in_two_formats_sharing_a_caption_are_named(tmp_path):
+    """'a.png' and 'a.jpg' both train, with the one 'a.txt': most often an export left twice, which doubled that
+    image's weight without a word (found by a helper's dataset survey)."""
+    _image(tmp_path / "a.png", caption="a cat")
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.jpg")
+    _image(tmp_path / "b.png", caption="a dog")
+    with pytest.warns(UserWarning, match=r"1 caption file\(s\) each serve images of one name in several formats, "
+                                         r"which all train: '[^']*a\.jpg' and '[^']*a\.png': delete the copies"):
+        entries = scan_folder(tmp_path)
+    assert [e.path.name for e in entries] == ["a.jpg", "a.png", "b.png"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (tmp_path / "a.jpg").unlink()
+        scan_folder(tmp_path)  # one image per name: nothing said

@@ -30,9 +30,9 @@ from .batching import EpochBatches
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
-from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, UPSCALE_WARNING_FACTOR, DatasetError, image_to_tensor,
-                           load_image, no_usable_images, read_image_header, read_image_size, scan_folder,
-                           skip_or_raise, warn_animated, warn_upscaled)
+from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_upscaled
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, image_to_tensor, load_image, no_usable_images,
+                           read_image_header, read_image_size, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 

@@ -27,17 +27,16 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageOps
 
+from .folder_warnings import warn_many_repeats, warn_shared_captions
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # Formats people often drop in by mistake; named in the "no images" error so the fix is obvious.
 _UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".psd")
 # 100 megapixels: far above any training image, far below what would exhaust memory while decoding.
 DEFAULT_MAX_IMAGE_PIXELS = 100_000_000
-# Upscaling an image by more than this into its bucket is warned about: it mostly teaches the LoRA blur.
-UPSCALE_WARNING_FACTOR = 2.0
 MASK_SUFFIX = ".mask.png"  # name.mask.png beside name.png (or name.jpg ...) is that image's loss mask
 _REPEAT_FOLDER = re.compile(r"^(\d+)_(.+)$")
 _EXIF_ORIENTATION = 0x0112
-_MANY_REPEATS = 100  # more repeats than this in a folder name get a warning (a year, say)
 # more than this is refused: an epoch of 'N_name' repeats is planned item by item, so a date-named folder
 # ('20240615_beach': 20 million repeats an image) takes minutes and gigabytes per Train node, then runs out of memory
 _MAX_REPEATS = 10_000
@@ -213,19 +212,9 @@ def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = 
     if not entries:
         raise no_usable_images(root, len(images), problems)
     if use_repeats:
-        _warn_many_repeats(entries, root)
+        warn_many_repeats(entries, root)
+    warn_shared_captions(entries)
     return entries
-
-
-def _warn_many_repeats(entries: list[ImageEntry], root: Path) -> None:
-    """kohya reads any 'N_name' folder as N repeats: a '2024_holiday' folder would show its images 2024 times an
-    epoch. Counts that large are more likely a date than a wish, so they are named once per run."""
-    many = sorted({(e.path.relative_to(root).parts[0], e.repeats) for e in entries if e.repeats > _MANY_REPEATS})
-    if many:
-        named = ", ".join(f"'{folder}' ({n}x)" for folder, n in many[:3])
-        warnings.warn(f"dataset folder '{root}': {named} repeat their images that many times an epoch (kohya's "
-                      "'N_name' folders); rename the folder if the number is not a repeat count, or set use_repeats "
-                      "to false", stacklevel=3)
 
 
 def no_usable_images(root: Path, n_images: int, problems: list[DatasetError]) -> DatasetError:
@@ -252,28 +241,6 @@ def _open(path: Path, data: bytes | None, max_pixels: int) -> Image.Image:
     if width * height > max_pixels:
         raise too_big(f"{width}x{height} = {width * height}")
     return image
-
-
-def warn_upscaled(upscaled: list[tuple[Path, float]]) -> None:
-    """One warning naming the images (path, factor) blown up by more than UPSCALE_WARNING_FACTOR into their bucket."""
-    if not upscaled:
-        return
-    shown = ", ".join(f"'{path}' {factor:.1f}x" for path, factor in upscaled[:5])
-    more = f" and {len(upscaled) - 5} more" if len(upscaled) > 5 else ""
-    warnings.warn(f"{len(upscaled)} image(s) are smaller than the training resolution and are upscaled more than "
-                  f"{UPSCALE_WARNING_FACTOR:g}x, which trains blur: {shown}{more}: use larger images, or lower the "
-                  f"Load Dataset resolution", stacklevel=3)
-
-
-def warn_animated(animated: list[Path]) -> None:
-    """One warning naming the animated images (PNG or WebP with several frames): training sees their first frame only,
-    as Pillow decodes it."""
-    if not animated:
-        return
-    shown = ", ".join(f"'{path}'" for path in animated[:5])
-    more = f" and {len(animated) - 5} more" if len(animated) > 5 else ""
-    warnings.warn(f"{len(animated)} image(s) are animated and train on their first frame only: "
-                  f"{shown}{more}: export the frames you want as separate images", stacklevel=3)
 
 
 def _unreadable(path: Path, error: Exception) -> DatasetError:
