@@ -37,21 +37,17 @@ def _escaping_stdout():
     UnicodeEncodeError: on Windows (Python < 3.15) stdout redirected to a file or a pipe is in the ANSI code page
     (cp1252 on Western systems) with errors='strict', and the summary printed after a run names output folders and
     files, which may hold any letter: a finished run exited 1 with a traceback. Restored on return."""
-    stream = sys.stdout
-    errors = getattr(stream, "errors", None)
-    if errors != "strict" or not hasattr(stream, "reconfigure"):
-        yield
-        return
-    try:
-        stream.reconfigure(errors="backslashreplace")
-    except (AttributeError, ValueError, OSError):  # not a reconfigurable text stream
-        yield
-        return
+    stream, escaping = sys.stdout, False
+    if getattr(stream, "errors", None) == "strict":
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # not a reconfigurable text stream
+            stream.reconfigure(errors="backslashreplace")
+            escaping = True
     try:
         yield
     finally:
-        with contextlib.suppress(AttributeError, ValueError, OSError):
-            stream.reconfigure(errors=errors)
+        if escaping:
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                stream.reconfigure(errors="strict")
 
 
 def _main(argv: list[str] | None) -> int:

@@ -41,9 +41,9 @@ class StopSignal(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def polite_stops() -> Iterator[None]:
-    """Within this block, SIGTERM/SIGHUP/SIGUSR1/SIGBREAK raise StopSignal and SIGINT KeyboardInterrupt in the main thread,
-    held back while an optimizer step is applied; outside the main thread, a no-op (signal handlers can only be set
-    there)."""
+    """Within this block, SIGTERM/SIGHUP/SIGUSR1/SIGBREAK raise StopSignal and SIGINT KeyboardInterrupt in the main
+    thread, held back while an optimizer step is applied; outside the main thread, a no-op (signal handlers can only be
+    set there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -60,7 +60,8 @@ def read_workflow_json(path) -> dict:
     except IsADirectoryError:
         raise WorkflowError(f"{path!r} is a folder: pass the workflow's .json file") from None
     except UnicodeDecodeError as exc:
-        if exc.object[:8].startswith((b"\x89PNG", b"\xff\xd8", b"RIFF", b"GIF8")):  # an image (with an embedded workflow?)
+        # an image (with an embedded workflow?)
+        if exc.object[:8].startswith((b"\x89PNG", b"\xff\xd8", b"RIFF", b"GIF8")):
             raise WorkflowError(f"{path!r} is not a text file: pass the workflow's .json file (a PNG with an "
                                 f"embedded workflow must be loaded in ComfyUI and saved as JSON)") from None
         raise WorkflowError(f"{path!r} is not UTF-8 text (bad byte at offset {exc.start}): re-save it with UTF-8 "

@@ -110,8 +110,7 @@ def check_run_inputs(session: Any, steps: Any, device: Any) -> tuple[Any, Any]:
                            f"train on once validation_fraction={cfg.validation_fraction} held out "
                            f"{validation_set.num_images} of {session.dataset.num_images} images: lower "
                            "validation_fraction or batch_size, or add images")
-    data.steps_per_epoch(cfg.batch_size)  # names batch_size if it exceeds the dataset
-    thin = getattr(data, "thin_batches", lambda _: None)(cfg.batch_size)
+    thin = data.thin_batches(cfg.batch_size)  # names batch_size if it exceeds the dataset
     if thin:
         warnings.warn(thin, stacklevel=1)  # one place: the node and the trainer both check, it is said once
     distributed.check_batch_size(cfg.batch_size)  # under torchrun batch_size is the global batch

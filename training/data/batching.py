@@ -40,7 +40,6 @@ class EpochBatches:
     def thin_batches(self, batch_size: int) -> str | None:
         """Why an epoch's batches average less than half of batch_size, or None: a batch holds one bucket's items,
         and a dataset of many aspect ratios (or caption lengths) in few images has many buckets of one or two."""
-        self._check_batch_size(batch_size)
         n, steps = len(self), self.steps_per_epoch(batch_size)
         if batch_size < 2 or n < 2 * batch_size or 2 * n >= batch_size * steps:
             return None

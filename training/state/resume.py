@@ -115,10 +115,10 @@ def save_state(path: Path, session: Any, *, step: int, run_start: int, run_end: 
 
 
 def _padded_bytes(data: bytes) -> torch.Tensor:
-    """`data` as a uint8 tensor padded with spaces (JSON ignores them) to one of 8 lengths per doubling (a multiple of 4
-    KiB; at most 12.5% or 4 KiB more bytes): safetensors writes a tensor through a ctypes array type of its byte length, which
-    ctypes caches for good (5.7 KB each), so a history of a new length at every save grew the process by one such type
-    per save; this way a history of 100 MB has used at most ~120 lengths."""
+    """`data` as a uint8 tensor padded with spaces (JSON ignores them) to one of 8 lengths per doubling (a multiple of
+    4 KiB; at most 12.5% or 4 KiB more bytes): safetensors writes a tensor through a ctypes array type of its byte
+    length, which ctypes caches for good (5.7 KB each), so a history of a new length at every save grew the process by
+    one such type per save; this way a history of 100 MB has used at most ~120 lengths."""
     granule = 1 << max(12, len(data).bit_length() - 4)
     size = max(1 << 12, -(-len(data) // granule) * granule)
     return torch.frombuffer(bytearray(data + b" " * (size - len(data))), dtype=torch.uint8)
