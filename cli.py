@@ -55,6 +55,9 @@ def _main(argv: list[str] | None) -> int:
     prefer_expandable_segments(os.environ)
     if argv[:1] == ["bench"]:  # everything after "bench" belongs to the bench CLI, --help included
         return run_bench(argv[1:])
+    if argv[:1] == ["cache"]:  # the dataset cache's size, and pruning it (training/data/cache_files.py)
+        from .training.data.cache_files import command
+        return command(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -111,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "rate, peak VRAM, H2D GB/s) of every Train node whose own log_dir is empty to DIR (needs "
                      "`pip install tensorboard`)")
     commands.add_parser("bench", help="memory/speed benchmarks (tightrope bench --help)", add_help=False)
+    commands.add_parser("cache", help="the dataset cache's size; prune what no load used for a while (tightrope cache "
+                        "--help)", add_help=False)
     return parser
 
 

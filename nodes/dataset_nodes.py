@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..training.data.builder import dataset_from_conditioning, dataset_from_folder
+from ..training.data.cache_files import usage_summary
 from ..training.data.image_folder import check_dataset_folder, folder_fingerprint
 from ..training.data.masks import MASK_SOURCES
 from . import host
@@ -52,9 +53,12 @@ class TightropeLoadDataset:
         return folder_fingerprint(folder) if isinstance(folder, str) else ""
 
     def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none"):
-        return (dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
-                                    use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask,
-                                    progress=host.work_progress("encoding images")),)
+        dataset = dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
+                                      use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask,
+                                      progress=host.work_progress("encoding images"))
+        if host.is_main():  # where the cache is, its size, and what this load did not use (training/data/cache_files)
+            host.notify(usage_summary(host.cache_dir(), dataset.cache_files()))
+        return (dataset,)
 
 
 class TightropeDatasetFromLatents:

@@ -37,6 +37,19 @@ def test_second_dataset_load_reuses_the_cache(out):
     torch.testing.assert_close(first.latent(0), second.latent(0))
 
 
+def test_a_dataset_load_says_where_its_cache_is_and_what_it_did_not_use(out, monkeypatch):
+    said = []
+    monkeypatch.setattr(host, "notify", said.append)
+    inputs = _dataset_inputs(out)
+    (first,) = TightropeLoadDataset().load(**{**inputs, "resolution": 16})
+    (second,) = TightropeLoadDataset().load(**inputs)  # another resolution: the first load's latents go unused
+    cache = out / ".tightrope_cache"
+    assert said[0].startswith(f"dataset cache '{cache}': ") and "4 used by this load" not in said[0]
+    n_used, n_all = len(second.cache_files()), len(first.cache_files() | second.cache_files())
+    assert f"in {n_all} entries, {n_used} used by this load; 4 others (" in said[1] and len(said) == 2
+    assert "are other datasets' or from earlier settings" in said[1] and "--older-than" not in said[1]  # all new
+
+
 def test_dataset_errors_name_the_folder(out):
     inputs = _dataset_inputs(out)
     with pytest.raises(ValueError, match="does not exist"):

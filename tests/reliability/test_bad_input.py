@@ -244,9 +244,9 @@ def test_use_repeats_off_reads_no_repeat_count_from_folder_names(out):
     """use_repeats=False: '0_misc' and a date-named folder are plain folders, each image once (found by a helper: a
     '0_misc' folder was refused, or with strict off its images dropped, although repeats were off)."""
     folder = out.parent / "named"
-    for sub in ("0_misc", "20240615_beach", "3_char"):
+    for k, sub in enumerate(("0_misc", "20240615_beach", "3_char")):
         (folder / sub).mkdir(parents=True)
-        Image.new("RGB", (32, 32), (len(sub) * 9, 0, 0)).save(folder / sub / "a.png")
+        Image.new("RGB", (32, 32), (60 * k, 0, 0)).save(folder / sub / "a.png")  # three images, not one saved twice
         (folder / sub / "a.txt").write_text(f"a {sub}")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no image skipped, no warning about large counts

@@ -6,7 +6,8 @@ a cache_dir these go to disk as safetensors keyed by what determines them:
     text:   caption + text encoder cache_id
 so a second run (or a resumed one) skips encoding, and an edited image or caption gets a new key. The
 dataset then keeps only paths and reads each tensor when a batch needs it, so a large T5 context per
-caption costs disk, not RAM. Without a cache_dir everything stays in memory.
+caption costs disk, not RAM. Without a cache_dir everything stays in memory. Old entries stay too: cache_files.py
+marks the entries each load and each read uses, and prunes what none used for a while (`tightrope cache`).
 
 Batches: the epoch order is a pure function of (seed, epoch) and every epoch has the same number of
 steps, so a run resumed at step S regenerates exactly the batches it would have seen.
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -30,7 +30,8 @@ from .batching import EpochBatches
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
-from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_upscaled
+from .cache_files import cached_shapes as _cached_shapes, mark_used
+from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_duplicates, warn_upscaled
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, image_to_tensor, load_image, no_usable_images,
                            read_image_header, read_image_size, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
@@ -51,15 +52,6 @@ class _Sample:
     mask: Tensor | Path | None = None  # (1, h, w) loss weights on the latent grid, or the cache file (= latent's)
 
 
-def _cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
-    """Shapes of the named tensors in a cache file, read from its header; None if missing or unreadable."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {n: tuple(f.get_slice(n).get_shape()) for n in names}
-    except Exception:  # a damaged cache entry is re-encoded, not fatal
-        return None
-
-
 def _load(x: Tensor | Path, name: str) -> Tensor:
     return x if isinstance(x, Tensor) else _load_cached(x)[name]
 
@@ -67,6 +59,7 @@ def _load(x: Tensor | Path, name: str) -> Tensor:
 def _load_cached(path: Path) -> dict[str, Tensor]:
     """A cache file's tensors, checked: a NaN read here would surface steps later as a NaN loss."""
     tensors = load_file(str(path))
+    mark_used(path)  # in use while it trains: `tightrope cache --older-than` keeps it (cache_files.py)
     check_finite(tensors, f"dataset cache file '{path}'", "it is damaged: delete it (or the whole cache folder) and "
                  "run again, so its image or caption is encoded again")
     return tensors
@@ -134,23 +127,25 @@ class TrainingDataset(EpochBatches):
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
         _warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
-        samples, repeats, problems = [], [], []
+        samples, repeats, problems, copies = [], [], [], {}  # copies: the images' sha256 -> (path, repeats)
         for k, entry in enumerate(entries):
             if progress is not None and k:
                 progress(k, len(entries))
             try:
-                latent, shape, weights = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
-                                                            max_image_pixels, masks.get(entry.path))
+                latent, shape, weights, digest = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
+                                                                    max_image_pixels, masks.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
                 continue
             samples.append(_Sample(latent, shape, entry.caption, text_index[entry.caption], weights))
             repeats.append(entry.repeats if use_repeats else 1)
+            copies.setdefault(digest, []).append((entry.path, repeats[-1]))
         if progress is not None:
             progress(len(entries), len(entries))
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
+        warn_duplicates(copies)  # from the hashes the cache keys need: no image is read for it
         self._finish(samples, repeats)
 
     @classmethod
@@ -245,16 +240,17 @@ class TrainingDataset(EpochBatches):
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
-                      mask: MaskSource | None = None) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None]:
-        """(latent, its shape, its loss mask) as tensors or their cache file."""
+                      mask: MaskSource | None = None) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None,
+                                                               str]:
+        """(latent, its shape, its loss mask) as tensors or their cache file, and the sha256 of the image file."""
         try:
             data = path.read_bytes()
         except OSError as e:
             raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
         size = read_image_size(path, data=data, max_pixels=max_image_pixels)
         bucket = choose_bucket(*size, max_pixels, multiple)
-        key = _sha256(hashlib.sha256(data).hexdigest(), encoder.cache_id, f"{bucket[0]}x{bucket[1]}",
-                      PREPROCESS_VERSION)
+        digest = hashlib.sha256(data).hexdigest()
+        key = _sha256(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", PREPROCESS_VERSION)
         if mask is not None:  # the mask is cached with the latent; without one the key stays as it was
             key = _sha256(key, mask.cache_key, MASK_VERSION)
         cache_path = self._cache_path("latents", key)
@@ -262,7 +258,7 @@ class TrainingDataset(EpochBatches):
             if cache_path else None
         if shapes:
             self.image_cache_hits += 1
-            return cache_path, shapes["latent"], None if mask is None else cache_path
+            return cache_path, shapes["latent"], None if mask is None else cache_path, digest
 
         image = fit_to_bucket(load_image(path, data=data, max_pixels=max_image_pixels), bucket)
         with torch.no_grad():
@@ -274,8 +270,8 @@ class TrainingDataset(EpochBatches):
                                f"{tuple(latent.shape[1:])}: the image encoder's downscale does not match its latents")
         if cache_path:
             atomic_save_file({"latent": latent} | ({} if weights is None else {"mask": weights}), cache_path)
-            return cache_path, tuple(latent.shape), None if weights is None else cache_path
-        return latent, tuple(latent.shape), weights
+            return cache_path, tuple(latent.shape), None if weights is None else cache_path, digest
+        return latent, tuple(latent.shape), weights, digest
 
     def _cache_path(self, kind: str, key: str) -> Path | None:
         # Two-character fan-out keeps directories small for big datasets.
@@ -328,6 +324,11 @@ class TrainingDataset(EpochBatches):
         """The loss mask (1, h, w) of distinct image `index` on its latent grid; None without masks."""
         mask = self._samples[index].mask
         return None if mask is None else _load(mask, "mask")
+
+    def cache_files(self) -> set[Path]:
+        """The cache entries this dataset reads (none without a cache_dir)."""
+        texts = {s.text for s in self._samples} | ({self._empty_text} if self._empty_text is not None else set())
+        return {x for x in [s.latent for s in self._samples] + [self._texts[i] for i in texts] if isinstance(x, Path)}
 
     def caption(self, index: int) -> str:
         return self._samples[index].caption

@@ -59,3 +59,21 @@ def warn_animated(animated: list[Path]) -> None:
         warnings.warn(f"{len(animated)} image(s) are animated and train on their first frame only: "
                       f"{_named([_quoted(p) for p in animated])}: export the frames you want as separate "
                       "images", stacklevel=3)
+
+
+def warn_duplicates(copies: dict[str, list[tuple[Path, int]]]) -> None:
+    """One warning naming the images saved more than once (copies: each image file's sha256 -> its (path, repeats)):
+    byte-identical files under other names or in other folders (a scraped set, an export left twice) each train, so
+    that image weighs as much as all its copies together. The same file in two kohya folders ('3_a/x.png' and
+    '5_a/x.png') is named too: most often a copy left behind when moving an image to change its weight, and a
+    heavier weight is what the folder's count is for. Masks are not images here; a copy with a caption of its own is
+    named as well (several captions for one image, if meant, can be ignored)."""
+    groups = [paths for paths in copies.values() if len(paths) > 1]
+    if groups:
+        def group(paths: list[tuple[Path, int]]) -> str:
+            shown = " = ".join(_quoted(p) + (f" ({r}x)" if r > 1 else "") for p, r in paths)
+            return shown + (f": {sum(r for _, r in paths)}x an epoch" if any(r > 1 for _, r in paths) else "")
+        warnings.warn(f"{len(groups)} image(s) are saved more than once (byte-identical files), and each copy trains, "
+                      f"so that image weighs as much as its copies together: {_named([group(g) for g in groups], 3)}: "
+                      "delete the copies you did not mean to train (to train an image more often, raise its 'N_name' "
+                      "folder's repeat count instead)", stacklevel=3)

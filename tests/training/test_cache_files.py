@@ -1,0 +1,138 @@
+"""The dataset cache folder (training/data/cache_files.py): each load marks the entries it uses, says what the folder
+holds and what it did not use; `tightrope cache` lists, and with --delete removes, what no load used for a while."""
+import os
+import time
+
+import pytest
+
+from tightrope import cli
+from tightrope.demo.data import make_demo_dataset
+from tightrope.demo.encoders import DemoCaptionEmbedder, DemoLatentCodec
+from tightrope.training.data import cache_files
+from tightrope.training.data.cache_files import entries, prune, usage_summary
+from tightrope.training.data.dataset import TrainingDataset
+
+DAY = 86400
+
+
+def _load(folder, cache, size=32):
+    return TrainingDataset(folder, DemoLatentCodec(), DemoCaptionEmbedder(), max_pixels=size * size, cache_dir=cache)
+
+
+def _age(paths, days):
+    then = time.time() - days * DAY
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+@pytest.fixture
+def two_datasets(tmp_path):
+    """Two datasets sharing one cache: 'a' loaded at two resolutions (the first one's latents now unused)."""
+    a = make_demo_dataset(tmp_path / "a", n_images=4, size=32, seed=0)
+    b = make_demo_dataset(tmp_path / "b", n_images=3, size=32, seed=1)
+    cache = tmp_path / "cache"
+    old_a, other = _load(a, cache, 16), _load(b, cache)
+    return a, b, cache, old_a, other
+
+
+def test_a_load_marks_what_it_uses_and_says_what_it_did_not_use(two_datasets):
+    a, b, cache, old_a, other = two_datasets
+    _age([e.path for e in entries(cache)], 40)
+    new_a = _load(a, cache)
+    assert new_a.encoded_images == 4 and new_a.image_cache_hits == 0
+    used = new_a.cache_files()
+    every = {e.path: e for e in entries(cache)}
+    # 4 latents of each load of 'a', 3 of 'b'; the demo's captions: one text entry each, shared by the two loads
+    captions = {old_a.caption(i) for i in range(4)} | {other.caption(i) for i in range(3)}
+    assert len(every) == 4 + 4 + 3 + len(captions)
+    assert {p for p in used if p.parts[-3] == "latents"} == set(every) - old_a.cache_files() - other.cache_files()
+    assert len(used) == 4 + len({new_a.caption(i) for i in range(4)})
+    now = time.time()
+    assert all(now - every[p].last_used < DAY for p in used)  # hits (the captions) and writes (the latents): now
+    assert all(now - e.last_used > 39 * DAY for p, e in every.items() if p not in used)
+    size = sum(e.size for e in every.values())
+    unused = [e for p, e in every.items() if p not in used]
+    assert usage_summary(cache, used) == (
+        f"dataset cache '{cache}': {cache_files.size_text(size)} in {len(every)} entries, {len(used)} used by this "
+        f"load; {len(unused)} others ({cache_files.size_text(sum(e.size for e in unused))}) are other datasets' or "
+        "from earlier settings (resolution, VAE, text encoder, images, captions), "
+        f"{len(unused)} of them ({cache_files.size_text(sum(e.size for e in unused))}) unused for 30 days or more: "
+        f"`python -m tightrope cache \"{cache}\" --older-than 30` lists them, and with --delete removes them")
+    assert usage_summary(cache, set(every)) == (f"dataset cache '{cache}': {cache_files.size_text(size)} in "
+                                                f"{len(every)} entries, {len(every)} used by this load")
+
+
+def test_a_cache_hit_and_a_training_read_mark_the_entry(two_datasets):
+    a, b, cache, old_a, other = two_datasets
+    _age([e.path for e in entries(cache)], 40)
+    again = _load(b, cache)  # all hits
+    assert again.image_cache_hits == 3 and all(time.time() - e.last_used < DAY for e in entries(cache)
+                                               if e.path in again.cache_files())
+    _age(again.cache_files(), 40)
+    again.latent(0), again.text(1)  # what a training step reads
+    marked = {e.path for e in entries(cache) if time.time() - e.last_used < DAY}
+    assert marked <= again.cache_files() and sorted(p.parts[-3] for p in marked) == ["latents", "text"]
+
+
+def test_prune_lists_by_default_and_removes_only_what_no_load_used_for_that_long(two_datasets, capsys):
+    a, b, cache, old_a, other = two_datasets
+    _age([e.path for e in entries(cache)], 40)
+    _load(b, cache)  # 'b' is in use: its entries are marked now
+    stale = {e.path for e in entries(cache)} - _load(b, cache).cache_files()
+    before = {e.path for e in entries(cache)}
+
+    assert cli.main(["cache", str(cache), "--older-than", "30"]) == 0  # a dry run
+    out, err = capsys.readouterr()
+    assert set(out.split("\n")) - {""} == {str(p) for p in stale}
+    assert f"cache '{cache}': {len(stale)} entries (" in err
+    assert f"would be removed, {len(before) - len(stale)} (" in err
+    assert err.rstrip().endswith("would be left: run again with --delete to remove them")
+    assert {e.path for e in entries(cache)} == before
+
+    assert cli.main(["cache", str(cache), "--older-than", "50", "--delete"]) == 0  # nothing that old
+    assert {e.path for e in entries(cache)} == before and ": 0 entries (0 bytes) unused" in capsys.readouterr().err
+    assert cli.main(["cache", str(cache), "--older-than", "30", "--delete"]) == 0
+    assert f": {len(stale)} entries (" in capsys.readouterr().err
+    assert {e.path for e in entries(cache)} == before - stale
+    assert not [p for p in cache.rglob("*") if p.is_dir() and not any(p.iterdir())]  # emptied folders removed
+
+    reloaded = _load(b, cache)  # untouched: all hits
+    assert reloaded.image_cache_hits == 3 and reloaded.encoded_images == 0
+    old = _load(a, cache, 16)  # pruned: encoded again, read back the same
+    assert old.encoded_images == 4
+    for i in range(4):
+        assert (old.latent(i) == old_a.latent(i)).all()
+
+
+def test_an_entry_used_after_it_was_listed_is_kept(two_datasets, monkeypatch):
+    """A load that hits an entry while prune runs marks it: prune reads its time again before removing it."""
+    a, b, cache, old_a, other = two_datasets
+    listed = entries(cache)
+    _age([e.path for e in listed], 40)
+    in_use = other.cache_files()
+    stale_list = [cache_files.Entry(e.path, e.size, time.time() - 40 * DAY) for e in listed]
+    monkeypatch.setattr(cache_files, "entries", lambda folder: stale_list)
+    for path in in_use:
+        cache_files.mark_used(path)  # a load hits them after prune listed them
+    removed = prune(cache, 30, delete=True)
+    assert {e.path for e in removed} == {e.path for e in listed} - in_use
+    assert all(p.is_file() for p in in_use)
+
+
+def test_stale_temp_files_are_removed_with_delete(tmp_path):
+    cache = tmp_path / "cache"
+    folder = cache / "latents" / "ab"
+    folder.mkdir(parents=True)
+    temp = folder / ".abcd.safetensors.0123abcd.tmp"  # a writer killed mid-write
+    temp.write_bytes(b"half")
+    _age([temp], 2)
+    assert prune(cache, 1, delete=False) == [] and temp.exists()
+    prune(cache, 1, delete=True)
+    assert not temp.exists() and not folder.exists()
+
+
+def test_bad_cache_command_inputs_name_the_input(tmp_path, capsys):
+    assert cli.main(["cache", str(tmp_path / "nope")]) == 2
+    assert f"cache folder '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err
+    assert cli.main(["cache", str(tmp_path), "--older-than", "-1"]) == 2
+    assert "--older-than -1: give a number of days, 0 or more" in capsys.readouterr().err
