@@ -14,9 +14,17 @@ import torch.nn.functional as F
 LOSSES = ("mse", "huber", "l1")
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in fp32, or as it is when wider. fp16/bf16 values are exact in fp32: a LATENT held in half precision
+    (ComfyUI's VAE Encode under --fp16-intermediates, another node's bf16) trains as its values in fp32 would."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def noised(latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 - t) * x_0 + t * noise."""
-    t = t.view(-1, *([1] * (latents.ndim - 1))).to(latents.dtype)
+    """x_t = (1 - t) * x_0 + t * noise, in fp32 (or wider) for the t the model is given. Half-precision latents once
+    rounded t and (1 - t) * x_0 to their dtype (bf16: t off by up to 2^-9, x_t by 1e-2 at |x| ~ 3)."""
+    latents, noise = at_least_fp32(latents), at_least_fp32(noise)
+    t = t.view(-1, *([1] * (latents.ndim - 1))).to(torch.promote_types(latents.dtype, noise.dtype))
     return (1 - t) * latents + t * noise
 
 

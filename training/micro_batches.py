@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed
-from .flow_loss import noised
+from .flow_loss import at_least_fp32, noised
 from .timesteps import sample_timesteps
 
 
@@ -55,7 +55,9 @@ def prepare(batch: dict, process_latents: Callable[[torch.Tensor], torch.Tensor]
     cannot be saved for backward: the batch's are copied."""
     gen = torch.Generator().manual_seed(seed)
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    latents = process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
+    # ComfyUI models: VAE latents -> the model's latent space; in fp32 (a half-precision LATENT's scale and shift
+    # were rounded to its dtype, so the same values trained otherwise held in fp32)
+    latents = process_latents(at_least_fp32(latents))
     n = distributed.global_batch_size(batch)
     noise = torch.randn((n, *latents.shape[1:]), generator=gen)
     t = sample_timesteps(n, gen, kind=timestep_sampling, shift=timestep_shift)

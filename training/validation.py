@@ -22,7 +22,7 @@ import torch
 
 from . import distributed
 from .data.masks import masked_per_image
-from .flow_loss import exact_summable, flow_matching_loss, noised
+from .flow_loss import at_least_fp32, exact_summable, flow_matching_loss, noised
 from .data.image_folder import DatasetError
 from .timesteps import sample_timesteps
 from .train_config import ConfigError, TrainConfig
@@ -100,7 +100,7 @@ class Validation:
 
     def _batch_losses(self, images: list[int], adapter: Any, module: torch.nn.Module, runtime: Any) -> torch.Tensor:
         cfg = self.config
-        latents = torch.stack([self.dataset.latent(i) for i in images])
+        latents = at_least_fp32(torch.stack([self.dataset.latent(i) for i in images]))  # as training's (prepare)
         texts = [self.dataset.text(i) for i in images]
         context, pooled = torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
         if hasattr(adapter, "process_latents"):  # ComfyUI models: VAE latents -> the model's latent space
