@@ -137,9 +137,11 @@ def learning_rate_at(config: TrainConfig, step: int, run_start: int, run_steps: 
     lr = config.learning_rate
     if config.warmup_steps and step < config.warmup_steps:
         lr *= (step + 1) / config.warmup_steps
-    # cosine decays after the warmup: from the run's first step past it to the run's last step
-    start, last = max(run_start, config.warmup_steps), run_start + run_steps - 1
-    if config.schedule == "cosine" and last > start:
-        progress = min(max(step - start, 0) / (last - start), 1.0)
+    # cosine decays after the warmup, from the run's first step past it, to min_lr_ratio just after its last step:
+    # the last step still updates (reaching the minimum at it made every run's, and chain link's, last step a no-op
+    # at the default min_lr_ratio 0); as diffusers' and kohya's cosine schedules
+    start, end = max(run_start, config.warmup_steps), run_start + run_steps
+    if config.schedule == "cosine" and end > start:
+        progress = min(max(step - start, 0) / (end - start), 1.0)
         lr *= config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return lr

@@ -1,5 +1,6 @@
 """Optimizers: each one steps, and a run interrupted at step k and resumed from its state file equals the
 uninterrupted run bit for bit (CPU fp32); schedule-free's two weight sets; missing packages fail before training."""
+import math
 import sys
 
 import pytest
@@ -131,12 +132,16 @@ def test_warmup_reaches_the_learning_rate_and_cosine_decays_after_it():
     cfg = TrainConfig(learning_rate=1e-4, schedule="cosine", warmup_steps=100, min_lr_ratio=0.0)
     lrs = [learning_rate_at(cfg, s, 0, 1000) for s in range(1000)]
     assert max(lrs) == lrs[99] == lrs[100] == 1e-4 and lrs[0] == pytest.approx(1e-6)
-    # step 550 is half a step past the middle of [100, 999]: cos moves by ~pi / (2 * 899) = 0.0017 relative
-    assert lrs[-1] == 0.0 and lrs[550] == pytest.approx(0.5e-4, rel=5e-3)
+    # 900 decay steps: step 550 is the middle (cos = 0), the last step, 999, one 900th before the minimum, which the
+    # step after the run would have: the last step still updates (it once had lr 0, a wasted step every run)
+    assert lrs[550] == pytest.approx(0.5e-4, rel=1e-12) and learning_rate_at(cfg, 1000, 0, 1000) == 0.0
+    assert lrs[-1] == pytest.approx(1e-4 * 0.5 * (1 - math.cos(math.pi / 900)), rel=1e-9) and lrs[-1] > 0
     assert all(a <= b for a, b in zip(lrs[:100], lrs[1:101])) and all(a >= b for a, b in zip(lrs[100:], lrs[101:]))
-    # a chained node after the warmup: its own cosine over its steps, as before
+    # a chained node after the warmup: its own cosine over its steps, to min_lr_ratio just after its last
     second = [learning_rate_at(cfg, s, 1000, 10) for s in range(1000, 1010)]
-    assert second[0] == 1e-4 and second[-1] == 0.0
+    assert second[0] == 1e-4 and second[-1] == pytest.approx(1e-4 * 0.5 * (1 - math.cos(math.pi / 10)), rel=1e-9)
+    floor = TrainConfig(learning_rate=1e-4, schedule="cosine", min_lr_ratio=0.1)
+    assert learning_rate_at(floor, 9, 0, 10) > 1e-5 and learning_rate_at(floor, 10, 0, 10) == pytest.approx(1e-5)
     # a run shorter than its warmup only warms up
     assert [learning_rate_at(cfg, s, 0, 4) for s in range(4)] == pytest.approx([1e-6, 2e-6, 3e-6, 4e-6])
 
