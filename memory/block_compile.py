@@ -9,6 +9,7 @@ both the forward and the lazily compiled backward graph (inductor's own config_p
 """
 from __future__ import annotations
 
+import sys
 import types
 import weakref
 from typing import Callable
@@ -150,6 +151,23 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _check_cpp_compiler() -> None:
+    """Inductor's own search for a C++ compiler (cached by it), the one its first CPU kernel build would run."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+    except ImportError:  # a torch without these: let inductor say it
+        return
+    try:
+        get_cpp_compiler()
+    except InvalidCxxCompiler:
+        windows = sys.platform == "win32"
+        raise StrategyError("compile=per_block builds the blocks' CPU kernels with a C++ compiler, and inductor found "
+                            "none (" + ("MSVC's cl: run ComfyUI from a Developer Command Prompt of Visual Studio Build "
+                                        "Tools" if windows else "g++: install it, or set CXX to another")
+                            + "): set the Memory Strategy's compile to off, or install one") from None
+
+
 def _triton_installed() -> bool:
     """Whether the Triton package imports. Not torch's has_triton(): that also asks for a GPU of capability 7.0 (on
     the current device), so an older GPU with Triton installed read as Triton missing (the advice: install it)."""
@@ -163,8 +181,12 @@ def _triton_installed() -> bool:
 def check_compiler(compiler: CompileConfig, device: torch.device) -> None:
     """compile=per_block on a CUDA GPU builds its kernels with Triton, which PyTorch for Windows does not ship:
     without it the first step failed deep in inductor (TritonMissing, a traceback), after the model and data had
-    loaded. Refused here in one line, before anything is placed."""
-    if not (compiler.per_block and compiler.backend == "inductor" and device.type == "cuda"):
+    loaded. Refused here in one line, before anything is placed. The same for the CPU's kernels, which inductor builds
+    with a C++ compiler: none on the path (Windows without MSVC's cl, a Linux image without g++) failed so too."""
+    if not (compiler.per_block and compiler.backend == "inductor" and device.type in ("cuda", "cpu")):
+        return
+    if device.type == "cpu":
+        _check_cpp_compiler()
         return
     props = torch.cuda.get_device_properties(device)
     if props.major < 7:  # inductor's GPUTooOldForTriton, at the first step

@@ -81,6 +81,34 @@ def test_compile_on_a_gpu_without_triton_is_refused_before_anything_is_placed(mo
     block_compile.check_compiler(Strategy.of(compile="off").compiler, torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize("platform,advice", [("win32", "MSVC's cl: run ComfyUI from a Developer Command Prompt"),
+                                             ("linux", "g\\+\\+: install it, or set CXX to another")])
+def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(monkeypatch, platform, advice):
+    """Inductor builds CPU kernels with a C++ compiler: without one (Windows outside a Visual Studio prompt, a Linux
+    image without g++) the first step failed deep in inductor. On Linux inductor's real search is run over a compiler
+    that does not exist (its config); Windows's search (cl) is replaced by its failure. The real search passes here
+    (this machine has g++)."""
+    from torch._inductor import config, cpp_builder, exc
+    from tightrope.demo.model import demo_model
+    from tightrope.memory import block_compile, runtime
+    from tightrope.memory.strategy import StrategyError
+    per_block = Strategy.of(compile="per_block").compiler
+    block_compile.check_compiler(per_block, CPU)
+
+    def no_cl():
+        raise exc.InvalidCxxCompiler("cl")
+    if platform == "win32":
+        monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_cl)
+    else:
+        monkeypatch.setattr(config.cpp, "cxx", ("tightrope-no-such-g++",))
+    monkeypatch.setattr(block_compile.sys, "platform", platform)
+    with pytest.raises(StrategyError, match=r"compile=per_block builds the blocks' CPU kernels with a C\+\+ compiler, "
+                                            rf"and inductor found none \({advice}.*set the Memory Strategy's compile"):
+        runtime.MemoryRuntime(demo_model(), Strategy.of(compile="per_block"), "cpu")
+    block_compile.check_compiler(Strategy.of(compile="per_block", compile_backend="aot_eager").compiler, CPU)
+    block_compile.check_compiler(Strategy.of(compile="off").compiler, CPU)
+
+
 def test_an_old_gpu_with_triton_installed_is_told_its_capability_not_to_install_triton(monkeypatch):
     """torch's has_triton() is False on a GPU below capability 7.0 even with Triton installed: a GTX 1080 with Triton
     was told to install Triton. Simulated where torch reads it (the package, the current GPU's properties), not by
