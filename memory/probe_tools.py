@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tensor_kinds import inner_tensors
+
 
 def measure_h2d_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 5, *,
                           pinned: bool = True) -> float:
@@ -79,11 +81,16 @@ class SavedBytes:
         self._freed = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        for x in inner_tensors(t):  # a wrapper tensor (a quantized weight) by its inner tensors
+            self._count(x)
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
         try:
             s = t.untyped_storage()
             ptr, n = s.data_ptr(), s.nbytes()
         except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses: nothing to count
-            return t
+            return
         if n and ptr not in self.skip:
             entry = self.by_ptr.get(ptr)
             if entry is not None and entry[2]() is None:  # that storage was freed: this is a new one at its address
@@ -93,7 +100,6 @@ class SavedBytes:
             if entry is None:
                 entry = self.by_ptr[ptr] = (n, set(), weakref.ref(s))
             entry[1].add(self.owner)
-        return t
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)

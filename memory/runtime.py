@@ -44,6 +44,7 @@ from .offload_selection import check_streamable, select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
+from .tensor_kinds import PackedWrapper
 from .token_chunks import ChunkContext, chunked_forward_for, recompute_region, stand_in
 
 
@@ -268,11 +269,15 @@ class MemoryRuntime:
         offload, act_store = self.offload, self.acts
 
         def pack(t: torch.Tensor):
+            if PackedWrapper.packs(t):  # a weight built in forward from plain parameters (tensor_kinds.py)
+                return PackedWrapper.of(t, pack)
             if weights and offload.owns(t):
                 return offload.pack(t)
             return act_store.pack(t, index) if acts and not self._is_parameter(t, index) else t
 
         def unpack(x):
+            if isinstance(x, PackedWrapper):
+                return x.unpack(unpack)
             if isinstance(x, WeightRef):
                 return offload.unpack(x)
             if acts:

@@ -42,6 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .probe_tools import output_tensors
+from .tensor_kinds import inner_tensors
 
 
 @dataclass(frozen=True)
@@ -142,10 +143,11 @@ class _SavedCounter:
         self.total = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if id(storage) not in self._weights and storage not in self._saved:
-            self._saved[storage] = True
-            self.total += storage.nbytes()
+        for x in inner_tensors(t):  # a wrapper tensor (a quantized weight) by its inner tensors
+            storage = x.untyped_storage()
+            if id(storage) not in self._weights and storage not in self._saved:
+                self._saved[storage] = True
+                self.total += storage.nbytes()
         return t
 
     def hooks(self):

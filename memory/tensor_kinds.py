@@ -9,11 +9,15 @@ overridden to the logical one, so byte layouts use `size()`.
 
 Wrapper subclasses (their own `__torch_dispatch__`: torchao's quantized tensors, DTensor) hold their data in inner
 tensors: no storage of their own to stream, alias or page-lock. They are refused (offload_selection.check_streamable)
-or copied whole (training/models/adapter.ordinary_alias).
+or copied whole (training/models/adapter.ordinary_alias). A model adapter may keep such a weight's inner tensors as
+plain parameters and build the wrapper in forward (training/models/comfy_quant.py); autograd then saves the wrapper,
+which the runtime's saved-tensor hooks take apart (PackedWrapper: each inner tensor packed as any saved tensor).
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -44,3 +48,34 @@ def alias_like(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     out.__dict__.update({k: copy.copy(v) if isinstance(v, (list, dict)) else v
                          for k, v in t.__dict__.items() if k != "_is_param"})
     return out
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding t's data: t itself, or a traceable wrapper's inner tensors (`__tensor_flatten__`)."""
+    if not is_wrapper(t) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in inner_tensors(getattr(t, n))]
+
+
+@dataclass(frozen=True)
+class PackedWrapper:
+    """A traceable wrapper tensor saved for backward as its packed inner tensors (see the module docstring)."""
+    cls: type
+    context: Any
+    inner: dict[str, Any]
+    size: torch.Size
+    stride: tuple[int, ...]
+
+    @staticmethod
+    def packs(t: torch.Tensor) -> bool:
+        return is_wrapper(t) and hasattr(t, "__tensor_flatten__") and hasattr(type(t), "__tensor_unflatten__")
+
+    @classmethod
+    def of(cls, t: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> "PackedWrapper":
+        names, context = t.__tensor_flatten__()
+        return cls(type(t), context, {n: pack(getattr(t, n)) for n in names}, t.size(), t.stride())
+
+    def unpack(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        return self.cls.__tensor_unflatten__({n: unpack(v) for n, v in self.inner.items()}, self.context, self.size,
+                                             self.stride)

@@ -1,14 +1,15 @@
 """Model files users bring to `tightrope run --comfyui`, each refused before training with one line naming the file
-and the fix: a scaled-fp8 checkpoint (ComfyUI's quantized layers, no LoRA target), a GGUF file given to the core
-UNETLoader, a checkpoint in the wrong folder, a truncated download, a safetensors file named .ckpt, keys with an
-extra prefix. All runs share one ComfyUI process (headless_batch.py)."""
+and the fix: an NVFP4 checkpoint (ComfyUI's quantized layers in a format Tightrope does not train; a scaled-fp8 one
+trains: test_comfy_scaled_fp8.py), a GGUF file given to the core UNETLoader, a checkpoint in the wrong folder, a
+truncated download, a safetensors file named .ckpt, keys with an extra prefix. All runs share one ComfyUI process
+(headless_batch.py)."""
 import json
 
 import pytest
-import torch
 from api_graph import Graph
 from comfy_env import run_headless_batch
 from safetensors.torch import load_file, save_file
+from tiny_models import write_scaled_fp8
 
 from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
 
@@ -17,15 +18,7 @@ def _models(models):
     dm = models / "diffusion_models"
     base = make_tiny_checkpoint(dm / "flux.safetensors", seed=3)
     sd = load_file(base)
-    scaled = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
-    for k, v in sd.items():
-        if v.ndim == 2:
-            scale = v.abs().max() / 448.0
-            scaled[k] = (v / scale).to(torch.float8_e4m3fn)
-            scaled[k[:-len("weight")] + "scale_weight"] = scale.reshape(()).float()
-        else:
-            scaled[k] = v.to(torch.bfloat16)
-    save_file(scaled, str(dm / "flux_scaled_fp8.safetensors"))
+    write_scaled_fp8(dm / "flux_nvfp4.safetensors", base, "nvfp4")
     save_file({f"diffusion_model.{k}": v for k, v in sd.items()}, str(dm / "flux_prefixed.safetensors"))
     data = open(base, "rb").read()
     (dm / "flux_truncated.safetensors").write_bytes(data[: len(data) // 2])
@@ -66,8 +59,8 @@ def _workflow(name: str, lora: str | None = None) -> dict:
 
 
 CASES = {  # case -> (file, exit code, what the one error line must hold)
-    "scaled_fp8": ("flux_scaled_fp8.safetensors", 2,
-                   ["flux_scaled_fp8.safetensors: its weights are stored quantized", "load the bf16 or fp16 file"]),
+    "nvfp4": ("flux_nvfp4.safetensors", 2, ["flux_nvfp4.safetensors: its weights are stored quantized as nvfp4",
+                                            "load the fp8 scaled or bf16/fp16 file of this model instead"]),
     "gguf": ("flux-Q8_0.gguf", 2, ["it is there (", "Unet Loader (GGUF)", "--custom-node"]),
     "wrong_folder": ("flux_ckpt.safetensors", 2, ["it is in ComfyUI's checkpoints folder (",
                                                    "Load Checkpoint (CheckpointLoaderSimple)"]),

@@ -4,14 +4,16 @@ files, which ComfyUI's UNETLoader reads as they are), plus a tiny TAEF1 VAE for 
 Flux comes from demo/tiny_checkpoint.py. SD3.5 (MMDiT with qk RMS norm and an attn2 block, like 3.5 medium) and
 Wan 2.1 are ~1M parameters. Lumina 2 and Qwen-Image cannot be made small: ComfyUI reads only their layer count and
 input widths from the file and fixes heads and widths, so these are one block of the real width (~400M parameters),
-written as bf16 (~0.8 GB) and meant to be loaded as fp8 (weight_dtype fp8_e4m3fn).
+written as bf16 (~0.8 GB) and meant to be loaded as fp8 (weight_dtype fp8_e4m3fn). write_scaled_fp8 makes any of them
+a "scaled fp8" file (Comfy-Org's *_fp8_scaled layout), which ComfyUI loads into its quantized layers.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
 
@@ -147,6 +149,37 @@ def write_checkpoint(path: str | os.PathLike, shapes: Shapes, seed: int = 0, dty
         tensors[name] = t.to(dtype).contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file(tensors, str(path))
+    return str(path)
+
+
+def write_scaled_fp8(path: str | os.PathLike, source: str | os.PathLike, form: str = "scaled_fp8",
+                     layers: str = "blocks.") -> str:
+    """`source`'s 2-D weights whose names contain `layers` quantized as Comfy-Org's fp8 files store them: fp8 e4m3fn
+    values with one fp32 scale per tensor (amax / 448), the rest as it was. `form` 'scaled_fp8': the older layout (a
+    `scaled_fp8` marker key, `<layer>.scale_weight`), which ComfyUI converts on load (comfy/utils.convert_old_quants)
+    into 'comfy_quant': per layer `<layer>.weight_scale` and a `<layer>.comfy_quant` JSON tensor {"format":
+    "float8_e4m3fn"}, what ComfyUI 0.33 detects as quantization metadata (comfy/utils.detect_layer_quantization).
+    'nvfp4': the same metadata naming NVFP4 (4-bit, block scales), which Tightrope refuses."""
+    out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)} if form == "scaled_fp8" else {}
+    for k, v in load_file(str(source)).items():
+        if v.ndim != 2 or not k.endswith(".weight") or layers not in k:
+            out[k] = v
+            continue
+        layer = k[:-len(".weight")]
+        if form == "nvfp4":
+            rows, cols = v.shape
+            out[k] = torch.zeros(rows, cols // 2, dtype=torch.uint8)  # two 4-bit values a byte
+            out[f"{layer}.weight_scale"] = torch.ones(rows, cols // 16).to(torch.float8_e4m3fn)
+            out[f"{layer}.weight_scale_2"] = torch.ones(())
+        else:
+            scale = (v.abs().max().float() / 448.0).reshape(())
+            out[k] = (v.float() / scale).to(torch.float8_e4m3fn)
+            out[f"{layer}.{'scale_weight' if form == 'scaled_fp8' else 'weight_scale'}"] = scale
+        if form != "scaled_fp8":
+            conf = json.dumps({"format": "nvfp4" if form == "nvfp4" else "float8_e4m3fn"}).encode()
+            out[f"{layer}.comfy_quant"] = torch.tensor(list(conf), dtype=torch.uint8)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(out, str(path))
     return str(path)
 
 

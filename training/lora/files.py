@@ -33,7 +33,7 @@ from .algorithms import layer_algorithm
 from .layers import ADAPTER, LoraSpec, inject_lora, lora_layers, lora_state, remove_lora
 from .dora_scale import DORA_FOR, META_KEY, BaseWeight, base_weight_of, check_dora_for
 from .lycoris import check_file_algorithm, file_tensors, load_into
-from .targets import LoraError
+from .targets import LoraError, is_linear
 
 PREFIX = "diffusion_model."  # ComfyUI maps "diffusion_model.<m>" to the weight "diffusion_model.<m>.weight"
 LORA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -236,7 +236,7 @@ def load_lora_file_into(module: nn.Module, path: str | os.PathLike) -> int:
     layers = lora_layers(module)
     if not layers:
         raise LoraError(f"{type(module).__name__} has no LoRA layers: inject_lora(module, spec, family) first")
-    linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
+    linear = {n for n, m in module.named_modules() if is_linear(m)
               and ".base_layer" not in n and ".lora_" not in n} | set(layers)
     tensors, meta = _diffusion_model_part(*read_lora_file(path), path)
     if layer_algorithm(next(iter(layers.values()))) != "lora":

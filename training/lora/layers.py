@@ -21,6 +21,7 @@ from torch import nn
 from ...memory.config_base import ConfigBase
 from .algorithms import ADAPTER, PEFT_LAYERS, adapter_parameters, check_algorithm, check_base_weights, \
     layer_algorithm, merged_weight, peft_config
+from .quantized_linear import check_quantized_targets, register_quantized_targets
 from .targets import PRESETS, LoraError, linear_layer_names, matching_linear_layers, target_regex_for
 
 __all__ = ["LoraSpec", "LoraError", "inject_lora", "remove_lora", "merge_and_remove_lora", "lora_layers",
@@ -156,9 +157,11 @@ def inject_lora(module: nn.Module, spec: LoraSpec, family: str) -> list[str]:
         raise LoraError(f"{type(module).__name__} already has LoRA layers: call remove_lora(module) before "
                         "injecting another LoRA")
     names = targeted_layers(module, spec, family)
+    check_quantized_targets(module, names, spec.algorithm)
     check_base_weights(module, names, spec.algorithm)
     flags = {n: p.requires_grad for n, p in module.named_parameters()}
     config = peft_config(spec, target_regex_for(family, spec.targets, spec.target_regex))
+    register_quantized_targets(config, module, names)
     _FLAGS_BEFORE[module] = flags
     try:
         inject_adapter_in_model(config, module, adapter_name=ADAPTER)

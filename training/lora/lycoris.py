@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from . import dora_scale
 from .algorithms import ADAPTER, NAMES, adapter_parameters, layer_algorithm
-from .targets import LoraError
+from .targets import LoraError, is_linear
 
 PREFIX = "diffusion_model."
 _STRIPPED_PREFIXES = (PREFIX, "base_model.model.")  # ours; peft's PeftModel
@@ -136,7 +136,7 @@ def load_into(module: nn.Module, layers: dict[str, nn.Module], tensors: dict[str
     algorithm = layer_algorithm(next(iter(layers.values())))
     check_file_algorithm(tensors, algorithm, str(path))
     entries = file_layers(tensors, algorithm)
-    linear = {n for n, m in module.named_modules() if isinstance(m, nn.Linear)
+    linear = {n for n, m in module.named_modules() if is_linear(m)
               and ".base_layer" not in n and ".lora_" not in n} | set(layers)
     foreign = [n for n in entries if n not in linear]
     if foreign:

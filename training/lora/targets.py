@@ -3,7 +3,8 @@ module names, and matching them against a model.
 
 A preset is a regex matched with `re.fullmatch` against full module names from the transformer's root (peft's
 semantics for a string `target_modules`). Every preset stays inside the family's block list(s), and names only
-Linear layers: embedders, final layers and norms are never trained.
+Linear layers: embedders, final layers and norms are never trained. A model adapter may mark layers that are no torch
+Linear as Linear targets (ComfyUI's quantized layers: mark_quantized_linear, quantized_linear.py).
 """
 from __future__ import annotations
 
@@ -85,12 +86,32 @@ def target_regex_for(family: str, preset: str, target_regex: str | None = None) 
     return TARGET_PRESETS[family][preset]
 
 
+QUANTIZED_MARK = "_tightrope_quantized_linear"  # on a layer instance: its weight format, for messages
+
+
+def mark_quantized_linear(layer: nn.Module, kind: str) -> None:
+    """Declare `layer` (in_features, out_features, a forward computing the linear map) a LoRA target although it is
+    no torch Linear: a quantized layer whose weight only its own forward reads (quantized_linear.py); `kind` names
+    its weight format in messages."""
+    setattr(layer, QUANTIZED_MARK, kind)
+
+
+def quantized_kind(layer: nn.Module) -> str | None:
+    """The weight format of a layer marked by mark_quantized_linear, or None for any other module."""
+    return getattr(layer, QUANTIZED_MARK, None)
+
+
+def is_linear(layer: nn.Module) -> bool:
+    """A torch Linear, or a layer a model adapter marked as a quantized Linear."""
+    return isinstance(layer, nn.Linear) or quantized_kind(layer) is not None
+
+
 def matching_linear_layers(module: nn.Module, regex: str) -> list[str]:
     """Names of the modules that `regex` fully matches, in model order; every one must be a Linear layer."""
     names = []
     for name, m in module.named_modules():
         if name and re.fullmatch(regex, name):
-            if not isinstance(m, nn.Linear):
+            if not is_linear(m):
                 raise LoraError(f"LoRA target regex {regex!r} matches {name!r}, a {type(m).__name__}: LoRA goes on "
                                  "Linear layers only; make target_regex match the Linear layers inside it "
                                  f"(e.g. {name + '.0'!r} or {name + '.qkv'!r})")
@@ -100,6 +121,6 @@ def matching_linear_layers(module: nn.Module, regex: str) -> list[str]:
 
 def linear_layer_names(module: nn.Module, limit: int | None = None) -> list[str]:
     """The model's Linear layer names (for error messages), those inside blocks first."""
-    names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n, m in module.named_modules() if is_linear(m)]
     names.sort(key=lambda n: not re.search(r"\.\d+\.", n))  # stable: model order within each group
     return names[:limit] if limit else names

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ...memory.tensor_kinds import alias_like, keeps_bytes
+from ...memory.tensor_kinds import PackedWrapper, alias_like, keeps_bytes
 from ..lora.layers import LoraSpec, inject_lora, load_lora_state, merge_and_remove_lora
 from .reference_flux import PATCH, Flux
 from .training_only import TrainingOnly
@@ -123,9 +123,11 @@ def ordinary_alias(t: torch.Tensor) -> torch.Tensor:
     """An ordinary (non-inference) tensor sharing `t`'s storage, a Parameter if `t` is one. Made outside inference
     mode, it can be saved for backward; it costs no memory. A storage subclass (ComfyUI-GGUF's GGMLTensor) keeps its
     class and attributes (memory/tensor_kinds.py); wrapper subclasses and meta tensors cannot be aliased that way and
-    are copied."""
+    are copied, except a traceable wrapper (ComfyUI's QuantizedTensor), rebuilt over aliases of its inner tensors."""
     data = t.data
-    if keeps_bytes(data) and data.device.type != "meta":
+    if PackedWrapper.packs(data):
+        out = PackedWrapper.of(data, ordinary_alias).unpack(lambda x: x)
+    elif keeps_bytes(data) and data.device.type != "meta":
         out = torch.empty(0, dtype=data.dtype, device=data.device)
         out.set_(data.untyped_storage(), data.storage_offset(), data.size(), data.stride())
         out = alias_like(t, out)

@@ -17,7 +17,10 @@ output, i.e. the flow-matching velocity (noise - x0); conditioning is built by t
 samplers build it (guidance for Flux-dev, num_tokens for Lumina 2, ...). Only flow models (CONST sampling) train.
 
 Base weights may be fp8 (UNETLoader weight_dtype fp8_*): ComfyUI picks manual-cast ops for them, which upcast each
-layer's weight to the activation dtype in its forward; the LoRA stays fp32 (see lora.inject_lora).
+layer's weight to the activation dtype in its forward; the LoRA stays fp32 (see lora.inject_lora). A "scaled fp8" /
+fp8-mixed file loads into ComfyUI's mixed-precision layers (no torch Linear, QuantizedTensor weights): they are marked
+as LoRA targets (lora/quantized_linear.py) and their weights unwrapped into plain parameters (comfy_quant.py); other
+quantized formats are refused.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ import comfy.utils
 
 from ...memory.blocks import MUTATES_INPUTS, discover_blocks
 from ...memory.norms import layer_norm, upcasts
-from ..lora.targets import LoraError
+from ..lora.targets import LoraError, mark_quantized_linear
 from .adapter import ordinary_alias
+from .comfy_quant import unwrap_quantized_weights
 from .comfy_dynamic_vram import cast_to_model_dtypes, drop_dynamic_vram_state, share_dynamic_vram_state
 from .comfy_flux_chunks import register_comfy_flux_chunks
 from ..timesteps import shift_of_schedule
@@ -106,20 +110,48 @@ def _guard_in_place_residuals(module: nn.Module) -> None:
                 m.forward = guarded(m, m.forward)
 
 
-def _refuse_quantized_layers(diffusion_model: nn.Module, source: str) -> None:
-    """ComfyUI loads a "scaled fp8" file (a `scaled_fp8` key and per-layer `.scale_weight`) or one with quantization
-    metadata (`.comfy_quant`/`.weight_scale`: fp8 "mixed"/"scaled", NVFP4, MXFP8) with its mixed-precision layers, whose
-    weights are QuantizedTensors and which are no torch Linear: LoRA cannot go on them (the target check said "a
-    Linear: LoRA goes on Linear layers only", wrong advice). Refused here, naming the file and what to load instead."""
+TRAINABLE_QUANT = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's fp8 formats with a per-tensor scale
+
+
+def _quantized_layers(diffusion_model: nn.Module) -> dict[str, str]:
+    """ComfyUI's mixed-precision layers (a "scaled fp8" file: a `scaled_fp8` key and per-layer `.scale_weight`, or
+    quantization metadata: `.comfy_quant`/`.weight_scale`), by name -> their weight format."""
+    out = {}
     for name, m in diffusion_model.named_modules():
         quant = getattr(m, "quant_format", None)
-        if quant is None and not type(getattr(m, "weight", None)).__name__ == "QuantizedTensor":
+        if quant is not None or type(getattr(m, "weight", None)).__name__ == "QuantizedTensor":
+            out[name] = quant or "quantized"
+    return out
+
+
+def _refuse_quantized_layers(diffusion_model: nn.Module, source: str) -> None:
+    """Quantized layers train a LoRA (quantized_linear.py) when their weights are fp8 with a per-tensor scale (a
+    'scaled fp8' or 'fp8 mixed' file); other formats (NVFP4, MXFP8, INT8, W4A4/W4A8) are refused here, naming the
+    file, the format and what to load instead."""
+    for name, quant in _quantized_layers(diffusion_model).items():
+        if quant in TRAINABLE_QUANT:
             continue
-        raise ConfigError(f"{source}: its weights are stored quantized with per-layer scales ({quant or 'quantized'}, "
-                          f"e.g. layer {name!r}: a 'scaled fp8', 'fp8 mixed' or NVFP4/MXFP8 file), which ComfyUI "
-                          "loads into its own quantized layers that Tightrope cannot train a LoRA on: load the bf16 "
-                          "or fp16 file of this model instead (with weight_dtype fp8_e4m3fn in Load Diffusion Model "
-                          "to hold it in 8 bits), or a GGUF file through ComfyUI-GGUF")
+        raise ConfigError(f"{source}: its weights are stored quantized as {quant} (e.g. layer {name!r}), which "
+                          f"Tightrope cannot train a LoRA on (it trains on {' and '.join(TRAINABLE_QUANT)} 'scaled "
+                          "fp8' / 'fp8 mixed' files): load the fp8 scaled or bf16/fp16 file of this model instead "
+                          "(with weight_dtype fp8_e4m3fn in Load Diffusion Model to hold it in 8 bits), or a GGUF "
+                          "file through ComfyUI-GGUF")
+
+
+def _mixed_precision_linear(m: nn.Module) -> bool:
+    """A Linear of ComfyUI's mixed-precision ops (comfy.ops.mixed_precision_ops: a torch Module, not nn.Linear),
+    quantized or not (a quantized file may keep some layers in bf16)."""
+    import comfy.ops
+    return isinstance(m, comfy.ops.CastWeightBiasOp) and not isinstance(m, nn.Linear) and \
+        type(m).__name__ == "Linear" and hasattr(m, "in_features")
+
+
+def _mark_quantized_layers(module: nn.Module) -> None:
+    """Mark the training copy's mixed-precision Linear layers as LoRA targets (quantized_linear.py: their own forward
+    computes the base output), by their weight format."""
+    for m in module.modules():
+        if _mixed_precision_linear(m):
+            mark_quantized_linear(m, getattr(m, "quant_format", None) or f"unquantized {m.weight.dtype}")
 
 
 def _first_linear_in_features(module: nn.Module, path: str) -> int:
@@ -129,7 +161,7 @@ def _first_linear_in_features(module: nn.Module, path: str) -> int:
         sub = module.get_submodule(path)
     except AttributeError:
         return 0
-    return next((m.in_features for m in sub.modules() if isinstance(m, nn.Linear)), 0)
+    return next((m.in_features for m in sub.modules() if isinstance(m, nn.Linear) or _mixed_precision_linear(m)), 0)
 
 
 class ComfyModelAdapter:
@@ -207,6 +239,8 @@ class ComfyModelAdapter:
             comfy.utils.set_attr_param(module, key[len(PREFIX):], weight)
         if dynamic:
             cast_to_model_dtypes(module)
+        _mark_quantized_layers(module)  # after the patches: a patched quantized weight is ComfyUI's requantized one
+        unwrap_quantized_weights(module)
         return module
 
     def sampling_shift(self) -> float:
