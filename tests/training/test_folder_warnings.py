@@ -81,8 +81,9 @@ def test_a_skipped_copy_is_not_named(tmp_path):
 
 def test_finding_copies_reads_no_image_more_than_the_encoding_does(tmp_path, monkeypatch):
     """The check hashes nothing of its own: each image's bytes are read once a load (the latent cache key is their
-    sha256), with copies or without, on a first load and on one whose latents are all cached; the header reads
-    (upscale, animation and bucket checks) read no whole file."""
+    sha256), with copies or without, on a first load and on one whose latents are all cached (these images were
+    just written, so the hash index does not vouch for them yet: test_image_hashes.py has a load that reads none);
+    the header reads (upscale, animation and bucket checks) read no whole file."""
     root = tmp_path / "data"
     for i in range(6):
         _image(root / f"{i}.png", (40 * i, 0, 0), f"image {i}")

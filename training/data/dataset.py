@@ -2,7 +2,7 @@
 
 Every image is encoded once into a latent and every distinct caption once into (context, pooled). With
 a cache_dir these go to disk as safetensors keyed by what determines them:
-    latent: sha256(file bytes) + image encoder cache_id + bucket resolution + preprocessing version
+    latent: sha256(file bytes; image_hashes.py) + image encoder cache_id + bucket resolution + preprocessing version
     text:   caption + text encoder cache_id
 so a second run (or a resumed one) skips encoding, and an edited image or caption gets a new key. The
 dataset then keeps only paths and reads each tensor when a batch needs it, so a large T5 context per
@@ -32,6 +32,7 @@ from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
 from .cache_files import cached_shapes as _cached_shapes, mark_used
 from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_duplicates, warn_upscaled
+from .image_hashes import ImageHashes
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, image_to_tensor, load_image, no_usable_images,
                            read_image_header, read_image_size, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
@@ -69,16 +70,17 @@ def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
 
 
-def _warn_from_headers(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> None:
+def _warn_from_headers(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> dict[Path, tuple[int, int]]:
     """From the images' headers, before any encoding: the images that fitting to their bucket enlarges more than
     UPSCALE_WARNING_FACTOR (path, factor), and those with several frames (an image that cannot be read is the
-    encoding's to report)."""
-    upscaled, animated = [], []
+    encoding's to report). Returns the sizes read (path -> read_image_size's), for the images the hash index knows."""
+    upscaled, animated, sizes = [], [], {}
     for entry in entries:
         try:
             size, frames = read_image_header(entry.path, max_pixels=max_image_pixels)
         except (DatasetError, OSError):
             continue
+        sizes[entry.path] = size
         bucket = choose_bucket(*size, max_pixels, multiple)
         factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
         if factor > UPSCALE_WARNING_FACTOR:
@@ -87,12 +89,14 @@ def _warn_from_headers(entries, max_pixels: int, multiple: int, max_image_pixels
             animated.append(entry.path)
     warn_upscaled(upscaled)
     warn_animated(animated)
+    return sizes
 
 
 class TrainingDataset(EpochBatches):
     """Encoded images + caption embeddings, batched by bucket (batching.py).
 
-    Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits.
+    Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits,
+    hashed_images (read whole and hashed: the others' hashes came from the index).
     """
 
     def __init__(self, folder: str | Path, image_encoder: ImageEncoder, text_encoder: TextEncoder, *,
@@ -126,14 +130,16 @@ class TrainingDataset(EpochBatches):
         self._empty_text = text_index.get("")
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
-        _warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
+        sizes = _warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
         samples, repeats, problems, copies = [], [], [], {}  # copies: the images' sha256 -> (path, repeats)
+        hashes = ImageHashes(self.cache_dir)  # each image's sha256 from the last load where its file is unchanged
         for k, entry in enumerate(entries):
             if progress is not None and k:
                 progress(k, len(entries))
             try:
                 latent, shape, weights, digest = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
-                                                                    max_image_pixels, masks.get(entry.path))
+                                                                    max_image_pixels, masks.get(entry.path), hashes,
+                                                                    sizes.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
@@ -146,6 +152,8 @@ class TrainingDataset(EpochBatches):
         if not samples:
             raise no_usable_images(Path(folder), len(entries), problems)
         warn_duplicates(copies)  # from the hashes the cache keys need: no image is read for it
+        hashes.save(Path(folder).expanduser())
+        self.hashed_images = hashes.hashed
         self._finish(samples, repeats)
 
     @classmethod
@@ -240,16 +248,13 @@ class TrainingDataset(EpochBatches):
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
-                      mask: MaskSource | None = None) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None,
-                                                               str]:
-        """(latent, its shape, its loss mask) as tensors or their cache file, and the sha256 of the image file."""
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
-        size = read_image_size(path, data=data, max_pixels=max_image_pixels)
+                      mask: MaskSource | None, hashes: ImageHashes, size: tuple[int, int] | None = None,
+                      trust: bool = True) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None, str]:
+        """(latent, its shape, its loss mask) as tensors or their cache file, and the sha256 of the image file. size:
+        its header's, if read already (else read here). The file is read whole only if the index lacks its hash."""
+        digest, data = hashes.digest(path, trust=trust)  # data None: the index knew the hash; nothing was read
+        size = read_image_size(path, data=data, max_pixels=max_image_pixels) if data is not None or not size else size
         bucket = choose_bucket(*size, max_pixels, multiple)
-        digest = hashlib.sha256(data).hexdigest()
         key = _sha256(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", PREPROCESS_VERSION)
         if mask is not None:  # the mask is cached with the latent; without one the key stays as it was
             key = _sha256(key, mask.cache_key, MASK_VERSION)
@@ -259,7 +264,8 @@ class TrainingDataset(EpochBatches):
         if shapes:
             self.image_cache_hits += 1
             return cache_path, shapes["latent"], None if mask is None else cache_path, digest
-
+        if data is None:  # to be encoded: from the bytes read and hashed now, under their own key
+            return self._encode_image(path, encoder, max_pixels, multiple, max_image_pixels, mask, hashes, trust=False)
         image = fit_to_bucket(load_image(path, data=data, max_pixels=max_image_pixels), bucket)
         with torch.no_grad():
             latent = _cpu(encoder.encode(image_to_tensor(image)[None])[0]).clone()
