@@ -10,13 +10,13 @@ of one --output-dir), and one not loaded for a while still wants its entries. A 
 is encoded again on the next load, never read wrong (its name is the hash of what made it)."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from safetensors import safe_open
 
 from ..state.atomic_write import remove_stale_temporaries
 
@@ -24,13 +24,33 @@ KINDS = ("latents", "text")  # dataset.py's _cache_path: <cache_dir>/<kind>/<2 h
 DAY = 86400.0
 
 
+# bytes per element of the dtypes a cache entry holds (safetensors' names)
+_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+
+
 def cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
-    """Shapes of the named tensors in a cache file, read from its header; None if missing or unreadable. A hit marks
-    the entry as used now."""
+    """Shapes of the named tensors in a cache file, from its header alone; None if missing or not a whole, readable
+    file (then it is encoded again). The header is parsed here, not by safe_open: that maps the file, and on a cold
+    page cache its read-ahead brought every entry in whole at each load (a T5 context is megabytes). Checked as
+    safetensors checks it on load: each tensor's bytes match its dtype and shape, contiguously up to the file's end
+    (a truncated entry is encoded again, not found broken at its first training read). A hit marks it used now."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-    except Exception:  # a damaged cache entry is re-encoded, not fatal
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= _MAX_HEADER:
+                return None
+            header, size = json.loads(f.read(n)), os.fstat(f.fileno()).st_size
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        spans = sorted(tuple(v["data_offsets"]) for v in tensors.values())
+        if any(b != a for (_, a), (b, _) in zip([(0, 0)] + spans, spans)) or size != 8 + n + spans[-1][1]:
+            return None
+        for v in tensors.values():
+            begin, end = v["data_offsets"]
+            if end - begin != math.prod(v["shape"]) * _ITEM_BYTES[v["dtype"]]:
+                return None
+        shapes = {name: tuple(tensors[name]["shape"]) for name in names}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):  # damaged: encoded again
         return None
     mark_used(path)
     return shapes
