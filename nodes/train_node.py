@@ -36,6 +36,17 @@ _VALIDATION_AND_LOSS_INPUTS = {
                                                      "output folder (needs `pip install tensorboard`; empty: off)."}),
 }
 
+_RANGE = ("Timesteps trained: 0 clean .. 1 pure noise (t = sigma after the shift); each drawn timestep is scaled "
+          "into timestep_min..timestep_max (its distribution's shape kept; validation draws in it too). For a model "
+          "split into experts by noise level, train each expert's LoRA in its own range: Wan 2.2 A14B's high_noise "
+          "model 0.875 to 1, its low_noise model 0 to 0.875. 0 to 1: every timestep.")
+_TIMESTEP_RANGE_INPUTS = {
+    "timestep_min": ("FLOAT", {"default": _C.timestep_min, "min": 0.0, "max": 1.0, "step": 0.005, "round": False,
+                               "tooltip": _RANGE + " This is the low end (below timestep_max)."}),
+    "timestep_max": ("FLOAT", {"default": _C.timestep_max, "min": 0.0, "max": 1.0, "step": 0.005, "round": False,
+                               "tooltip": _RANGE + " This is the high end."}),
+}
+
 
 class TightropeTrain:
     DESCRIPTION = ("Trains the LoRA for N steps under the memory strategy, with a progress bar; interrupting saves "
@@ -112,6 +123,7 @@ class TightropeTrain:
                                               "run gives; a finished node returns its result untrained. Only from "
                                               "the same run: another input, setting or step count trains anew. "
                                               "Off: always train anew. Headless: `tightrope run --resume` decides."}),
+            **_TIMESTEP_RANGE_INPUTS,  # after every input saved workflows hold: their widget values keep their places
         }, "hidden": {"unique_id": "UNIQUE_ID"}}  # keys this node's training state file
 
     def train(self, steps, save_every, filename_prefix, device, session=None, model=None, dataset=None, lora=None,
@@ -136,18 +148,20 @@ class TightropeTrain:
 
     @classmethod
     def VALIDATE_INPUTS(cls, **inputs):
-        """Before any node trains: every widget in range (NaN included), the file name safe and its folder writable,
-        the device available, the optimizer installed and able to run on it, tensorboard installed if logs are asked
-        for (and its folder writable), under torchrun the global batch divisible by the world size, a session or
-        model, dataset and lora connected."""
+        """Before any node trains: every widget in range (NaN included), timestep_min below timestep_max, the file
+        name safe and its folder writable, the device available, the optimizer installed and able to run on it,
+        tensorboard installed if logs are asked for (and its folder writable), under torchrun the global batch
+        divisible by the world size, a session or model, dataset and lora connected."""
         prefix, device, optimizer = inputs.get("filename_prefix"), inputs.get("device"), inputs.get("optimizer")
         schedule, batch_size = inputs.get("schedule"), inputs.get("batch_size")
+        t_range = {k: inputs[k] for k in _TIMESTEP_RANGE_INPUTS if inputs.get(k) is not None}  # min < max
         log_dir = host.tensorboard_dir(inputs.get("log_dir") or "")
         return validation_result(cls, inputs, lambda: prefix is None or check_output_target(host.loras_dir(), prefix),
                                  lambda: device is None or resolve_device(device),
                                  lambda: _optimizer_runs(optimizer, device),
                                  lambda: None in (optimizer, schedule) or TrainConfig(optimizer=optimizer,
                                                                                       schedule=schedule),
+                                 lambda: TrainConfig(**t_range),
                                  lambda: log_dir is None or summary_writer_class(log_dir),
                                  lambda: not isinstance(batch_size, int) or check_batch_size(batch_size),  # torchrun
                                  lambda: _check_connected(inputs))

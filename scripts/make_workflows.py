@@ -132,7 +132,8 @@ TRAIN = {"learning_rate": 1e-3, "optimizer": "adamw", "schedule": "constant", "w
          "guidance": 1.0, "save_every": 50, "filename_prefix": "tightrope/demo_checkpoint", "device": "auto",
          "on_nonfinite": "stop"}
 TRAIN.update(ema_decay=0.0, loss="mse", huber_delta=1.0, validation_fraction=0.0, validation_every=100,
-             log_dir="", resume=True)  # added inputs (optional widgets, after the required ones), at their defaults
+             log_dir="", resume=True, timestep_min=0.0, timestep_max=1.0)  # added inputs (optional widgets, after
+# the required ones), at their defaults
 STRATEGY = {"mode": "manual", "vram_budget_gb": 0.0, "offload_fraction": 0.5, "offload_policy": "spread",
             "prefetch_depth": 1, "activation_offload": False, "checkpoint": "every_n", "checkpoint_every": 2,
             "compile": "off", "activation_memory_budget": 1.0, "compile_mode": "default", "compute_dtype": "fp32",

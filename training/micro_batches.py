@@ -49,7 +49,8 @@ def step_batches(batches: Iterator, count: int) -> list[tuple[object, float]]:
 
 
 def prepare(batch: dict, process_latents: Callable[[torch.Tensor], torch.Tensor], seed: int, share: float, *,
-            timestep_sampling: str, timestep_shift: float) -> HostInputs:
+            timestep_sampling: str, timestep_shift: float,
+            timestep_range: tuple[float, float]) -> HostInputs:
     """A read micro-batch made ready for the device: noise and timesteps of the global batch from the generator
     seeded with `seed` (this rank keeps its rows), and the noised latents. Tensors a node made under inference_mode
     cannot be saved for backward: the batch's are copied."""
@@ -60,7 +61,7 @@ def prepare(batch: dict, process_latents: Callable[[torch.Tensor], torch.Tensor]
     latents = process_latents(at_least_fp32(latents))
     n = distributed.global_batch_size(batch)
     noise = torch.randn((n, *latents.shape[1:]), generator=gen)
-    t = sample_timesteps(n, gen, kind=timestep_sampling, shift=timestep_shift)
+    t = sample_timesteps(n, gen, kind=timestep_sampling, shift=timestep_shift, t_range=timestep_range)
     (noise, t), weight = distributed.this_rank_part(batch, noise, t)
     return HostInputs(noised(latents, noise, t), t, context, pooled, latents, noise, batch.get("mask"),
                       weight * share, seed)

@@ -45,6 +45,12 @@ class TrainConfig(ConfigBase):
     """0: the shift the model samples with (ComfyUI: its model_sampling, after any ModelSampling* node; Flux and
     Qwen-Image 3.16, SD3.5 3.0, Lumina 2 6.0, Wan 2.1 8.0), resolved when the run starts (`resolved`); > 1 moves
     training towards noisier timesteps, 1.0 is none."""
+    timestep_min: float = 0.0
+    timestep_max: float = 1.0
+    """The range t is trained in (0 clean .. 1 noise, t = sigma after the shift): each drawn t is mapped linearly
+    into it (training/timesteps.py says why). For a model split into experts by noise level, each expert's LoRA
+    trains on its own: Wan 2.2 A14B text-to-video's high-noise model 0.875..1, its low-noise model 0..0.875.
+    0..1 (the default): every timestep, drawn exactly as without a range."""
     guidance: float = 1.0
     """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
     on_nonfinite: str = "stop"
@@ -76,6 +82,12 @@ class TrainConfig(ConfigBase):
         self.check_choice("timestep_sampling", self.timestep_sampling, SAMPLINGS)
         self.check_range("timestep_shift", self.timestep_shift, 0.0, 100.0,
                          "0 trains at the model's own sampling shift, 1.0 is no shift")
+        self.check_range("timestep_min", self.timestep_min, 0.0, 1.0, "0: from the clean end")
+        self.check_range("timestep_max", self.timestep_max, 0.0, 1.0, "1: up to pure noise")
+        if not self.timestep_min < self.timestep_max:
+            self.fail("timestep_max", self.timestep_max, f"is not above timestep_min={self.timestep_min!r}: the "
+                      "timestep range is empty; set timestep_min below timestep_max (Wan 2.2 A14B: 0.875 to 1 for "
+                      "its high-noise model, 0 to 0.875 for its low-noise one; 0 to 1 trains every timestep)")
         self.check_range("guidance", self.guidance, 0.0, 100.0)
         self.check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.check_number("ema_decay", self.ema_decay) != 0 and not 0 < self.ema_decay < 1:
@@ -99,3 +111,8 @@ class TrainConfig(ConfigBase):
         if self.timestep_shift != MODEL_SHIFT:
             return self
         return replace(self, timestep_shift=float(model_shift()))
+
+    @property
+    def timestep_range(self) -> tuple[float, float]:
+        """(timestep_min, timestep_max): sample_timesteps' t_range."""
+        return (self.timestep_min, self.timestep_max)

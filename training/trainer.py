@@ -194,7 +194,8 @@ def _loop(session: TrainingSession, run: _Run, parts: _RunParts) -> None:
 
     def make(batch: dict, step: int, micro: int, share: float) -> HostInputs:
         return prepare(batch, adapter.process_latents, _training_stream_seed(cfg.seed, step, micro), share,
-                       timestep_sampling=cfg.timestep_sampling, timestep_shift=cfg.timestep_shift)
+                       timestep_sampling=cfg.timestep_sampling, timestep_shift=cfg.timestep_shift,
+                       timestep_range=cfg.timestep_range)
     micro_batches = None
     try:
         # a stop landing while MicroBatches starts its worker thread (Thread.start waits for it: a signal can raise

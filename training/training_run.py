@@ -224,7 +224,8 @@ def report(session: TrainingSession, steps: int, explanation: str = "") -> str:
         lines.append(f"last step: {stats['step_time_s']:.3f} s, {_memory(stats)}, streamed "
                      f"{stats['h2d_bytes'] / 2**20:.1f} MiB")
     cfg = session.config
-    lines.append(f"timesteps: {cfg.timestep_sampling}, shift {cfg.timestep_shift:.3g}")
+    in_range = f", range {cfg.timestep_min:.4g} to {cfg.timestep_max:.4g}" if cfg.timestep_range != (0, 1) else ""
+    lines.append(f"timesteps: {cfg.timestep_sampling}, shift {cfg.timestep_shift:.3g}{in_range}")
     validation = validation_report_line(session.validation_losses)
     if validation:
         lines.append(validation)

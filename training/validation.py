@@ -109,7 +109,8 @@ class Validation:
         for i in images:  # fixed draws per image, whatever batch it lands in
             gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))
             noise.append(torch.randn(latents.shape[1:], generator=gen))
-            t.append(sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift))
+            t.append(sample_timesteps(1, gen, kind=cfg.timestep_sampling, shift=cfg.timestep_shift,
+                                      t_range=cfg.timestep_range))  # an expert's LoRA: scored where it trains
         noise, t = torch.stack(noise).to(latents.dtype), torch.cat(t)
         masks = [self.dataset.mask(i) for i in images]
         x_t, t, context, pooled, latents, noise, mask = runtime.inputs(  # the host does not wait for the GPU here

@@ -138,6 +138,11 @@ CASES += [
          lambda c: train_with(c, loss="huber", huber_delta=0.0)),
     Case("huber_delta_negative", "Huber delta < 0", TRAIN, "ConfigError", ("huber_delta=-1.0", "greater than 0"),
          lambda c: train_with(c, loss="huber", huber_delta=-1.0)),
+    Case("timestep_range_empty", "timestep range with min above max (Wan 2.2 experts)", TRAIN, "ConfigError",
+         ("timestep_max=0.875 is not above timestep_min=0.9", "set timestep_min below timestep_max"),
+         lambda c: train_with(c, timestep_min=0.9, timestep_max=0.875)),
+    Case("timestep_max_above_1", "timestep_max > 1", TRAIN, "ConfigError",
+         ("timestep_max=1.5 is out of range", "from 0.0 to 1.0"), lambda c: train_with(c, timestep_max=1.5)),
     Case("tensorboard_missing", "log_dir without tensorboard installed", TRAIN, "ConfigError",
          ("log_dir='<output>/tb'", "pip install tensorboard", "leave log_dir empty"), tensorboard_missing),
 ]

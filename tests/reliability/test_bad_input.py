@@ -158,7 +158,9 @@ def test_the_good_chain_trains_and_saves(tmp_path, monkeypatch, capsys):
                                                    "use a value in 1e-07..1.0")),
     ({"strategy_node": {"weight_dtype": "fp16"}}, ("node 6 'TightropeMemoryStrategy'", "weight_dtype='fp16'",
                                                    "set compute_dtype='fp16'")),
-], ids=["save_dotdot", "save_colon", "train2_lr_nan", "weight_fp16_compute_fp32"])
+    ({"train2": {"timestep_min": 0.9, "timestep_max": 0.875}}, ("node 8 'TightropeTrain'",
+                                                                "timestep_max=0.875 is not above timestep_min=0.9")),
+], ids=["save_dotdot", "save_colon", "train2_lr_nan", "weight_fp16_compute_fp32", "train2_empty_timestep_range"])
 def test_a_bad_value_late_in_a_chain_fails_before_any_training(tmp_path, monkeypatch, capsys, changes, words):
     code, err, trained = _run_chain_cli(tmp_path, monkeypatch, capsys, **changes)
     assert code == 2 and not trained, err  # 2: a workflow problem, found before any node ran

@@ -1,6 +1,8 @@
 """A continued or resumed session whose optimizer or LoRA algorithm changed is refused before training, naming the
 setting; a changed weight decay is applied; an update cut short by an error or a stop saves no weights of no step."""
 import dataclasses
+import json
+import warnings
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from reliability_kit import train_node, world
 from tightrope.training import trainer
 from tightrope.training.lora.layers import LoraError
 from tightrope.training.schedule_free import TRAIN_WEIGHTS
-from tightrope.training.state.resume import ResumeError, load_state, resume_session, state_path
+from tightrope.training.state.resume import NotThisRun, ResumeError, load_state, resume_session, state_path
 from tightrope.training.train_config import ConfigError
 from tightrope.training.trainer import SaveTarget, train
 
@@ -168,3 +170,32 @@ def test_a_continued_node_holding_out_a_fraction_does_not_inherit_the_validation
     second, _, _ = training_run.run_training_node(TrainConfig(batch_size=2, validation_fraction=0.25), 1,
                                                   session=first, model=None, **common)
     assert second.step == 2 and second.validation_dataset is None and len(second.validation_losses) >= 1
+
+
+def _as_before_timestep_ranges(path):
+    """The state file as a version before timestep_min/max wrote it: its config without them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    info = json.loads(meta["tightrope.resume_state"])
+    for key in ("timestep_min", "timestep_max"):
+        del info["config"][key]
+    save_file(tensors, str(path), {**meta, "tightrope.resume_state": json.dumps(info)})
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["state with a range", "state from before ranges"])
+def test_a_changed_timestep_range_is_a_changed_setting(tmp_path, before):
+    """The resume check compares the range like any setting; a state file written before the range existed was
+    trained on every timestep (0..1): resumed at 0..1 it is the same run, at another range it is not."""
+    session, path = _saved_run(tmp_path)
+    if before:
+        _as_before_timestep_ranges(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "changed training settings" warning: the same run
+        resume_session(path, session, same_run=True)
+    ranged = session.advanced(config=dataclasses.replace(session.config, timestep_min=0.875))
+    with pytest.raises(NotThisRun, match=r"timestep_min: 0\.0 -> 0\.875"):
+        resume_session(path, ranged, same_run=True)
+    with pytest.warns(UserWarning, match=r"changed training settings \(timestep_min: 0\.0 -> 0\.875\)"):
+        resume_session(path, ranged)

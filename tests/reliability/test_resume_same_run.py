@@ -83,6 +83,8 @@ def test_a_finished_node_queued_again_returns_its_result_untrained(out, comfy, m
     (dict(learning_rate=2e-3), "learning_rate: 0.001 -> 0.002"),
     (dict(steps=8), "steps: 6 -> 8"),  # the cosine schedule spans the run: 3 more steps would not give 8 steps' LoRA
     (dict(seed=1), "seed: 0 -> 1"),
+    (dict(timestep_min=0.875), "timestep_min: 0.0 -> 0.875"),  # Wan 2.2's high-noise expert's range
+    (dict(timestep_max=0.875), "timestep_max: 1.0 -> 0.875"),
 ])
 def test_another_setting_trains_anew_and_says_which(out, comfy, change, named):
     inputs = world(out)

@@ -88,3 +88,112 @@ def test_a_run_at_the_models_shift_resumes_without_a_changed_setting(tmp_path):
 def _raise_at(done, step):
     if done == step:
         raise KeyboardInterrupt
+
+
+# --- the timestep range (TrainConfig.timestep_min/max: Wan 2.2 A14B's experts) ---
+
+def _today(n, seed, kind, shift):
+    """The draw as sample_timesteps made it before ranges existed (a copy of that code, kept as the reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.rand(n, generator=gen) if kind == "uniform" else torch.sigmoid(torch.randn(n, generator=gen))
+    if shift != 1.0:
+        t = shift * t / (1 + (shift - 1) * t)
+    return t.clamp(1e-5, 1 - 1e-5), gen.get_state()
+
+
+@pytest.mark.parametrize("kind", ["uniform", "logit_normal"])
+@pytest.mark.parametrize("shift", [1.0, 3.0, 8.0])
+def test_the_default_range_draws_bit_for_bit_what_it_drew_before(kind, shift):
+    expected, state = _today(1000, 7, kind, shift)
+    for cfg in (TrainConfig(), TrainConfig(timestep_min=0, timestep_max=1)):  # ints from JSON too
+        gen = torch.Generator().manual_seed(7)
+        got = sample_timesteps(1000, gen, kind=kind, shift=shift, t_range=cfg.timestep_range)
+        assert torch.equal(got, expected) and torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "logit_normal"])
+@pytest.mark.parametrize("lo, hi, shift", [(0.875, 1.0, 8.0), (0.0, 0.875, 8.0), (0.9, 1.0, 5.0), (0.2, 0.3, 1.0)])
+def test_a_range_maps_the_shifted_draw_linearly_into_it(kind, lo, hi, shift):
+    """lo + (hi - lo) * t of the full-range draw, in float64 from the raw draw (each float32 operation rounds to
+    half an ulp of numbers <= 1, about 3e-8; the torch path has ~6 of them: 1e-6 bounds it with room); in the range
+    (never at its ends); and from exactly the draws the full range takes (the generator's state after it equal)."""
+    n = 20_000
+    gen = torch.Generator().manual_seed(3)
+    raw = (torch.rand(n, generator=gen) if kind == "uniform" else torch.randn(n, generator=gen)).double()
+    full = raw if kind == "uniform" else 1 / (1 + torch.exp(-raw))
+    full = (shift * full / (1 + (shift - 1) * full)).clamp(1e-5, 1 - 1e-5)
+    gen = torch.Generator().manual_seed(3)
+    got = sample_timesteps(n, gen, kind=kind, shift=shift, t_range=(lo, hi))
+    torch.testing.assert_close(got.double(), lo + (hi - lo) * full, rtol=0, atol=1e-6)
+    assert lo < got.min() and got.max() < hi
+    assert torch.equal(gen.get_state(), _today(n, 3, kind, shift)[1])  # same number of draws: seeds, resume exact
+
+
+def test_a_uniform_draw_stays_uniform_in_its_range():
+    """The mapped uniform draw has the uniform's mean (lo+hi)/2 and variance (hi-lo)^2/12 on the range: with 200000
+    draws the mean's standard error is (hi-lo)/sqrt(12*200000) ~ 8e-5 for 0.125; 5e-4 is 6 of them. Each tenth of
+    the range holds a tenth of the draws (binomial sd 0.00067; 0.004 is 6 of them)."""
+    lo, hi, n = 0.875, 1.0, 200_000
+    t = sample_timesteps(n, torch.Generator().manual_seed(0), kind="uniform", shift=1.0, t_range=(lo, hi)).double()
+    assert abs(t.mean().item() - (lo + hi) / 2) < 5e-4
+    assert abs(t.var().item() / ((hi - lo) ** 2 / 12) - 1) < 0.02  # relative sd of a variance estimate: ~0.003
+    share = torch.histc(t, bins=10, min=lo, max=hi) / n
+    assert (share - 0.1).abs().max() < 0.004
+
+
+@pytest.mark.parametrize("values, words", [
+    (dict(timestep_min=-0.1), "timestep_min=-0.1 is out of range: use a number from 0.0 to 1.0"),
+    (dict(timestep_max=1.5), "timestep_max=1.5 is out of range: use a number from 0.0 to 1.0"),
+    (dict(timestep_min=float("nan")), "timestep_min=nan is out of range"),
+    (dict(timestep_min=0.9, timestep_max=0.875), "timestep_max=0.875 is not above timestep_min=0.9: the timestep "
+                                                  "range is empty; set timestep_min below timestep_max"),
+    (dict(timestep_min=0.5, timestep_max=0.5), "timestep_max=0.5 is not above timestep_min=0.5"),
+    (dict(timestep_min=1.0), "timestep_max=1.0 is not above timestep_min=1.0"),
+])
+def test_bad_ranges_are_refused_naming_the_field_and_the_fix(values, words):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**values)
+    assert words in str(e.value)
+
+
+def test_a_run_in_a_range_trains_as_a_loop_drawing_t_that_way(tmp_path, monkeypatch):
+    """A run with timestep_min/max 0.875..1 equals, bit for bit, the full-range run whose every draw is mapped by
+    the plain formula lo + (hi - lo) * t (the same fp32 operations: equal, not close); every t the model saw is in
+    the range, and the range changes the run (the comparison has teeth)."""
+    from tightrope.training import micro_batches, trainer
+    lo, hi = 0.875, 1.0
+    seen, real_prepare, real_sample = [], micro_batches.prepare, micro_batches.sample_timesteps
+
+    def recording(*args, **kwargs):
+        inputs = real_prepare(*args, **kwargs)
+        seen.append(inputs.t)
+        return inputs
+    monkeypatch.setattr(trainer, "prepare", recording)
+    ranged = train(demo_session(tmp_path, timestep_min=lo, timestep_max=hi), 3, device=CPU)
+    assert len(seen) == 3 and all(((lo < t) & (t < hi)).all() for t in seen)
+    assert "timesteps: logit_normal, shift 3.16, range 0.875 to 1" in report(ranged, 3).splitlines()
+
+    def reference(n, gen, *, t_range, **kw):
+        assert t_range == (0.0, 1.0)
+        return lo + (hi - lo) * real_sample(n, gen, **kw)
+    monkeypatch.setattr(micro_batches, "sample_timesteps", reference)
+    by_hand = train(demo_session(tmp_path), 3, device=CPU)
+    monkeypatch.setattr(micro_batches, "sample_timesteps", real_sample)
+    assert ranged.losses == by_hand.losses
+    assert all(torch.equal(v, by_hand.lora_state[k]) for k, v in ranged.lora_state.items())
+    assert ranged.losses != train(demo_session(tmp_path), 3, device=CPU).losses
+    assert ranged.config.timestep_range == (lo, hi)
+
+
+def test_a_run_at_the_default_range_is_bit_for_bit_a_run_drawing_as_before(tmp_path, monkeypatch):
+    """The default 0..1 trains exactly as before ranges existed: the same losses and LoRA (compared exactly) as a run
+    whose draws come from the pre-range code (_today's copy of it)."""
+    from tightrope.training import micro_batches
+
+    def before(n, gen, *, kind, shift, t_range):
+        t = torch.rand(n, generator=gen) if kind == "uniform" else torch.sigmoid(torch.randn(n, generator=gen))
+        return (shift * t / (1 + (shift - 1) * t) if shift != 1.0 else t).clamp(1e-5, 1 - 1e-5)
+    now = train(demo_session(tmp_path), 3, device=CPU)
+    monkeypatch.setattr(micro_batches, "sample_timesteps", before)
+    then = train(demo_session(tmp_path), 3, device=CPU)
+    assert now.losses == then.losses and all(torch.equal(v, then.lora_state[k]) for k, v in now.lora_state.items())

@@ -42,6 +42,7 @@ _HISTORY = "history.json"  # the tensor holding the JSON of what grows with ever
 _META = "tightrope.resume_state"
 LORA_SHAPING = ("algorithm", "rank", "alpha", "rslora", "targets", "target_regex")  # must match to resume a LoRA
 _LORA_BEFORE = {"algorithm": "lora"}  # what a state file written before a shaping field existed was trained with
+_CONFIG_BEFORE = {"timestep_min": 0.0, "timestep_max": 1.0}  # and a setting: a range set now is a change
 
 
 class ResumeError(ValueError):
@@ -210,7 +211,7 @@ def resume_session(path: Path, session: Any, *, owner: StateOwner | None = None,
     saved = {**_LORA_BEFORE, **info["lora"]}
     optimizer = info["config"].get("optimizer", session.config.optimizer)
     now = _as_saved(session.config.to_dict())
-    diff = [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in info["config"].items() if now.get(k) != v]
+    diff = [f"{k}: {v!r} -> {now.get(k)!r}" for k, v in (_CONFIG_BEFORE | info["config"]).items() if now.get(k) != v]
     diff += [f"LoRA {k}: {v!r} -> {spec.get(k)!r}" for k, v in info["lora"].items() if spec.get(k) != v]
     if steps is not None and steps != state.run_end - state.run_start:
         diff.append(f"steps: {state.run_end - state.run_start} -> {steps}")
@@ -342,7 +343,7 @@ def _trained_config(info: dict, config: Any) -> Any:
     """The training settings a finished run's state was trained with (`config` where the file's cannot be read back:
     a state from another version)."""
     try:
-        return type(config).from_dict({**config.to_dict(), **info["config"]})
+        return type(config).from_dict({**config.to_dict(), **_CONFIG_BEFORE, **info["config"]})
     except (ValueError, TypeError):
         return config
 
