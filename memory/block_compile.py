@@ -160,7 +160,9 @@ def _check_cpp_compiler() -> None:
         return
     try:
         get_cpp_compiler()
-    except InvalidCxxCompiler:
+    except RuntimeError as e:  # InvalidCxxCompiler; on Windows torch <= 2.11 a RuntimeError from the missing cl
+        if not isinstance(e, InvalidCxxCompiler) and not isinstance(e.__cause__, FileNotFoundError):
+            raise  # not a missing compiler (e.g. MSVC without its English language pack): inductor's own words
         windows = sys.platform == "win32"
         raise StrategyError("compile=per_block builds the blocks' CPU kernels with a C++ compiler, and inductor found "
                             "none (" + ("MSVC's cl: run ComfyUI from a Developer Command Prompt of Visual Studio Build "

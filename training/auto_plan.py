@@ -22,7 +22,7 @@ from ..memory.planner import format_bytes, plan
 from ..memory.probe import probe_model
 from ..memory.strategy import Strategy, StrategyError
 from . import distributed, seeding
-from .flow_loss import flow_matching_loss, noised
+from .flow_loss import at_least_fp32, flow_matching_loss, noised
 from .host_optimizer import offloadable
 from .lora.layers import inject_lora, remove_lora
 from .models import adapter_for
@@ -83,6 +83,8 @@ def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.devic
     adapter = adapter_for(session.model)
     batch = session.dataset.largest_batch(cfg.batch_size)  # not a random one: a plan must fit every batch
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
+    if hasattr(adapter, "process_latents"):  # as training's (micro_batches.prepare): a video model's time axis
+        latents = adapter.process_latents(at_least_fp32(latents))
     gen = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(latents.shape, generator=gen)
     t = torch.full((latents.shape[0],), 0.5)

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
-from tiny_models import write_scaled_fp8
+from tiny_models import CHECKPOINTS, write_scaled_fp8
 
 from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
 
@@ -209,3 +209,58 @@ def test_what_stays_refused_on_a_quantized_model(tmp_path, flux):
         kind, message = r[algorithm]
         assert kind == "LoraError" and f"algorithm={algorithm!r}" in message, r[algorithm]
         assert "(float8_e4m3fn, a 'scaled fp8' / fp8-mixed model file)" in message and "use algorithm 'lora'" in message
+
+
+WAN = """
+    from pathlib import Path
+    from tightrope.demo.conditioning import demo_conditioning
+    from tightrope.memory.strategy import Strategy
+    from tightrope.training.data.builder import dataset_from_conditioning
+    from tightrope.training.lora.layers import LoraSpec
+    from tightrope.training.models.comfy import ComfyModelAdapter
+    from tightrope.training.strategy_choice import AutoStrategy
+    from tightrope.training.train_config import TrainConfig
+    from tightrope.training.training_run import run_training_node
+    path, loras = ARGS
+    with torch.inference_mode():
+        p = comfy.sd.load_diffusion_model(path)
+    out = {"ffn2": type(p.model.diffusion_model.blocks[0].ffn[2].weight).__name__}
+    with ComfyModelAdapter(p).training_module() as module:
+        out["copy_ffn2"] = type(module.blocks[0].ffn[2].weight).__name__  # a rebuilt QuantizedTensor, not a parameter
+        out["copy_params"] = sorted(n for n, _ in module.blocks[0].ffn[2].named_parameters())
+    runs = {}
+    for name, strategy in {"resident": Strategy.of(compute_dtype="fp32"),
+                           "offload": Strategy.of(compute_dtype="fp32", offload_fraction=1.0,
+                                                  activation_offload=True, checkpoint="all"),
+                           "auto": AutoStrategy(vram_budget_gb=1.0)}.items():
+        cond = demo_conditioning(p, "a red circle", 8, 0)
+        latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))  # an image LATENT: 4-D
+        data = dataset_from_conditioning({"samples": latents}, cond)
+        with torch.inference_mode():
+            runs[name] = run_training_node(TrainConfig(learning_rate=1e-2, seed=0), 2, session=None, model=p,
+                                           dataset=data, lora=LoraSpec(rank=4, targets="attention_mlp"),
+                                           strategy=strategy, device="cpu", save_dir=Path(loras),
+                                           filename_prefix=name, save_every=0, progress=None, should_stop=None)[0]
+    first = runs["resident"].lora_state
+    out["ffn2_trained"] = any("ffn.2" in n for n in first)
+    out["lora_equal"] = all(torch.equal(first[n], runs["offload"].lora_state[n]) for n in first)
+    out["losses"] = {k: s.losses for k, s in runs.items()}
+    result(out)
+"""
+
+
+def test_a_scaled_fp8_wan_trains(tmp_path):
+    """Wan's FFN hands its last Linear to comfy.ops.linear_input_act, which reads the layer's `.weight` before
+    calling it: the training copy's quantized layers keep that attribute (the QuantizedTensor rebuilt from their
+    parameters); it was missing (AttributeError), so no Wan fp8 scaled file trained. The planner (auto) probes it
+    with the latents training gives it: an image LATENT (4-D) with the video time axis added (it probed them 4-D:
+    a ValueError in Wan's forward, bf16 files as well)."""
+    name, writer, _ = CHECKPOINTS["wan"]
+    path = write_scaled_fp8(tmp_path / "wan_fp8_scaled.safetensors", writer(tmp_path / name))
+    r, _ = run_in_comfyui(tmp_path, WAN, path, tmp_path / "loras", env=tightrope_env(tmp_path))
+    print(f"\n{json.dumps(r, indent=1)}")
+    assert r["ffn2"] == r["copy_ffn2"] == "QuantizedTensor"
+    assert "weight_qdata" in r["copy_params"] and "weight" not in r["copy_params"]  # still plain parameters
+    assert r["ffn2_trained"] and r["lora_equal"]
+    assert all(len(losses) == 2 and all(v == v for v in losses) for losses in r["losses"].values()), r["losses"]
+    assert set(r["losses"]) == {"resident", "offload", "auto"}

@@ -131,6 +131,24 @@ def test_stale_temp_files_are_removed_with_delete(tmp_path):
     assert not temp.exists() and not folder.exists()
 
 
+def test_a_wrong_folder_keeps_what_is_not_named_as_a_cache_entry(two_datasets, capsys):
+    """Only <2 hex>/<64 hex>.safetensors under latents/ and text/ are the cache's (dataset.py's names): a folder given
+    by mistake (the user's own latents/<run>/*.safetensors) keeps its files, even with --delete --older-than 0."""
+    _a, _b, cache, _old_a, _other = two_datasets
+    ab = cache / "latents" / "ab"
+    own = [cache / "latents" / "my_run" / "video_0001.safetensors", cache / "text" / "prompts" / "t5.safetensors",
+           ab / "notes.safetensors", ab / ("cd" + "0" * 62 + ".safetensors")]
+    for path in own:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"mine")
+    _age(own, 40)
+    n = len(entries(cache))
+    assert n > 0 and not {e.path for e in entries(cache)} & set(own)
+    assert cli.main(["cache", str(cache), "--older-than", "0", "--delete"]) == 0
+    assert f"{n} entries" in capsys.readouterr().err
+    assert entries(cache) == [] and all(path.exists() for path in own)
+
+
 def test_bad_cache_command_inputs_name_the_input(tmp_path, capsys):
     assert cli.main(["cache", str(tmp_path / "nope")]) == 2
     assert f"cache folder '{tmp_path / 'nope'}' does not exist" in capsys.readouterr().err

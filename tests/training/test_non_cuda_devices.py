@@ -109,6 +109,29 @@ def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(mo
     block_compile.check_compiler(Strategy.of(compile="off").compiler, CPU)
 
 
+def test_compile_on_windows_without_cl_is_refused_under_an_older_torch_too(monkeypatch):
+    """torch 2.11 and older say a missing cl on Windows with a RuntimeError raised from the FileNotFoundError of
+    running it (cpp_builder.check_compiler_exist_windows), not InvalidCxxCompiler: refused all the same. Another
+    RuntimeError of that search (MSVC without its English language pack) stays inductor's own."""
+    from torch._inductor import cpp_builder
+    from tightrope.memory import block_compile
+    from tightrope.memory.strategy import StrategyError
+    per_block = Strategy.of(compile="per_block").compiler
+
+    def fails(message, cause):
+        def search():
+            raise RuntimeError(message) from cause
+        return search
+    monkeypatch.setattr(block_compile.sys, "platform", "win32")
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", fails("Compiler: cl is not found.", FileNotFoundError(2)))
+    with pytest.raises(StrategyError, match=r"inductor found none \(MSVC's cl: run ComfyUI from a Developer Command"):
+        block_compile.check_compiler(per_block, CPU)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", fails("Torch.compile() is only support MSVC with English "
+                                                                 "language pack", None))
+    with pytest.raises(RuntimeError, match="English language pack"):
+        block_compile.check_compiler(per_block, CPU)
+
+
 def test_an_old_gpu_with_triton_installed_is_told_its_capability_not_to_install_triton(monkeypatch):
     """torch's has_triton() is False on a GPU below capability 7.0 even with Triton installed: a GTX 1080 with Triton
     was told to install Triton. Simulated where torch reads it (the package, the current GPU's properties), not by

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -71,15 +72,29 @@ class Entry:
     last_used: float  # its modification time: written or last loaded then
 
 
+_FAN_OUT = re.compile(r"[0-9a-f]{2}")
+
+
+def _is_entry(fan_out: str, name: str) -> bool:
+    """Whether `name` in folder `fan_out` is named as dataset.py names an entry: <key[:2]>/<key>.safetensors, the key
+    a sha256 hex. Nothing else there is the cache's (a folder given by mistake keeps its own files)."""
+    key = name[:-len(".safetensors")]
+    return name.endswith(".safetensors") and len(key) == 64 and key.startswith(fan_out) and \
+        re.fullmatch(r"[0-9a-f]{64}", key) is not None
+
+
+def _fan_outs(cache_dir: str | Path, kind: str) -> list[os.DirEntry]:
+    return [d for d in _scandir(Path(cache_dir) / kind)
+            if _FAN_OUT.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+
+
 def entries(cache_dir: str | Path) -> list[Entry]:
     """Every entry of the cache folder (an unreadable or missing folder has none), sorted by path."""
     found = []
     for kind in KINDS:
-        for fan_out in _scandir(Path(cache_dir) / kind):
-            if not fan_out.is_dir(follow_symlinks=False):
-                continue
+        for fan_out in _fan_outs(cache_dir, kind):
             for entry in _scandir(Path(fan_out.path)):
-                if entry.name.endswith(".safetensors") and not entry.name.startswith("."):
+                if _is_entry(fan_out.name, entry.name):
                     try:
                         stat = entry.stat(follow_symlinks=False)
                     except OSError:  # removed meanwhile
@@ -144,13 +159,12 @@ def prune(cache_dir: str | Path, older_than_days: float, *, delete: bool, now: f
         except OSError:  # gone meanwhile, or not ours to delete
             continue
     for kind in KINDS:
-        for fan_out in _scandir(Path(cache_dir) / kind):
-            if fan_out.is_dir(follow_symlinks=False):
-                remove_stale_temporaries(fan_out.path, older_than=cutoff)
-                try:
-                    os.rmdir(fan_out.path)  # an emptied fan-out folder
-                except OSError:
-                    pass
+        for fan_out in _fan_outs(cache_dir, kind):
+            remove_stale_temporaries(fan_out.path, older_than=cutoff)
+            try:
+                os.rmdir(fan_out.path)  # an emptied fan-out folder
+            except OSError:
+                pass
     return removed
 
 

@@ -48,6 +48,7 @@ def unwrap_quantized_weights(module: nn.Module) -> int:
                                                                    requires_grad=False))
         layer._full_precision_mm = True
         layer.forward = functools.partial(_forward, layer, type(layer).forward)
+        layer.__class__ = _with_weight_attribute(type(layer))
         count += 1
     return count
 
@@ -56,6 +57,20 @@ def quantized_weight(layer: nn.Module) -> torch.Tensor:
     """The QuantizedTensor of an unwrapped layer, built from the parameters it holds now."""
     cls, context, names, size, stride = getattr(layer, _PARTS)
     return cls.__tensor_unflatten__({n: layer._parameters[f"weight{n}"] for n in names}, context, size, stride)
+
+
+@functools.cache
+def _with_weight_attribute(cls: type) -> type:
+    """`cls` whose instances still have a `weight` attribute outside their forward: the QuantizedTensor built from
+    the parameters they hold (ComfyUI reads it so: Wan's FFN passes its last Linear to comfy.ops.linear_input_act,
+    which reads `.weight` and calls the layer). A fallback lookup (`__getattr__`): in forward, the instance's own
+    attribute set there is found first."""
+    def __getattr__(self, name):
+        if name == "weight" and _PARTS in self.__dict__:
+            return quantized_weight(self)
+        return cls.__getattr__(self, name)
+    return type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _forward(layer: nn.Module, forward, *args, **kwargs):
