@@ -99,12 +99,14 @@ def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(mo
         raise exc.InvalidCxxCompiler("cl")
     if platform == "win32":
         monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_cl)
-    else:
-        monkeypatch.setattr(config.cpp, "cxx", ("tightrope-no-such-g++",))
     monkeypatch.setattr(block_compile.sys, "platform", platform)
-    with pytest.raises(StrategyError, match=r"compile=per_block builds the blocks' CPU kernels with a C\+\+ compiler, "
-                                            rf"and inductor found none \({advice}.*set the Memory Strategy's compile"):
+    # inductor's own patch (monkeypatch's undo of a config attribute deleted it: later compiles failed)
+    refusal = (r"compile=per_block builds the blocks' CPU kernels with a C\+\+ compiler, and inductor found none "
+               rf"\({advice}.*set the Memory Strategy's compile")
+    with config.patch({"cpp.cxx": ("tightrope-no-such-g++",)} if platform != "win32" else {}), \
+            pytest.raises(StrategyError, match=refusal):
         runtime.MemoryRuntime(demo_model(), Strategy.of(compile="per_block"), "cpu")
+    assert config.cpp.cxx != ("tightrope-no-such-g++",)
     block_compile.check_compiler(Strategy.of(compile="per_block", compile_backend="aot_eager").compiler, CPU)
     block_compile.check_compiler(Strategy.of(compile="off").compiler, CPU)
 
