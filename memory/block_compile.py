@@ -140,9 +140,9 @@ def _own_code(fn: Callable) -> Callable:
     return own
 
 
-def compile_block(forward: Callable, config: CompileConfig) -> Callable:
-    return torch.compile(_own_code(forward), backend=_backend(config.backend, config.activation_memory_budget,
-                                                              config.mode))
+def compile_block(forward: Callable, config: CompileConfig, fullgraph: bool = False) -> Callable:
+    return torch.compile(_own_code(forward), fullgraph=fullgraph,
+                         backend=_backend(config.backend, config.activation_memory_budget, config.mode))
 
 
 def compiled_graph_count() -> int:

@@ -23,7 +23,7 @@ KNOWN_BLOCK_LISTS: tuple[tuple[str, ...], ...] = (
 
 
 # A block module with this attribute set True adds to its input tensors in place (ComfyUI's: `x += ...`); its adapter
-# sets it. Per-block compile then lets the graph work on copies of the inputs (runtime._cloning_inputs).
+# sets it. Per-block compile then lets the graph work on copies of the inputs (memory/mutating_blocks.py).
 MUTATES_INPUTS = "tightrope_mutates_inputs"
 
 

@@ -39,6 +39,7 @@ from .host_memory import release_freed_host_memory
 from .devices import normalize_device
 from .layer_offload import LayerOffload, WeightRef, in_backward
 from .memory_model import WeightSizes, measure_weight_sizes, predict_resident_weight_bytes
+from .mutating_blocks import MutatingBlock, cloning_inputs
 from .input_copies import InputCopies
 from .offload_selection import check_streamable, select_offloaded
 from .sharding import BlockSharding
@@ -203,13 +204,15 @@ class MemoryRuntime:
         previous = module.__dict__.get("forward")
         inner: Callable = module.forward
         if compiled:  # a checkpointed block's inputs are cloned by checkpointed_call already
-            cloning = getattr(module, MUTATES_INPUTS, False) and not checkpointed
-            inner = compile_block(_cloning_inputs(inner) if cloning else inner, self.strategy.compiler)
+            if getattr(module, MUTATES_INPUTS, False) and not checkpointed:
+                inner = MutatingBlock(inner, self.strategy.compiler, type(module))  # on copies of its inputs
+            else:
+                inner = compile_block(inner, self.strategy.compiler)
         elif chunked is not None:
             # the chunked forward never changes its inputs (token_chunks.py), so the checkpoint keeps no copy of them
             # (one whole-sequence tensor more at the block's backward peak); the block's own forward, which it
             # falls back to for arguments it does not support, may add residuals in place: that one works on copies
-            plain = _cloning_inputs(inner) if checkpointed else inner
+            plain = cloning_inputs(inner) if checkpointed else inner
             ctx = self._chunk_context(index, plain, own_checkpoint=checkpointed)
             inner = lambda *args, **kwargs: chunked(module, ctx, *args, **kwargs)  # noqa: E731
         # a compiled block copies every input, as its graphs were compiled for (inputs that stopped being copies after
@@ -376,16 +379,3 @@ def _check_fp32_fits(model: nn.Module) -> None:
         raise StrategyError(f"compute_dtype='fp32' with weight_dtype='auto' keeps this model's {dtype} weights (e.g. "
                             f"{half[0]!r}), which its layers cannot multiply with fp32 activations: set weight_dtype="
                             f"'fp32' to train in fp32 (twice the weight memory), or compute_dtype={short!r}")
-
-
-def _cloning_inputs(fn: Callable) -> Callable:
-    """fn on copies of its tensor arguments, made inside the compiled graph, for blocks marked MUTATES_INPUTS. The
-    partitioner saves a graph input rather than a copy of it (it costs no memory), so a block that adds a residual
-    in place to its input (ComfyUI's Flux: `x += ...`) changed a tensor saved for backward (autograd: "modified by an
-    inplace operation"). Only for those blocks: a copy changes what the partitioner saves under a memory budget.
-    Also the fallback of a checkpointed token-chunked block to its own forward (the checkpoint itself clones nothing
-    there)."""
-    def cloned(*args, **kwargs):
-        return fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args),
-                  **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-    return cloned

@@ -3,7 +3,7 @@ import pytest
 import torch
 from two_stream import make_batch, make_lora_model, train_steps
 
-from tightrope.memory import block_compile
+from tightrope.memory import block_compile, mutating_blocks
 from tightrope.memory.blocks import MUTATES_INPUTS
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
@@ -159,6 +159,7 @@ def test_compiled_blocks_that_add_residuals_in_place_train_without_checkpointing
             model(x.clone(), vec).square().sum().backward()
             assert (rt.counters()["graphs"] > 0) == compiled
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert _InPlaceResidual not in mutating_blocks._BREAKING  # one graph, the copies inside it
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)  # fp32, another operation order
 
 
@@ -295,3 +296,59 @@ def test_a_kept_graph_is_not_reused_where_hooks_inside_the_blocks_differ(monkeyp
             with MemoryRuntime(model, strategy, "cpu"):
                 got = model(x.clone(), x)
         torch.testing.assert_close(got, expected)
+
+
+class _BreakingInPlaceResidual(_InPlaceResidual):
+    """_InPlaceResidual with a graph break between its norm and its in-place residual, as ComfyUI's Flux blocks break
+    where its attention asks psutil for free memory (sub-quadratic attention: the CPU's, or --use-quad-cross-attention
+    / --use-split-cross-attention on a GPU)."""
+
+    def forward(self, x, vec):
+        shift, gate = self.mod(vec).chunk(2, -1)
+        h = self.linear(torch.nn.functional.layer_norm(x.clone(), (8,)) + shift)
+        torch._dynamo.graph_break()
+        x += gate * h
+        return x
+
+
+@pytest.mark.parametrize("offload_fraction", [0.0, 1.0])
+def test_compiled_blocks_that_break_their_graph_before_an_in_place_residual_train_as_eager(offload_fraction):
+    """A graph break inside the block splits it into graphs: the copies of its inputs are made before the break
+    (dynamo runs the cloning wrapper eagerly), the partitioner of the graph before the break saves a copy (its input,
+    free) and the graph after the break adds the residual to that same tensor (its input, copied back in place).
+    Autograd refused ("modified by an inplace operation": ComfyUI's Flux on the CPU), or, where saved-tensor hooks
+    skip its version check (layer offload's, on ComfyUI's Flux), the graph before the break ran its backward on the
+    changed tensor: wrong gradients without a word. Such a block is now compiled in pieces, on copies made eagerly
+    and saved as copies (memory/mutating_blocks.py)."""
+    g = torch.Generator().manual_seed(1)
+    x, vec = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    grads = []
+    for compiled in (False, True):
+        model = _InPlaceModel()
+        for block in model.blocks:
+            block.__class__ = _BreakingInPlaceResidual
+        strategy = Strategy.of(compile="per_block" if compiled else "off", compute_dtype="fp32",
+                               compile_backend="aot_eager_decomp_partition", offload_fraction=offload_fraction)
+        with MemoryRuntime(model, strategy, "cpu") as rt:
+            model(x.clone(), vec).square().sum().backward()
+            assert (rt.counters()["graphs"] > 0) == compiled
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert _BreakingInPlaceResidual in mutating_blocks._BREAKING  # found breaking at its whole-graph trace
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)  # fp32, another operation order
+
+
+def test_a_block_compiled_whole_runs_eagerly_past_the_recompile_limit():
+    """A block marked MUTATES_INPUTS is compiled with fullgraph=True, under which dynamo raises at its recompile limit
+    where it would otherwise run the frame eagerly: the block then runs eagerly on copies of its inputs, as before."""
+    block = _InPlaceResidual()
+    m = mutating_blocks.MutatingBlock(block.forward, Strategy.of(
+        compile="per_block", compile_backend="aot_eager_decomp_partition").compiler, _InPlaceResidual)
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+        for n in (2, 3):  # the second shape is past the limit
+            x, vec = torch.randn(n, 8, requires_grad=True), torch.randn(n, 8)
+            expected = x.detach() + 0.0
+            expected = block(expected, vec)
+            got = m(x, vec)
+            got.sum().backward()
+            assert x.grad is not None
+            torch.testing.assert_close(got, expected)

@@ -104,7 +104,7 @@ def _guard_in_place_residuals(module: nn.Module) -> None:
         return norm_forward
 
     for block in discover_blocks(module):
-        setattr(block.module, MUTATES_INPUTS, True)  # compiled blocks work on copies (memory/runtime.py)
+        setattr(block.module, MUTATES_INPUTS, True)  # compiled blocks work on copies (memory/mutating_blocks.py)
         for m in block.module.modules():
             if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm"):
                 m.forward = guarded(m, m.forward)
