@@ -36,8 +36,8 @@ _VALIDATION_AND_LOSS_INPUTS = {
                                                      "output folder (needs `pip install tensorboard`; empty: off)."}),
 }
 
-_RANGE = ("Timesteps trained: 0 clean .. 1 pure noise (t = sigma after the shift); each drawn timestep is scaled "
-          "into timestep_min..timestep_max (its distribution's shape kept; validation draws in it too). For a model "
+_RANGE = ("Timesteps trained: 0 clean .. 1 pure noise (t = sigma after the shift); timesteps are drawn from the "
+          "timestep_sampling/shift distribution restricted to timestep_min..timestep_max (validation too). For a model "
           "split into experts by noise level, train each expert's LoRA in its own range: Wan 2.2 A14B's high_noise "
           "model 0.875 to 1, its low_noise model 0 to 0.875. 0 to 1: every timestep.")
 _TIMESTEP_RANGE_INPUTS = {
@@ -69,8 +69,8 @@ class TightropeTrain:
                                                          "least memory; prodigy (prodigyopt) sets its own step size: "
                                                          "use learning_rate 1.0; adamw_schedulefree (schedulefree) "
                                                          "needs schedule constant."}),
-            "schedule": (list(SCHEDULES), {"default": _C.schedule,
-                                            "tooltip": "cosine decays the rate over this run's steps after the warmup."}),
+            "schedule": (list(SCHEDULES), {"default": _C.schedule, "tooltip": "cosine decays the rate over this "
+                                                                               "run's steps after the warmup."}),
             "warmup_steps": ("INT", {"default": _C.warmup_steps, "min": 0, "max": 100_000,
                                      "tooltip": "Linear warmup over the session's first steps."}),
             "batch_size": ("INT", {"default": _C.batch_size, "min": 1, "max": 1024,

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 SAMPLINGS = ("uniform", "logit_normal")
-FULL_RANGE = (0.0, 1.0)  # TrainConfig.timestep_min/max's defaults: t is not mapped
+FULL_RANGE = (0.0, 1.0)  # TrainConfig.timestep_min/max's defaults: every t
 MODEL_SHIFT = 0.0  # TrainConfig.timestep_shift: the shift the model samples with (TrainConfig.resolved)
 
 
@@ -17,34 +17,46 @@ def sample_timesteps(n: int, generator: torch.Generator, *, kind: str = "logit_n
     """`kind` draws t; `shift` > 1 then moves it towards noise (SD3/Flux resolution shift: s*t / (1 + (s-1)*t)).
     A shift of 0 (MODEL_SHIFT) must be resolved to the model's own first (TrainConfig.resolved).
 
-    `t_range` (lo, hi) (TrainConfig.timestep_min/max, e.g. Wan 2.2 A14B's high-noise expert (0.875, 1)) then maps
-    each t linearly into it: lo + (hi - lo) * t, as musubi-tuner's --min_timestep/--max_timestep do by default.
-    Not rejection (draw again until t falls in the range) nor truncation (clamping into it): the map keeps the
-    drawn distribution's shape, stretched over the range (a logit-normal's peak stays in the range's middle, not
-    cut off at its edge, and uniform stays uniform), where truncation piles the outside mass onto the ends and
-    rejection keeps only the part that falls in, at the cost of retries (of a logit-normal's draws, 0.875..1 holds
-    55% at shift 8 but 2.6% at shift 1: about 39 draws per timestep kept). Above all the map takes exactly the
-    draws of the full range, n per call from the same generator: a micro-batch's noise and timesteps stay a pure
-    function of (seed, step, micro-batch), so a resumed or continued run draws what an uninterrupted one would
-    (rejection would take a data-dependent number of draws from the stream). The full range (0, 1) maps nothing:
-    the same tensor, bit for bit, as before ranges existed. t stays inside the range: the map follows the clamp."""
+    `t_range` (lo, hi) (TrainConfig.timestep_min/max, e.g. Wan 2.2 A14B's high-noise expert (0.875, 1)) draws from
+    that distribution restricted to the range: t keeps the density it had there, renormalised (in_range). So an
+    expert's LoRA weighs its noise levels as training the whole model would: at Wan's shift 8 the high-noise
+    expert's median t is 0.93. Not a linear map of the whole draw into the range (musubi-tuner's default), which
+    squeezes the shifted distribution into it: at shift 8 that put most draws at t > 0.98, near pure noise, and the
+    low-noise expert's few near t = 0; nor rejection (the same distribution, with retries). One uniform draw per t
+    through the inverse of the distribution's CDF: the same draws from the generator for any range. The full range
+    (0, 1) takes the draw above, bit for bit as before ranges existed."""
     if not shift > 0:
         raise ValueError(f"timestep shift {shift!r} is not resolved: pass TrainConfig.resolved(...)'s shift")
-    if kind == "uniform":
-        t = torch.rand(n, generator=generator)
-    elif kind == "logit_normal":  # SD3's choice: most samples in the middle, where the loss is informative
-        t = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
-    else:
+    if kind not in SAMPLINGS:
         raise ValueError(f"timestep_sampling={kind!r} is not supported: choose one of {', '.join(SAMPLINGS)}")
-    if shift != 1.0:
-        t = shifted(t, shift)
-    t = t.clamp(1e-5, 1 - 1e-5)
     lo, hi = t_range
     if (lo, hi) != FULL_RANGE:
-        if not 0 <= lo < hi <= 1:
-            raise ValueError(f"timestep range ({lo!r}, {hi!r}) is not 0 <= min < max <= 1: check TrainConfig")
-        t = lo + (hi - lo) * t
-    return t
+        return in_range(n, generator, kind, shift, logit_mean, logit_std, lo, hi)
+    if kind == "uniform":
+        t = torch.rand(n, generator=generator)
+    else:  # logit_normal, SD3's choice: most samples in the middle, where the loss is informative
+        t = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
+    if shift != 1.0:
+        t = shifted(t, shift)
+    return t.clamp(1e-5, 1 - 1e-5)
+
+
+def in_range(n: int, generator: torch.Generator, kind: str, shift: float, logit_mean: float, logit_std: float,
+             lo: float, hi: float) -> torch.Tensor:
+    """n draws of sample_timesteps' distribution conditioned on lo <= t <= hi: its CDF F is monotone in the unshifted
+    draw u (u -> shifted(u) is increasing), so t = shifted(G^-1(p)) with p uniform on [G(u(lo)), G(u(hi))], G the
+    CDF of u (the identity for uniform; the normal CDF of (logit(u) - mean) / std for logit-normal). In float64."""
+    if not 0 <= lo < hi <= 1:
+        raise ValueError(f"timestep range ({lo!r}, {hi!r}) is not 0 <= min < max <= 1: check TrainConfig")
+    u = torch.tensor([lo, hi], dtype=torch.float64)
+    u = u / (shift - (shift - 1) * u)  # the inverse of shifted()
+    if kind == "logit_normal":
+        u = torch.special.ndtr((torch.logit(u) - logit_mean) / logit_std)  # logit(0) = -inf -> 0, logit(1) -> 1
+    p = u[0] + (u[1] - u[0]) * torch.rand(n, generator=generator, dtype=torch.float64)
+    if kind == "logit_normal":
+        p = torch.sigmoid(torch.special.ndtri(p) * logit_std + logit_mean)
+    t = shifted(p, shift) if shift != 1.0 else p
+    return t.clamp(max(lo, 1e-5), min(hi, 1 - 1e-5)).float()
 
 
 def shifted(t: float, shift: float) -> float:

@@ -47,10 +47,10 @@ class TrainConfig(ConfigBase):
     training towards noisier timesteps, 1.0 is none."""
     timestep_min: float = 0.0
     timestep_max: float = 1.0
-    """The range t is trained in (0 clean .. 1 noise, t = sigma after the shift): each drawn t is mapped linearly
-    into it (training/timesteps.py says why). For a model split into experts by noise level, each expert's LoRA
-    trains on its own: Wan 2.2 A14B text-to-video's high-noise model 0.875..1, its low-noise model 0..0.875.
-    0..1 (the default): every timestep, drawn exactly as without a range."""
+    """The range t is trained in (0 clean .. 1 noise, t = sigma after the shift): t is drawn from the sampling
+    distribution restricted to it (training/timesteps.py says why). For a model split into experts by noise level,
+    each expert's LoRA trains on its own: Wan 2.2 A14B text-to-video's high-noise model 0.875..1, its low-noise
+    model 0..0.875. 0..1 (the default): every timestep, drawn exactly as without a range."""
     guidance: float = 1.0
     """Guidance value fed to guidance-distilled models (Flux-dev) while training."""
     on_nonfinite: str = "stop"

@@ -2,10 +2,11 @@
 files, which ComfyUI's UNETLoader reads as they are), plus a tiny TAEF1 VAE for VAELoader ("taef1").
 
 Flux comes from demo/tiny_checkpoint.py. SD3.5 (MMDiT with qk RMS norm and an attn2 block, like 3.5 medium) and
-Wan 2.1 are ~1M parameters. Lumina 2 and Qwen-Image cannot be made small: ComfyUI reads only their layer count and
-input widths from the file and fixes heads and widths, so these are one block of the real width (~400M parameters),
-written as bf16 (~0.8 GB) and meant to be loaded as fp8 (weight_dtype fp8_e4m3fn). write_scaled_fp8 makes any of them
-a "scaled fp8" file (Comfy-Org's *_fp8_scaled layout), which ComfyUI loads into its quantized layers.
+Wan (2.1; 2.2 A14B's experts, which have 2.1 14B's keys; 2.2 TI2V 5B, 48 latent channels) are ~1M parameters.
+Lumina 2 and Qwen-Image cannot be made small: ComfyUI reads only their layer count and input widths from the file
+and fixes heads and widths, so these are one block of the real width (~400M parameters), written as bf16 (~0.8 GB)
+and meant to be loaded as fp8 (weight_dtype fp8_e4m3fn). write_scaled_fp8 makes any of them a "scaled fp8" file
+(Comfy-Org's *_fp8_scaled layout), which ComfyUI loads into its quantized layers.
 """
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def sd3_shapes(depth: int = 2, context_dim: int = 64, pooled_dim: int = 32, pos:
     return s
 
 
-def wan_shapes(dim: int = 128, ffn: int = 256, layers: int = 2, text_dim: int = 4096) -> Shapes:
-    """Wan 2.1 text-to-video (dim 128 = one attention head)."""
-    s = {"patch_embedding.weight": (dim, 16, 1, 2, 2), "patch_embedding.bias": (dim,),
+def wan_shapes(dim: int = 128, ffn: int = 256, layers: int = 2, text_dim: int = 4096, channels: int = 16) -> Shapes:
+    """Wan text-to-video (dim 128 = one attention head): 2.1 and 2.2 A14B (each expert) with 16 latent channels, 2.2
+    TI2V 5B with 48 (its own VAE's latents: ComfyUI reads the 48 from head.head's rows, out_dim = rows / 4)."""
+    s = {"patch_embedding.weight": (dim, channels, 1, 2, 2), "patch_embedding.bias": (dim,),
          **_mlp("text_embedding", text_dim, dim), **_mlp("time_embedding", 256, dim),
          **_linear("time_projection.1", dim, 6 * dim), "head.modulation": (1, 2, dim),
-         **_linear("head.head", dim, 16 * 2 * 2)}
+         **_linear("head.head", dim, channels * 2 * 2)}
     for i in range(layers):
         pre = f"blocks.{i}"
         s[f"{pre}.modulation"] = (1, 6, dim)
@@ -187,6 +189,12 @@ CHECKPOINTS = {  # family -> (file name, writer(path)), the UNETLoader weight_dt
     "flux": ("tiny_flux.safetensors", lambda p: make_tiny_checkpoint(p, seed=3), "default"),
     "sd3": ("tiny_sd35.safetensors", lambda p: write_checkpoint(p, sd3_shapes(), seed=1), "default"),
     "wan": ("tiny_wan21.safetensors", lambda p: write_checkpoint(p, wan_shapes(), seed=2), "default"),
+    "wan22_high": ("wan2.2_t2v_high_noise_tiny.safetensors", lambda p: write_checkpoint(p, wan_shapes(), seed=21),
+                   "default"),  # Wan 2.2 A14B's experts: Wan 2.1 14B's keys (ComfyUI: WAN21_T2V)
+    "wan22_low": ("wan2.2_t2v_low_noise_tiny.safetensors", lambda p: write_checkpoint(p, wan_shapes(), seed=22),
+                  "default"),
+    "wan22_5b": ("wan2.2_ti2v_5B_tiny.safetensors",  # 48 latent channels (ComfyUI: WAN22_T2V)
+                 lambda p: write_checkpoint(p, wan_shapes(channels=48), seed=23), "default"),
     "lumina2": ("tiny_lumina2.safetensors",
                 lambda p: write_checkpoint(p, lumina2_shapes(), seed=4, dtype=torch.bfloat16), "fp8_e4m3fn"),
     "qwen_image": ("tiny_qwen_image.safetensors",
