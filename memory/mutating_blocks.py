@@ -76,11 +76,16 @@ def _saving_copies_of(storages: set[int]) -> tuple[Callable, Callable]:
     outer = _TOP_HOOKS(False)
     outer_pack, outer_unpack = outer if outer is not None else (None, None)
 
+    # never traced: autograd calls pack from the block's eager parts too (a frame dynamo does not compile), where
+    # dynamo compiled it (breaking at the storage query), and its closure (these copies' storages) is new at each
+    # call: recompiled at every block call, every step, until the recompile limit (test_compile_steps.py)
+    @torch.compiler.disable
     def pack(t: torch.Tensor) -> Any:
         if _storage(t) in storages:
             t = t.clone()
         return t if outer_pack is None else outer_pack(t)
 
+    @torch.compiler.disable
     def unpack(x: Any) -> torch.Tensor:
         return x if outer_unpack is None else outer_unpack(x)
     return pack, unpack

@@ -50,11 +50,19 @@ def in_range(n: int, generator: torch.Generator, kind: str, shift: float, logit_
         raise ValueError(f"timestep range ({lo!r}, {hi!r}) is not 0 <= min < max <= 1: check TrainConfig")
     u = torch.tensor([lo, hi], dtype=torch.float64)
     u = u / (shift - (shift - 1) * u)  # the inverse of shifted()
+    # A range in a tail of the logit-normal (e.g. 0.9999..1, or 0..1e-4 at shift 3) has a CDF of 1 - (tiny) or of a
+    # tiny number: float64 rounds the first to 1, and ndtr returns 0 below z = -8.3, so every draw was the same t (the
+    # clamp's end of the range, or its wrong end). The range's CDF is taken from the tail it lies in (the upper one
+    # mirrored), from log_ndtr, exact down to 1e-308: the same t up to rounding elsewhere, increasing in the uniform.
+    upper = False
     if kind == "logit_normal":
-        u = torch.special.ndtr((torch.logit(u) - logit_mean) / logit_std)  # logit(0) = -inf -> 0, logit(1) -> 1
+        z = (torch.logit(u) - logit_mean) / logit_std  # logit(0) = -inf -> 0, logit(1) -> 1
+        upper = bool(z[0] > 0)  # the whole range above the median
+        u = torch.special.log_ndtr(-z if upper else z).exp()
     p = u[0] + (u[1] - u[0]) * torch.rand(n, generator=generator, dtype=torch.float64)
     if kind == "logit_normal":
-        p = torch.sigmoid(torch.special.ndtri(p) * logit_std + logit_mean)
+        x = torch.special.ndtri(p)
+        p = torch.sigmoid((-x if upper else x) * logit_std + logit_mean)
     t = shifted(p, shift) if shift != 1.0 else p
     return t.clamp(max(lo, 1e-5), min(hi, 1 - 1e-5)).float()
 

@@ -352,3 +352,37 @@ def test_a_block_compiled_whole_runs_eagerly_past_the_recompile_limit():
             got.sum().backward()
             assert x.grad is not None
             torch.testing.assert_close(got, expected)
+
+
+@torch.compiler.disable(recursive=False)  # this frame eager, the frames it calls compiled: as dynamo runs a frame it
+def _eager_attention(h, w):               # cannot trace (its autograd ops save tensors from eager code)
+    torch._dynamo.graph_break()
+    return torch.tanh(h @ w)
+
+
+class _PartlyEagerInPlaceResidual(_InPlaceResidual):
+    def forward(self, x, vec):
+        shift, gate = self.mod(vec).chunk(2, -1)
+        x += gate * _eager_attention(torch.nn.functional.layer_norm(x.clone(), (8,)) + shift, self.linear.weight)
+        return x
+
+
+def test_the_hooks_of_a_block_compiled_in_pieces_are_not_compiled_at_each_call():
+    """Autograd calls the pieces' pack hook from the block's eager parts too, where dynamo compiles the frames called:
+    it compiled the hook, whose closure (the copies' storages) is new at each block call, so again at every call
+    (0.3 s a step on this toy model) until the recompile limit. The hooks are never traced now."""
+    from torch._dynamo.convert_frame import input_codes
+    torch._dynamo.reset()
+    model = _InPlaceModel()
+    for block in model.blocks:
+        block.__class__ = _PartlyEagerInPlaceResidual
+    strategy = Strategy.of(compile="per_block", compute_dtype="fp32", compile_backend="aot_eager_decomp_partition",
+                           offload_fraction=1.0, activation_offload=True, activation_memory_budget=0.5)
+    g = torch.Generator().manual_seed(1)
+    with MemoryRuntime(model, strategy, "cpu"):
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)).square().sum().backward()
+    assert _PartlyEagerInPlaceResidual in mutating_blocks._BREAKING
+    traced = [c.co_name for c in (ref() for ref in list(input_codes.seen))
+              if c is not None and c.co_filename == mutating_blocks.__file__ and c.co_name != "cloned"]
+    assert not traced, f"dynamo traced {traced}"

@@ -191,3 +191,19 @@ def test_a_cache_hit_is_read_from_the_header_and_a_damaged_entry_is_encoded_agai
             load_file(str(path))
     assert cache_files.cached_shapes(good, ("latent", "context")) is None  # a name it lacks
     assert cache_files.cached_shapes(tmp_path / "missing.safetensors", ("latent",)) is None
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64", "complex64"])
+def test_a_valid_entry_of_any_dtype_safetensors_writes_is_a_hit(tmp_path, dtype):
+    """An encoder may return fp8 or unsigned latents or contexts: an entry of a dtype missing from cached_shapes'
+    table was taken for damaged and encoded again at every load (a silent slowdown)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    dt = getattr(torch, dtype)
+    path = tmp_path / "entry.safetensors"
+    save_file({"context": torch.ones(3, 5, dtype=dt), "pooled": torch.zeros(0, dtype=dt)}, str(path), {"a": "b"})
+    load_file(str(path))  # valid for safetensors
+    assert cache_files.cached_shapes(path, ("context", "pooled")) == {"context": (3, 5), "pooled": (0,)}
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])  # and still checked
+    assert cache_files.cached_shapes(path, ("context",)) is None

@@ -204,3 +204,14 @@ def test_a_run_at_the_default_range_is_bit_for_bit_a_run_drawing_as_before(tmp_p
     monkeypatch.setattr(micro_batches, "sample_timesteps", before)
     then = train(demo_session(tmp_path), 3, device=CPU)
     assert now.losses == then.losses and all(torch.equal(v, then.lora_state[k]) for k, v in now.lora_state.items())
+
+
+@pytest.mark.parametrize("lo, hi, shift, median", [(0.9999, 1.0, 1.0, 0.9999071), (0.0, 1e-4, 3.0, 9.357509e-05)])
+def test_a_range_in_a_tail_of_the_logit_normal_keeps_its_distribution(lo, hi, shift, median):
+    """float64 rounds the CDF 1 - 4e-11 at t = 0.9999 to 1, and torch's ndtr is 0 below z = -8.3 (t = 1e-4 at shift
+    3): every draw was one t, the clamp's end of the range. The medians are the exact conditional ones (mpmath, 50
+    digits, /work/helpers/review6/ts_tail.py)."""
+    t = sample_timesteps(20_000, torch.Generator().manual_seed(0), kind="logit_normal", shift=shift,
+                         t_range=(lo, hi))
+    assert t.unique().numel() > 100 and lo <= t.min() and t.max() <= hi
+    assert t.double().median().item() == pytest.approx(median, abs=0.02 * (hi - lo))  # the sample median: 1e-3

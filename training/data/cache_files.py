@@ -25,8 +25,11 @@ KINDS = ("latents", "text")  # dataset.py's _cache_path: <cache_dir>/<kind>/<2 h
 DAY = 86400.0
 
 
-# bytes per element of the dtypes a cache entry holds (safetensors' names)
-_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+# bits per element of every dtype safetensors writes (its names): an encoder may return any of them (fp8 latents or
+# contexts, uint16), and an entry whose dtype were missing here would be taken for damaged and encoded at every load
+_ITEM_BITS = {"F64": 64, "I64": 64, "U64": 64, "C64": 64, "F32": 32, "I32": 32, "U32": 32, "F16": 16, "BF16": 16,
+              "I16": 16, "U16": 16, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "I8": 8, "U8": 8, "BOOL": 8,
+              "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}
 _MAX_HEADER = 100_000_000  # safetensors' own limit
 
 
@@ -48,7 +51,7 @@ def cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ..
             return None
         for v in tensors.values():
             begin, end = v["data_offsets"]
-            if end - begin != math.prod(v["shape"]) * _ITEM_BYTES[v["dtype"]]:
+            if end - begin != -(-math.prod(v["shape"]) * _ITEM_BITS[v["dtype"]] // 8):  # sub-byte ones: rounded up
                 return None
         shapes = {name: tuple(tensors[name]["shape"]) for name in names}
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):  # damaged: encoded again
