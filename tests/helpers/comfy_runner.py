@@ -5,7 +5,9 @@ tests that need it are skipped when COMFYUI_DIR is unset.
 The script runs after PREAMBLE, which makes ComfyUI importable on the CPU and gives it: ARGS (the arguments after
 ComfyUI's dir), torch, mm (comfy.model_management), comfy.sd, comfy.utils, load_file/save_file, `Collect` (a logging
 handler keeping WARNING+ messages, e.g. ComfyUI's "lora key not loaded") and `result(value)`, which hands a JSON value
-back to the test."""
+back to the test. A script that starts with TRAIN_TINY also has `train_tiny(patcher, strategy, prefix, loras)`: 3
+steps at lr 1e-2 (seed 0, LoRA rank 4) on two random Flux-sized latents with demo conditioning, as a node runs them
+(under inference mode); it returns the session."""
 from __future__ import annotations
 
 import json
@@ -42,6 +44,26 @@ PREAMBLE = textwrap.dedent("""
 
     def result(value):
         print("RESULT " + json.dumps(value))
+""")
+
+
+TRAIN_TINY = textwrap.dedent("""
+    from pathlib import Path
+    from tightrope.demo.conditioning import demo_conditioning
+    from tightrope.training.data.builder import dataset_from_conditioning
+    from tightrope.training.lora.layers import LoraSpec
+    from tightrope.training.train_config import TrainConfig
+    from tightrope.training.training_run import run_training_node
+
+    def train_tiny(patcher, strategy, prefix, loras):
+        g = torch.Generator().manual_seed(0)
+        cond = demo_conditioning(patcher, "a red circle", 8, 0)
+        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
+        with torch.inference_mode():
+            return run_training_node(TrainConfig(learning_rate=1e-2, seed=0), 3, session=None, model=patcher,
+                                     dataset=data, lora=LoraSpec(rank=4), strategy=strategy, device="cpu",
+                                     save_dir=Path(loras), filename_prefix=prefix, save_every=0, progress=None,
+                                     should_stop=None)[0]
 """)
 
 

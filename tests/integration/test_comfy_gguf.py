@@ -7,9 +7,11 @@ as GGUF (Q8_0 matrices, F32 the rest) and loaded as ComfyUI-GGUF's Unet Loader (
 import json
 import os
 import subprocess
+import textwrap
 
 import pytest
 from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
+from comfy_runner import TRAIN_TINY
 
 GGUF_DIR = os.environ.get("COMFYUI_GGUF_DIR")
 pytestmark = needs_comfyui
@@ -29,7 +31,7 @@ WRITER = """
     result(dst)
 """
 
-RUNNER = """
+RUNNER = TRAIN_TINY + textwrap.dedent("""
     from pathlib import Path
     from comfyui_gguf.loader import gguf_sd_loader
     from comfyui_gguf.nodes import GGUFModelPatcher
@@ -37,12 +39,8 @@ RUNNER = """
     from tightrope.demo.conditioning import demo_conditioning
     from tightrope.memory.runtime import MemoryRuntime
     from tightrope.memory.strategy import Strategy
-    from tightrope.training.data.builder import dataset_from_conditioning
-    from tightrope.training.lora.layers import LoraSpec
     from tightrope.training.models.comfy import ComfyModelAdapter
     from tightrope.training.save_session import save_session_lora
-    from tightrope.training.train_config import TrainConfig
-    from tightrope.training.training_run import run_training_node
     path, loras = ARGS
     out = {}
 
@@ -57,14 +55,7 @@ RUNNER = """
     raw = {n: (t.data_ptr(), t.as_subclass(torch.Tensor).clone()) for n, t in dm.named_parameters()}
 
     def train(patcher, strategy, prefix):
-        g = torch.Generator().manual_seed(0)
-        cond = demo_conditioning(patcher, "a red circle", 8, 0)
-        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
-        with torch.inference_mode():
-            return run_training_node(TrainConfig(learning_rate=1e-2, seed=0), 3, session=None, model=patcher,
-                                     dataset=data, lora=LoraSpec(rank=4), strategy=strategy, device="cpu",
-                                     save_dir=Path(loras), filename_prefix=prefix, save_every=0, progress=None,
-                                     should_stop=None)[0]
+        return train_tiny(patcher, strategy, prefix, loras)
 
     runs = {}
     for name, kw in {"resident": dict(offload_fraction=0.0), "offload 1.0": dict(offload_fraction=1.0),
@@ -109,7 +100,7 @@ RUNNER = """
         out[f"{name}_velocity_vs_apply_model"] = (x - v * t.view(-1, 1, 1, 1) - x0[name]).abs().max().item()
     out["lora_changes_output"] = (x0["plain"] - x0["patched"]).abs().max().item()
     result(out)
-"""
+""")
 
 
 @pytest.fixture

@@ -9,28 +9,27 @@ the user's MODEL unchanged; the saved file loaded by ComfyUI's LoRA loader with 
 and changing the output toward what training computed. What stays refused (NVFP4, DoRA/LoHa/LoKr) is named.
 """
 import json
+import textwrap
 
 import pytest
 import torch
 from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
+from comfy_runner import TRAIN_TINY
 from tiny_models import CHECKPOINTS, write_scaled_fp8
 
 from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
 
 pytestmark = needs_comfyui
 
-RUNNER = """
+RUNNER = TRAIN_TINY + textwrap.dedent("""
     from pathlib import Path
     from tightrope.demo.conditioning import demo_conditioning
     from tightrope.memory.runtime import MemoryRuntime
     from tightrope.memory.strategy import Strategy
-    from tightrope.training.data.builder import dataset_from_conditioning
     from tightrope.training.lora.layers import LoraSpec, inject_lora, lora_parameters
     from tightrope.training.models.comfy import ComfyModelAdapter
     from tightrope.training.save_session import save_session_lora
     from tightrope.training.strategy_choice import AutoStrategy
-    from tightrope.training.train_config import TrainConfig
-    from tightrope.training.training_run import run_training_node
     path, loras, runs_wanted = ARGS
     out = {}
 
@@ -68,14 +67,7 @@ RUNNER = """
             out["offloaded"] = len(rt.offloaded)
 
     def train(strategy, prefix):
-        g = torch.Generator().manual_seed(0)
-        cond = demo_conditioning(p, "a red circle", 8, 0)
-        data = dataset_from_conditioning({"samples": torch.randn(2, 16, 8, 8, generator=g)}, cond)
-        with torch.inference_mode():
-            return run_training_node(TrainConfig(learning_rate=1e-2, seed=0), 3, session=None, model=p,
-                                     dataset=data, lora=LoraSpec(rank=4), strategy=strategy, device="cpu",
-                                     save_dir=Path(loras), filename_prefix=prefix, save_every=0, progress=None,
-                                     should_stop=None)[0]
+        return train_tiny(p, strategy, prefix, loras)
 
     fp32 = dict(compute_dtype="fp32")
     strategies = {"resident": Strategy.of(**fp32, offload_fraction=0.0),
@@ -138,7 +130,7 @@ RUNNER = """
     out["lora_changes_output"] = (x0["plain"] - x0["patched"]).abs().max().item()
     out["patched_vs_trained"] = (x0["patched"] - trained).abs().max().item()
     result(out)
-"""
+""")
 
 REFUSALS = """
     from tightrope.training.lora.layers import LoraSpec, inject_lora
