@@ -21,10 +21,10 @@ def sample_timesteps(n: int, generator: torch.Generator, *, kind: str = "logit_n
     that distribution restricted to the range: t keeps the density it had there, renormalised (in_range). So an
     expert's LoRA weighs its noise levels as training the whole model would: at Wan's shift 8 the high-noise
     expert's median t is 0.93. Not a linear map of the whole draw into the range (musubi-tuner's default), which
-    squeezes the shifted distribution into it: at shift 8 that put most draws at t > 0.98, near pure noise, and the
-    low-noise expert's few near t = 0; nor rejection (the same distribution, with retries). One uniform draw per t
-    through the inverse of the distribution's CDF: the same draws from the generator for any range. The full range
-    (0, 1) takes the draw above, bit for bit as before ranges existed."""
+    squeezes the shifted distribution into it (at shift 8 it put most of the high-noise expert's draws at t > 0.98,
+    near pure noise); nor rejection (the same distribution, with retries). One float64 uniform per t through the
+    inverse of the distribution's CDF: n draws from the generator for any range (t is drawn after the noise, from a
+    generator seeded per micro-batch or image). The full range (0, 1) takes the draw above, bit for bit as before."""
     if not shift > 0:
         raise ValueError(f"timestep shift {shift!r} is not resolved: pass TrainConfig.resolved(...)'s shift")
     if kind not in SAMPLINGS:
