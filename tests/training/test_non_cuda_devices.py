@@ -96,7 +96,7 @@ def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(mo
     block_compile.check_compiler(per_block, CPU)
 
     def no_cl():
-        raise exc.InvalidCxxCompiler("cl")
+        raise exc.InvalidCxxCompiler()  # no arguments before torch 2.13
     if platform == "win32":
         monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_cl)
     monkeypatch.setattr(block_compile.sys, "platform", platform)
