@@ -34,13 +34,19 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 _BREAKING: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 
+def _copies(args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """The arguments with each tensor among them copied."""
+    return ([a.clone() if isinstance(a, torch.Tensor) else a for a in args],
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+
 def cloning_inputs(fn: Callable) -> Callable:
     """fn on copies of its tensor arguments (inside the graph when compiled with it). Only for blocks marked
     MUTATES_INPUTS: a copy changes what the partitioner saves under a memory budget. Also the fallback of a
     checkpointed token-chunked block to its own forward (the checkpoint itself clones nothing there)."""
     def cloned(*args, **kwargs):
-        return fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args],
-                  **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+        args, kwargs = _copies(args, kwargs)
+        return fn(*args, **kwargs)
     return cloned
 
 
@@ -63,8 +69,7 @@ class MutatingBlock:
                 return self._eager(*args, **kwargs)
         if _TOP_HOOKS is None:  # a torch that cannot say which hooks are in force: eager on copies, correct
             return self._eager(*args, **kwargs)
-        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        args, kwargs = _copies(args, kwargs)
         copies = {_storage(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)} - {None}
         with torch.autograd.graph.saved_tensors_hooks(*_saving_copies_of(copies)):
             return self._pieces(*args, **kwargs)

@@ -83,8 +83,7 @@ def _measure(session: TrainingSession, choice: AutoStrategy, device: torch.devic
     adapter = adapter_for(session.model)
     batch = session.dataset.largest_batch(cfg.batch_size)  # not a random one: a plan must fit every batch
     latents, context, pooled = (batch[k].clone() for k in ("latents", "context", "pooled"))
-    if hasattr(adapter, "process_latents"):  # as training's (micro_batches.prepare): a video model's time axis
-        latents = adapter.process_latents(at_least_fp32(latents))
+    latents = adapter.process_latents(at_least_fp32(latents))  # as training's (micro_batches.prepare): Wan's time axis
     gen = torch.Generator().manual_seed(cfg.seed)
     noise = torch.randn(latents.shape, generator=gen)
     t = torch.full((latents.shape[0],), 0.5)

@@ -103,8 +103,7 @@ class Validation:
         latents = at_least_fp32(torch.stack([self.dataset.latent(i) for i in images]))  # as training's (prepare)
         texts = [self.dataset.text(i) for i in images]
         context, pooled = torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
-        if hasattr(adapter, "process_latents"):  # ComfyUI models: VAE latents -> the model's latent space
-            latents = adapter.process_latents(latents)
+        latents = adapter.process_latents(latents)  # ComfyUI models: VAE latents -> the model's latent space
         noise, t = [], []
         for i in images:  # fixed draws per image, whatever batch it lands in
             gen = torch.Generator().manual_seed(_stream_seed(cfg.seed, "validation", i))

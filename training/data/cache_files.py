@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..state.atomic_write import remove_stale_temporaries
+from .keys import SHA256_HEX
 
-KINDS = ("latents", "text")  # dataset.py's _cache_path: <cache_dir>/<kind>/<2 hex>/<key>.safetensors
+KINDS = ("latents", "text")  # entry_path: <cache_dir>/<kind>/<2 hex>/<key>.safetensors
 DAY = 86400.0
 
 
@@ -78,12 +79,16 @@ class Entry:
 _FAN_OUT = re.compile(r"[0-9a-f]{2}")
 
 
+def entry_path(cache_dir: Path, kind: str, key: str) -> Path:
+    """Where the entry `key` (a content_key) of `kind` lives: a two-character fan-out keeps folders small."""
+    return cache_dir / kind / key[:2] / f"{key}.safetensors"
+
+
 def _is_entry(fan_out: str, name: str) -> bool:
-    """Whether `name` in folder `fan_out` is named as dataset.py names an entry: <key[:2]>/<key>.safetensors, the key
-    a sha256 hex. Nothing else there is the cache's (a folder given by mistake keeps its own files)."""
+    """Whether `name` in folder `fan_out` is named as entry_path names an entry. Nothing else there is the cache's (a
+    folder given by mistake keeps its own files)."""
     key = name[:-len(".safetensors")]
-    return name.endswith(".safetensors") and len(key) == 64 and key.startswith(fan_out) and \
-        re.fullmatch(r"[0-9a-f]{64}", key) is not None
+    return name.endswith(".safetensors") and key.startswith(fan_out) and SHA256_HEX.fullmatch(key) is not None
 
 
 def _fan_outs(cache_dir: str | Path, kind: str) -> list[os.DirEntry]:

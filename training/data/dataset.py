@@ -30,7 +30,7 @@ from .batching import EpochBatches
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
-from .cache_files import cached_shapes as _cached_shapes, mark_used
+from .cache_files import cached_shapes as _cached_shapes, entry_path, mark_used
 from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_duplicates, warn_upscaled
 from .image_hashes import ImageHashes
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, image_to_tensor, load_image, no_usable_images,
@@ -280,8 +280,7 @@ class TrainingDataset(EpochBatches):
         return latent, tuple(latent.shape), weights, digest
 
     def _cache_path(self, kind: str, key: str) -> Path | None:
-        # Two-character fan-out keeps directories small for big datasets.
-        return self.cache_dir / kind / key[:2] / f"{key}.safetensors" if self.cache_dir else None
+        return entry_path(self.cache_dir, kind, key) if self.cache_dir else None
 
     def _finish(self, samples: list[_Sample], repeats: list[int]) -> None:
         used = {self._text_shapes[i] for i in {s.text for s in samples} | {self._empty_text} - {None}}

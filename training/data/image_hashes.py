@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -30,13 +29,13 @@ from safetensors import safe_open
 
 from ..state.atomic_write import atomic_save_file
 from .image_folder import DatasetError
+from .keys import SHA256_HEX
 
 INDEX_NAME = "image_hashes.safetensors"
 _FORMAT = "tightrope.image_hashes.1"
 # A file modified less than this before it was hashed is hashed again at the next load: more than any file system's
 # timestamp granularity (FAT: 2 s) and the lag of the kernel's coarse clock behind time.time_ns().
 RACY_NS = 3_000_000_000
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def file_key(path: Path) -> list[int]:
@@ -72,7 +71,7 @@ class ImageHashes:
     def _trusted(self, entry, key: list[int] | None) -> bool:
         return (key is not None and isinstance(entry, list) and len(entry) == 7 and entry[:5] == key
                 and isinstance(entry[5], int) and key[1] + RACY_NS < entry[5] + self._skew
-                and isinstance(entry[6], str) and _DIGEST.fullmatch(entry[6]) is not None)
+                and isinstance(entry[6], str) and SHA256_HEX.fullmatch(entry[6]) is not None)
 
     def digest(self, path: Path, *, trust: bool = True) -> tuple[str, bytes | None]:
         """(the file's sha256 hex, its bytes; None where the index vouched for the digest and nothing was read).

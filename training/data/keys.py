@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import re
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # what content_key returns (and a file's sha256 hexdigest)
 
 
 def content_key(*parts: str | bytes) -> str:

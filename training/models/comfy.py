@@ -35,6 +35,7 @@ from torch import nn
 
 import comfy.model_management as mm
 import comfy.model_sampling
+import comfy.ops
 import comfy.sd
 import comfy.utils
 
@@ -141,7 +142,6 @@ def _refuse_quantized_layers(diffusion_model: nn.Module, source: str) -> None:
 def _mixed_precision_linear(m: nn.Module) -> bool:
     """A Linear of ComfyUI's mixed-precision ops (comfy.ops.mixed_precision_ops: a torch Module, not nn.Linear),
     quantized or not (a quantized file may keep some layers in bf16)."""
-    import comfy.ops
     return isinstance(m, comfy.ops.CastWeightBiasOp) and not isinstance(m, nn.Linear) and \
         type(m).__name__ == "Linear" and hasattr(m, "in_features")
 
