@@ -149,6 +149,9 @@ CASES = [
          lambda c: strict_load(c, ("b.png", png(Image.new("RGB", (32, 32)))), ("b.txt", b""))),
     Case("bad_utf8_caption", "caption that is not UTF-8 (strict)", DATA, "DatasetError", ("b.txt", "UTF-8"),
          lambda c: strict_load(c, ("b.png", png(Image.new("RGB", (32, 32)))), ("b.txt", b"caf\xe9 \xff"))),
+    Case("caption_case_twins", "two caption files whose names differ only in case ('A.txt' and 'a.TXT' for "
+         "'a.png', a case-sensitive file system)", DATA, "DatasetError", ("A.txt, a.TXT", "keep one"),
+         lambda c: strict_load(c, ("a.png", png(Image.new("RGB", (32, 32)))), ("A.txt", b"x"), ("a.TXT", b"y"))),
     Case("huge_image", "decompression bomb (20000x20000 header)", DATA, "DatasetError", ("huge.png", "downscale"),
          lambda c: strict_load(c, ("huge.png", huge_png()), ("huge.txt", b"x"))),
     Case("all_images_bad", "every image unusable (strict off)", DATA, "DatasetError", ("no usable images", "bad.png"),

@@ -8,10 +8,17 @@ Every problem raises DatasetError naming the file and saying how to fix it. With
 problem with one image or its caption skips that image with a warning instead; a dataset left with no
 usable image still raises.
 
-Captions: read as UTF-8 (a BOM is dropped), surrounding whitespace stripped and inner runs of
-whitespace/newlines joined into single spaces. A missing or empty (blank) caption file is an error,
-not a silent empty caption: it is almost always a forgotten caption, and training on purpose without
-captions is what caption dropout is for.
+Order: images are listed by their relative paths' names, part by part, in code point order ('B.png' before
+'a.png'), on every OS: the same folder gives the same samples in the same order, and the same seeded run, on Linux,
+Windows and macOS (pathlib's own order ignores case on Windows).
+
+Captions: `name.txt` beside `name.png` (any image extension, in any case); where no file has exactly that name, the
+one file beside it whose name differs only in case ('IMG_1.PNG' + 'img_1.txt', 'a.png' + 'a.TXT'), as Windows and
+macOS (case-insensitive file systems) find it themselves; two such files (a case-sensitive file system can hold
+'a.TXT' and 'A.txt') are an error. Masks (`name.mask.png`) are found the same way. Read as UTF-8 (a BOM is dropped),
+surrounding whitespace stripped and inner runs of whitespace/newlines (Windows' CRLF line ends too) joined into single
+spaces. A missing or empty (blank) caption file is an error, not a silent empty caption: it is almost always a
+forgotten caption, and training on purpose without captions is what caption dropout is for.
 """
 from __future__ import annotations
 
@@ -79,8 +86,28 @@ def _repeats_for(folder: Path, root: Path) -> int:
     return repeats
 
 
-def read_caption(image_path: Path) -> str:
-    caption_path = image_path.with_suffix(".txt")
+def companion_file(image: Path, name: str, listings: dict | None = None) -> Path:
+    """The file `name` beside `image` (its caption or mask): that exact name, else the one file there whose name
+    differs from it only in case (module docstring); the exact path when there is none. `listings` caches each
+    folder's names between calls (a scan's thousands of images each list the folder once)."""
+    exact = image.with_name(name)
+    if exact.is_file():
+        return exact
+    listings = {} if listings is None else listings
+    if image.parent not in listings:
+        try:
+            listings[image.parent] = os.listdir(image.parent)
+        except OSError:
+            listings[image.parent] = []
+    found = sorted(n for n in listings[image.parent] if n.lower() == name.lower() and (image.parent / n).is_file())
+    if len(found) > 1:
+        raise DatasetError(f"image '{image}' has {len(found)} files named '{name}' but for case ("
+                           f"{', '.join(found)}): keep one, as a case-insensitive file system (Windows, macOS) must")
+    return image.parent / found[0] if found else exact
+
+
+def read_caption(image_path: Path, listings: dict | None = None) -> str:
+    caption_path = companion_file(image_path, image_path.stem + ".txt", listings)
     if not caption_path.is_file():
         raise DatasetError(f"image '{image_path}' has no caption file: write its caption into '{caption_path}'")
     try:
@@ -115,13 +142,14 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
 
 
 def _walk(root: Path) -> list[Path]:
-    """Every path under root, sorted as sorted(root.rglob("*")) sorts them, hidden folders not entered (their files are
+    """Every path under root, sorted by name, part by part, in code point order (as sorted(root.rglob("*")) sorts them
+    on Linux, not as on Windows, where paths compare ignoring case), hidden folders not entered (their files are
     skipped anyway). Links to folders are followed, as kohya's listing follows them: pathlib's "**" does not, so a
     linked 'N_name' subfolder was silently left out of training. A link back to a folder above it (a loop) is not
     followed again."""
-    found: list[Path] = []
+    found: list[tuple[tuple[str, ...], Path]] = []  # (the path's parts under root, the path)
 
-    def visit(folder: Path, above: frozenset) -> None:
+    def visit(folder: Path, parts: tuple[str, ...], above: frozenset) -> None:
         try:
             stat = folder.stat()
             entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
@@ -130,7 +158,7 @@ def _walk(root: Path) -> list[Path]:
         above = above | {(stat.st_dev, stat.st_ino)}
         for entry in entries:
             path = folder / entry.name
-            found.append(path)
+            found.append((parts + (entry.name,), path))
             try:
                 is_dir = entry.is_dir()  # follows a link
             except OSError:
@@ -141,10 +169,10 @@ def _walk(root: Path) -> list[Path]:
                 except OSError:
                     continue
                 if (target.st_dev, target.st_ino) not in above:
-                    visit(path, above)
+                    visit(path, parts + (entry.name,), above)
 
-    visit(root, frozenset())
-    return sorted(found)
+    visit(root, (), frozenset())
+    return [path for _, path in sorted(found, key=lambda item: item[0])]
 
 
 def _expanded(folder: str | Path) -> Path:
@@ -199,13 +227,14 @@ def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = 
         raise DatasetError(f"dataset folder '{root}' has no images{found}: put {', '.join(IMAGE_EXTENSIONS)} images, "
                            f"each with a same-name .txt caption, in it or in N_name subfolders")
 
-    entries, problems = [], []
+    entries, problems, listings = [], [], {}
     for path in images:
         try:
             if not path.exists():
                 raise DatasetError(f"image '{path}' is a link to '{os.readlink(path)}', which does not exist: fix or "
                                    f"remove the link")
-            entries.append(ImageEntry(path, read_caption(path), _repeats_for(path.parent, root) if use_repeats else 1))
+            repeats = _repeats_for(path.parent, root) if use_repeats else 1
+            entries.append(ImageEntry(path, read_caption(path, listings), repeats))
         except DatasetError as e:
             skip_or_raise(e, strict)
             problems.append(e)

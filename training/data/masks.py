@@ -26,7 +26,8 @@ from PIL import Image, ImageOps
 from torch import Tensor
 
 from ..flow_loss import flow_matching_loss
-from .image_folder import MASK_SUFFIX, DatasetError, ImageEntry, has_alpha, load_oriented, read_image_size
+from .image_folder import (MASK_SUFFIX, DatasetError, ImageEntry, companion_file, has_alpha, load_oriented,
+                           read_image_size)
 
 MASK_SOURCES = ("none", "mask_files", "alpha")
 MASK_VERSION = "box-fit-area-v2"  # bump when the mask preprocessing changes, so cached masks stop matching
@@ -41,9 +42,10 @@ class MaskSource:
     cache_key: str  # what determines the mask besides the image: the mask file's bytes, or "alpha"
 
 
-def mask_path(image: Path) -> Path:
-    """Where mask='mask_files' looks for the mask of `image`: name.mask.png beside it (for any image format)."""
-    return image.with_name(image.stem + MASK_SUFFIX)
+def mask_path(image: Path, listings: dict | None = None) -> Path:
+    """Where mask='mask_files' looks for the mask of `image`: name.mask.png beside it (for any image format), found
+    as a caption is (image_folder.companion_file: in another case, e.g. 'a.MASK.PNG', where no exact name exists)."""
+    return companion_file(image, image.stem + MASK_SUFFIX, listings)
 
 
 def find_masks(entries: list[ImageEntry], source: str, max_pixels: int) -> dict[Path, MaskSource]:
@@ -59,14 +61,16 @@ def find_masks(entries: list[ImageEntry], source: str, max_pixels: int) -> dict[
                                f"({_names(opaque)}): save them as PNG with transparency (transparent = not trained), "
                                "or choose mask='mask_files' or 'none'")
         return {e.path: MaskSource(e.path, True, "alpha") for e in entries}
-    missing = [mask_path(e.path) for e in entries if not mask_path(e.path).is_file()]
+    listings: dict = {}
+    paths = {e.path: mask_path(e.path, listings) for e in entries}
+    missing = [path for path in paths.values() if not path.is_file()]
     if missing:
         raise DatasetError(f"mask='mask_files' but {len(missing)} of {len(entries)} images have no mask file "
                            f"({_names(missing)}): put a greyscale name.mask.png (white = train, black = ignore) of "
                            "the image's size beside each image, or choose mask='none'")
     found = {}
     for e in entries:
-        path = mask_path(e.path)
+        path = paths[e.path]
         size, image_size = read_image_size(path, max_pixels=max_pixels), read_image_size(e.path, max_pixels=max_pixels)
         if size != image_size:
             raise DatasetError(f"mask file '{path}' is {size[0]}x{size[1]} but its image '{e.path}' is "

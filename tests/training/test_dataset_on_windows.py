@@ -1,0 +1,62 @@
+"""One dataset folder, the same samples in the same order and the same captions on every OS. Simulated here on
+Linux: Windows' pathlib compares paths ignoring case (so sorted(paths) put 'a.png' before 'B.png' there, after it
+here), and its file system finds 'image.txt' for 'Image.txt' (case-insensitive), which Linux does not."""
+import pathlib
+
+import pytest
+from PIL import Image
+
+from tightrope.training.data.image_folder import DatasetError, folder_fingerprint, scan_folder
+from tightrope.training.data.masks import find_masks
+
+NAMES = ["B.png", "a.png", "_x.png", "Z.png", "10_Char/x.png", "1_char/y.png", "a/b.png", "a.b.png"]
+
+
+def _image(path, caption):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), "red").save(path)
+    if caption is not None:
+        path.with_suffix(".txt").write_text(caption, encoding="utf-8")
+
+
+
+def _order(folder):
+    return [e.path.relative_to(folder).as_posix() for e in scan_folder(folder, use_repeats=False)]
+
+
+def test_the_sample_order_is_the_same_as_on_windows(tmp_path, monkeypatch):
+    for name in NAMES:
+        _image(tmp_path / name, name)
+    here, fingerprint = _order(tmp_path), folder_fingerprint(tmp_path)
+    assert here == ["10_Char/x.png", "1_char/y.png", "B.png", "Z.png", "_x.png", "a/b.png", "a.b.png", "a.png"]
+    monkeypatch.setattr(pathlib.PurePath, "__lt__", lambda a, b: [p.lower() for p in a.parts] < [p.lower()
+                                                                                                for p in b.parts])
+    assert sorted([pathlib.Path("B.png"), pathlib.Path("a.png")]) == [pathlib.Path("a.png"), pathlib.Path("B.png")]
+    assert _order(tmp_path) == here
+    assert folder_fingerprint(tmp_path) == fingerprint
+
+
+@pytest.mark.parametrize("image, caption", [("Image.PNG", "image.txt"), ("a.png", "a.TXT"), ("IMG_1.jpg", "img_1.Txt")])
+def test_a_caption_named_in_another_case_is_found_as_windows_finds_it(tmp_path, image, caption):
+    _image(tmp_path / image, None)
+    (tmp_path / caption).write_bytes(b"a red\r\nsquare\r\n")
+    [entry] = scan_folder(tmp_path)
+    assert entry.caption == "a red square"
+
+
+def test_the_exact_name_wins_and_two_other_cases_are_refused(tmp_path):
+    _image(tmp_path / "a.png", "exact")
+    (tmp_path / "A.txt").write_text("other case", encoding="utf-8")
+    assert [e.caption for e in scan_folder(tmp_path)] == ["exact"]
+    (tmp_path / "a.txt").unlink()
+    (tmp_path / "a.TXT").write_text("third", encoding="utf-8")
+    with pytest.raises(DatasetError, match=r"has 2 files named 'a.txt' but for case \(A.txt, a.TXT\): keep one"):
+        scan_folder(tmp_path)
+
+
+def test_a_mask_named_in_another_case_is_found(tmp_path):
+    _image(tmp_path / "a.png", "a")
+    Image.new("L", (8, 8), 255).save(tmp_path / "a.MASK.PNG")
+    entries = scan_folder(tmp_path)
+    assert [e.path.name for e in entries] == ["a.png"]
+    assert find_masks(entries, "mask_files", 10**8)[entries[0].path].path.name == "a.MASK.PNG"
