@@ -312,7 +312,7 @@ def _save(session: TrainingSession, run: _Run, module, save: SaveTarget, optimiz
             _save_state(session, run, save, lora, optimizer_state)
             run.saved_step = run.step
     except FileWriteError as e:  # say what is on disk: this step's LoRA, an earlier step's state
-        raise FileWriteError(e.path, e.errno, e.strerror, kept=f"the LoRA of step {run.step} was saved "
+        raise FileWriteError(e.path, e.errno, e.strerror, fix=e.fix, kept=f"the LoRA of step {run.step} was saved "
                              f"({run.saved[-1][0]}), its training state was not") from e
 
 

@@ -8,6 +8,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from typing import Callable
+from unittest import mock
 
 import torch
 from PIL import Image
@@ -20,6 +21,7 @@ from tightrope.nodes import host
 from tightrope.nodes.dataset_nodes import TightropeLoadDataset
 from tightrope.nodes.demo_nodes import TightropeDemoModel
 from tightrope.nodes.save_node import TightropeSaveLora
+from tightrope.training.state import atomic_write
 from tightrope.training.state.resume import state_path
 from tightrope.training.state.lock import state_lock
 
@@ -197,6 +199,9 @@ CASES = [
          lambda c: train_with(c, filename_prefix="/tmp/escape")),
     Case("prefix_home", "filename prefix starting with '~'", TRAIN, "OutputPathError",
          ("'~/loras/x' starts with '~'", "not a home folder"), lambda c: train_with(c, filename_prefix="~/loras/x")),
+    Case("prefix_windows_long_path", "filename prefix whose files' paths pass the 259 characters of Windows "
+         "without long paths", TRAIN, "OutputPathError", ("LongPathsEnabled", "_00001_.safetensors", "shorter"),
+         lambda c: _windows_short_paths(c)),
     Case("save_prefix_dotdot", "Save LoRA prefix with '..'", "Save LoRA", "OutputPathError", ("'a/../../x'", "only go down"),
          lambda c: TightropeSaveLora().save(train_node(*world(c.out), steps=1)[0], "a/../../x")),
     Case("resume_other_model", "resume file of another model", TRAIN + " (--resume)", "ResumeError",
@@ -224,6 +229,12 @@ CASES = [
     Case("comfyui_too_old", "--comfyui DIR holding a ComfyUI older than 0.33", "tightrope run", "ComfyUIUnavailable",
          ("version 0.3.10", "0.33 and newer"), lambda c: load_comfyui(fake_comfyui(c.tmp / "old", "0.3.10"))),
 ]
+
+
+def _windows_short_paths(c):
+    """Windows with long paths not enabled (the default), simulated: a 260-character path fails there."""
+    with mock.patch.object(atomic_write, "windows_short_paths", lambda: True):
+        train_with(c, filename_prefix="tightrope/" + "x" * 120 + "/" + "y" * 100)
 
 
 def _dated(c):

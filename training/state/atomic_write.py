@@ -12,7 +12,9 @@ and cache files are small next to the model).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import os
 import re
 import secrets
@@ -58,13 +60,51 @@ NAME_MAX_BYTES = 255
 PREFIX_NAME_MAX_BYTES = 150
 
 
+# Windows where long paths are not enabled: a file's full path may have 259 characters (MAX_PATH less its NUL), a
+# folder's 247 (room for an 8.3 name). Longer ones fail as if missing: FileNotFoundError "[WinError 3] The system
+# cannot find the path specified" (or 206, "The filename or extension is too long").
+WINDOWS_MAX_PATH, WINDOWS_MAX_FOLDER = 259, 247
+LONG_PATHS_FIX = ("enable long paths in Windows (as administrator: reg add "
+                  "HKLM\\SYSTEM\\CurrentControlSet\\Control\\FileSystem /v LongPathsEnabled /t REG_DWORD /d 1 /f, "
+                  "then restart ComfyUI), or use a shorter path: a shorter filename_prefix, ComfyUI in a folder nearer "
+                  "the drive's root (C:\\ComfyUI), or its --user-directory and --output-directory (headless: "
+                  "--output-dir) in shorter folders")
+
+
+@functools.cache
+def windows_short_paths() -> bool:
+    """Whether paths are limited to WINDOWS_MAX_PATH here: Windows with long paths not enabled (the registry's
+    LongPathsEnabled; python.exe's manifest opts in, so ntdll's answer is the registry's)."""
+    if os.name != "nt":
+        return False
+    try:
+        enabled = ctypes.WinDLL("ntdll").RtlAreLongPathsEnabled
+        enabled.restype = ctypes.c_ubyte  # a BOOLEAN
+        return not enabled()
+    except (OSError, AttributeError):  # before Windows 10 1607: no long paths at all
+        return True
+
+
+def long_path_problem(path: str | os.PathLike) -> str | None:
+    """Why `path`, a file to create, cannot be where paths are limited (windows_short_paths); None where it can."""
+    if not windows_short_paths():
+        return None
+    full = os.path.abspath(path)
+    if full.startswith("\\\\?\\"):  # an extended-length path (\\?\C:\...) has no such limit
+        return None
+    if len(full) > WINDOWS_MAX_PATH or len(os.path.dirname(full)) > WINDOWS_MAX_FOLDER:
+        return (f"longer than the {WINDOWS_MAX_PATH} characters Windows allows in a path (a folder's: "
+                f"{WINDOWS_MAX_FOLDER}) where long paths are not enabled")
+    return None
+
+
 class FileWriteError(OSError):
     """A file could not be written (disk full, no permission, ...): the message names it, the fix, and what was kept
     (`kept`, when the caller knows); errno is the cause's. Any earlier file at that path is unchanged and no temp
     file is left."""
 
-    def __init__(self, path: Path, code: int | None, reason: str, *, kept: str = ""):
-        fix = _FIXES.get(code, "check that the folder exists and is writable")
+    def __init__(self, path: Path, code: int | None, reason: str, *, kept: str = "", fix: str | None = None):
+        fix = fix or _FIXES.get(code, "check that the folder exists and is writable")
         super().__init__(f"could not write '{path}' ({reason}): {fix}" + (f"; {kept}" if kept else ""))
         self.errno, self.strerror, self.path, self.fix, self.kept = code, reason, Path(path), fix, kept
 
@@ -84,6 +124,10 @@ def atomic_save_file(tensors: dict[str, Tensor], path: str | os.PathLike, metada
         raise ValueError(f"atomic_save_file path {str(path)!r} does not end in .safetensors: only safetensors files "
                          "are written; give a name ending in .safetensors")
     _check_metadata(metadata)
+    too_long = long_path_problem(path.with_name(f".{path.name}.{'0' * 8}.tmp"))  # the temp file's name is longer
+    if too_long:
+        raise FileWriteError(path, errno.ENAMETOOLONG, f"its path, with its temp file's name, is {too_long}",
+                             fix=LONG_PATHS_FIX)
     fd, tmp = None, None
     try:
         data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata=metadata)
@@ -268,6 +312,11 @@ def user_output_path(root: str | os.PathLike, prefix: str) -> Path:
         raise OutputPathError(f"filename_prefix={_shown(prefix)} is too long: its file name has {size} bytes, at most "
                               f"{PREFIX_NAME_MAX_BYTES} fit (the saved files add a counter and suffixes to it, and a "
                               f"file name may have {NAME_MAX_BYTES} bytes): choose a shorter name")
+    lora = target.with_name(f"{target.name}_00001_.safetensors")
+    too_long = long_path_problem(lora.with_name(f".{lora.name}.{'0' * 8}.tmp"))  # the LoRA's temp file
+    if too_long:
+        raise OutputPathError(f"filename_prefix={_shown(prefix)} saves files such as '{lora}', whose path (with its "
+                              f"temp file's name) is {too_long}: {LONG_PATHS_FIX}")
     return target
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from .. import distributed
+from .atomic_write import LONG_PATHS_FIX, FileWriteError, long_path_problem
 
 LOCK_SUFFIX = ".lock"
 # errnos meaning "another process holds it" (msvcrt reports EACCES or EDEADLK)
@@ -39,6 +40,10 @@ def state_lock(state_file: Path) -> Iterator[None]:
 
 def _acquire(state_file: Path) -> list[IO[bytes]]:
     lock = state_file.with_name(state_file.name + LOCK_SUFFIX)
+    too_long = long_path_problem(state_file.with_name(f".{state_file.name}.{'0' * 8}.tmp"))  # its longest file
+    if too_long:
+        raise FileWriteError(state_file, errno.ENAMETOOLONG, f"its path, with its temp file's name, is {too_long}",
+                             fix=LONG_PATHS_FIX)
     lock.parent.mkdir(parents=True, exist_ok=True)
     handle = open(lock, "a+b")
     try:
