@@ -34,18 +34,36 @@ AUTO_HOST_MARGIN_BYTES = 2 << 30  # left free by the default budget: the OS page
 
 
 def available_host_bytes() -> int | None:
-    """Host memory available now (psutil if installed, else /proc/meminfo's MemAvailable); None when unknown."""
+    """Host memory available now: psutil's where installed (peft and ComfyUI require it; an install made without
+    dependencies may lack it), else the OS's own count (/proc/meminfo's MemAvailable, Windows' GlobalMemoryStatusEx);
+    None when unknown."""
     try:
         import psutil
         return int(psutil.virtual_memory().available)
     except ImportError:
         pass
     if os.path.exists("/proc/meminfo"):
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    return None
+    return _windows_available_bytes()
+
+
+class _MemoryStatusEx(ctypes.Structure):  # Windows' MEMORYSTATUSEX
+    _fields_ = [("dwLength", ctypes.c_uint32), ("dwMemoryLoad", ctypes.c_uint32),
+                *((name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
+                                                       "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
+                                                       "ullAvailExtendedVirtual"))]
+
+
+def _windows_available_bytes() -> int | None:
+    """Windows' available physical memory (what psutil reports there); None elsewhere or if the call fails."""
+    windll = getattr(ctypes, "windll", None)
+    if windll is None:
+        return None
+    status = _MemoryStatusEx(dwLength=ctypes.sizeof(_MemoryStatusEx))
+    return int(status.ullAvailPhys) if windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)) else None
 
 
 def file_backed_bytes(spans: dict[int, int]) -> int:
@@ -206,7 +224,8 @@ class HostNeeds:
         if budget_bytes is None:
             free = available_host_bytes()
             if free is None:
-                raise StrategyError("the available host RAM cannot be read on this system: give host_ram_budget_gb")
+                raise StrategyError("the available host RAM cannot be read on this system: give host_ram_budget_gb, "
+                                    "or install psutil (pip install psutil)")
             budget_bytes = free + model_bytes - file_backed_bytes(spans) - AUTO_HOST_MARGIN_BYTES
         budget, model_8bit = int(budget_bytes), sum(small.values())
         copied = [[p for p in ps if not streams_in_place(p.data, p.dtype)] for ps in frozen]  # in any dtype

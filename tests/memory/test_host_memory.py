@@ -1,6 +1,7 @@
 """Host memory: offloaded blocks stream from the one host copy of the weights that already exists, undo copies no
 weights, page-locking in place is released (or falls back to pageable memory with a note), and the inference-mode
 model is trained through aliases, not a copy."""
+import ctypes
 import json
 import mmap
 import os
@@ -8,6 +9,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 import warnings
 
 import pytest
@@ -281,3 +283,39 @@ def test_undo_returns_freed_host_memory_after_restoring_the_model(monkeypatch):
         train_steps(model, steps=1, runtime=rt)
         assert calls == []
     assert calls == [True]  # once, after every block forward was restored
+
+
+def _no_psutil_no_proc(monkeypatch):
+    """An install without psutil (peft brings it; `pip install --no-deps` does not), off Linux (no /proc)."""
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil raises ImportError
+    real_exists = os.path.exists
+    monkeypatch.setattr(host_memory.os.path, "exists", lambda p: p != "/proc/meminfo" and real_exists(p))
+
+
+def test_available_host_memory_without_psutil_on_windows(monkeypatch):
+    """GlobalMemoryStatusEx's ullAvailPhys, what psutil reads on Windows: before, None, and every auto strategy failed
+    with 'the available host RAM cannot be read on this system'."""
+    _no_psutil_no_proc(monkeypatch)
+
+    class Kernel32:
+        @staticmethod
+        def GlobalMemoryStatusEx(pointer):
+            status = pointer._obj
+            assert status.dwLength == ctypes.sizeof(status) == 64  # as Windows checks it
+            status.ullAvailPhys = 7 << 30
+            return 1
+    monkeypatch.setattr(ctypes, "windll", types.SimpleNamespace(kernel32=Kernel32), raising=False)
+    assert host_memory.available_host_bytes() == 7 << 30
+
+
+def test_without_psutil_elsewhere_the_refusal_says_what_to_do(monkeypatch):
+    _no_psutil_no_proc(monkeypatch)
+    monkeypatch.delattr(ctypes, "windll", raising=False)
+    assert host_memory.available_host_bytes() is None
+    model = make_lora_model()
+    with pytest.raises(StrategyError, match=r"give host_ram_budget_gb, or install psutil \(pip install psutil\)"):
+        HostNeeds.measure(model, [b.module for b in discover_blocks(model)], None)
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    if os.path.exists("/proc/meminfo"):  # Linux without psutil: /proc/meminfo
+        assert 0 < host_memory.available_host_bytes() < os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
