@@ -147,13 +147,13 @@ def compact(trace: list[dict[str, Any]]) -> list[list]:
 
 
 def write_compact(path: Path, events: list[list], baseline: dict[str, int]) -> None:
-    with gzip.open(path, "wt") as f:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
         json.dump({"baseline": baseline, "fields": ["action", "addr", "size", "stream", "site"], "events": events}, f)
 
 
 def read_compact(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """A written trace back in the format `analyse` and `model_growth` read (each stack replaced by its site)."""
-    with gzip.open(path, "rt") as f:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
         data = json.load(f)
     return [{"action": a, "addr": addr, "size": size, "stream": stream, "frames": site}
             for a, addr, size, stream, site in data["events"]], data["baseline"]

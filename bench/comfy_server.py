@@ -77,7 +77,7 @@ class Server:
             return False
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path.exists() else ""
 
     # -- HTTP -------------------------------------------------------------------------------------------------------
     def get(self, path: str, timeout: float = 30):

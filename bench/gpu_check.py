@@ -171,7 +171,7 @@ def _write_trace(run: Run, record: dict[str, Any]) -> None:
     trace = record.get("allocator_trace")
     if trace and "error" not in trace:
         title = f"{record['label']}, {record['resolution']} px, batch {record['batch']}"
-        (run.folder / "allocator_trace.md").write_text(allocator_trace.markdown(trace, title))
+        (run.folder / "allocator_trace.md").write_text(allocator_trace.markdown(trace, title), encoding="utf-8")
         events = trace.pop("compact", None)  # the events go to a file of their own, not into the JSON
         if events is not None:
             allocator_trace.write_compact(run.folder / "allocator_trace_events.json.gz", events, trace["baseline"])

@@ -117,7 +117,7 @@ def nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
     """The NVIDIA kernel driver's version (e.g. '580.95.05'; Linux: /proc/driver/nvidia/version), or None. Page-locking
     read-only memory in place behaves differently across drivers (memory/host_pinning.py)."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.readline())
     except OSError:
         return None
@@ -185,8 +185,9 @@ class Run:
         self.result["summary"] = [dict(zip(("what", "result", "target", "passed"), row)) for row in self.summary]
         self.result["wall_s"] = time.perf_counter() - self.t0
         self.result["complete"] = self.finished
-        (self.folder / f"{self.name}.json").write_text(json.dumps(self.result, indent=1, sort_keys=True, default=str))
-        (self.folder / f"{self.name}.md").write_text(self.table() + "\n")
+        (self.folder / f"{self.name}.json").write_text(json.dumps(self.result, indent=1, sort_keys=True, default=str),
+                                                            encoding="utf-8")
+        (self.folder / f"{self.name}.md").write_text(self.table() + "\n", encoding="utf-8")
 
     def finish(self) -> int:
         self.finished, self.running = True, None

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args.resolution, int(args.budget_gb * GB)) + "\n" + largest_batch_section()
     print(text, end="")
     if out is not None:
-        out.write_text(text)
+        out.write_text(text, encoding="utf-8")
     return 0
 
 

@@ -70,7 +70,7 @@ def child(offload: float, device: str = "cpu", hidden_size: int | None = None) -
     if dev.type == "cuda":
         _warm_up(dev)
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
     loaded, after, pinned, reserved = process_memory(), [], 0, 0
     for _ in range(RUNS):

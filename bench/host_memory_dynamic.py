@@ -113,7 +113,7 @@ def child(comfy_dir: str, checkpoint: str, mode: str, txt_len: int, resolution: 
         side = resolution // 8
         data = dataset_from_conditioning({"samples": torch.randn(1, 16, side, side, generator=g)}, cond)
         gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")  # resets VmHWM to the current RSS
         loaded = process_memory()
         model = patcher.clone(force_deepcopy=True) if mode == "reload" else patcher

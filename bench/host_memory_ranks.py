@@ -28,7 +28,7 @@ RANKS = 2
 
 
 def pss_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as f:
+    with open("/proc/self/smaps_rollup", encoding="utf-8", errors="surrogateescape") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
 
 

@@ -39,7 +39,7 @@ SETTLE_S = 3.0     # after a prompt, before reading the RSS it settled at
 def memory_status(pid: int) -> dict[str, int]:
     """VmRSS, RssAnon and RssFile of a process, in bytes."""
     out = {}
-    with open(f"/proc/{pid}/status") as f:
+    with open(f"/proc/{pid}/status", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             key = line.split(":", 1)[0]
             if key in ("VmRSS", "RssAnon", "RssFile"):
@@ -151,7 +151,7 @@ def environment() -> dict[str, str]:
     """The ComfyUI version (its comfyui_version.py) and the torch version of its python."""
     comfy_dir = os.path.abspath(os.environ["COMFYUI_DIR"])
     version_file = Path(comfy_dir) / "comfyui_version.py"
-    text = version_file.read_text() if version_file.exists() else ""
+    text = version_file.read_text(encoding="utf-8") if version_file.exists() else ""
     comfyui = next((line.split("=", 1)[1].strip().strip("\"'") for line in text.splitlines()
                     if line.startswith("__version__")), "unknown")
     torch_version = subprocess.run([comfy_python(comfy_dir), "-c", "import torch; print(torch.__version__)"],

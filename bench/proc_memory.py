@@ -6,7 +6,7 @@ from ..memory.host_memory import malloc_in_use_bytes
 
 def status_bytes(key: str) -> int:
     """A /proc/self/status field given in kB (VmRSS, VmHWM, RssAnon, RssFile, ...), in bytes."""
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024

@@ -124,9 +124,9 @@ def save_cpu_result(name: str, result: dict[str, Any], text: str, out: str | Non
     """`<out>/<name>.json` and `.md` (default out: benchmarks/results/cpu-<date>/), and the markdown printed."""
     out = out or os.path.join("benchmarks", "results", f"cpu-{result['date']}")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
+    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w", encoding="utf-8") as f:
         f.write(text)
     print(text)
     print(f"written: {os.path.join(out, name + '.json')} and .md")
@@ -137,9 +137,9 @@ def write(result: dict[str, Any], out_dir: str) -> dict[str, str]:
     os.makedirs(out_dir, exist_ok=True)
     model = result["meta"]["model"]
     paths = {"json": os.path.join(out_dir, f"bench-{model}.json"), "md": os.path.join(out_dir, f"bench-{model}.md")}
-    with open(paths["json"], "w") as f:
+    with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True, default=str)
-    with open(paths["md"], "w") as f:
+    with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(markdown(result))
     for name, img in charts(result).items():
         paths[name] = os.path.join(out_dir, f"{name}-{model}.png")

@@ -32,7 +32,7 @@ def measured(folder: Path, expandable: bool, model: str, resolution: int) -> dic
     path = folder / RUNS[expandable]
     if not path.is_file():
         return {}
-    headline = json.loads(path.read_text())["sections"]["headline"]
+    headline = json.loads(path.read_text(encoding="utf-8"))["sections"]["headline"]
     if (headline["model"], headline["resolution"], headline["batch"]) != (model, resolution, 1):
         return {}
     return {Strategy.from_dict(c["strategy"]): (c["peak_allocated_bytes"], c["peak_reserved_bytes"])
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(found, args.model, args.resolution, args.measured)
     print(text, end="")
     if out is not None:
-        out.write_text(text)
+        out.write_text(text, encoding="utf-8")
     return 0
 
 

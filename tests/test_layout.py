@@ -118,3 +118,40 @@ def test_memory_never_imports_comfyui():
 def test_no_module_over_400_lines():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def _text_opens_without_encoding(tree: ast.AST) -> list[int]:
+    """Lines of calls that open a file as text without naming its encoding: open(), Path.open / read_text /
+    write_text, gzip.open in a text mode. Binary modes and os.open (a descriptor) are fine; a mode that is not a
+    literal counts as text."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
+        if name in ("read_text", "write_text"):
+            lines.append(node.lineno)
+        elif name == "open" and owner not in ("os", "Image", "tarfile", "zipfile"):
+            first = 0 if isinstance(func, ast.Attribute) and owner not in ("gzip", "io") else 1  # Path.open(mode)
+            mode = node.args[first] if len(node.args) > first else next(
+                (k.value for k in node.keywords if k.arg == "mode"), ast.Constant("rb" if owner == "gzip" else "r"))
+            if not (isinstance(mode, ast.Constant) and "b" in str(mode.value)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_text_file_is_opened_with_its_encoding():
+    """Without encoding=, Python reads and writes text in the locale's encoding: cp1252 (or cp932, cp936...) on
+    Windows, where a UTF-8 file (a caption, a workflow, pyproject.toml's version) reads as mojibake or fails to decode,
+    and an en dash in a benchmark report fails to write."""
+    found = {name: lines for name, path in MODULES.items()
+             if (lines := _text_opens_without_encoding(ast.parse(path.read_text(encoding="utf-8"))))}
+    assert found == {}
+
+
+def test_the_encoding_check_finds_text_opens():
+    code = ("open(p)\nopen(p, 'w')\nopen(p, 'rb')\nopen(p, encoding='utf-8')\np.read_text()\np.open()\np.open('rb')\n"
+            "os.open(p, 0)\ngzip.open(p, 'rt')\ngzip.open(p)\nImage.open(p)\np.write_text(s, encoding='utf-8')\n")
+    assert _text_opens_without_encoding(ast.parse(code)) == [1, 2, 5, 6, 9]

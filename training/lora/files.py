@@ -135,7 +135,7 @@ def tightrope_version() -> str:
         return importlib_metadata.version("tightrope")
     except importlib_metadata.PackageNotFoundError:  # a plain checkout in ComfyUI's custom_nodes
         toml = Path(__file__).resolve().parents[2] / "pyproject.toml"  # the checkout's root
-        m = re.search(r'^version\s*=\s*"([^"]+)"', toml.read_text(), re.M) if toml.is_file() else None
+        m = re.search(r'^version\s*=\s*"([^"]+)"', toml.read_text(encoding="utf-8"), re.M) if toml.is_file() else None
         return m.group(1) if m else "unknown"
 
 
