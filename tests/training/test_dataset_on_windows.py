@@ -6,7 +6,7 @@ import pathlib
 import pytest
 from PIL import Image
 
-from tightrope.training.data.image_folder import DatasetError, folder_fingerprint, scan_folder
+from tightrope.training.data.image_folder import DatasetError, check_dataset_folder, folder_fingerprint, scan_folder
 from tightrope.training.data.masks import find_masks
 
 NAMES = ["B.png", "a.png", "_x.png", "Z.png", "10_Char/x.png", "1_char/y.png", "a/b.png", "a.b.png"]
@@ -60,3 +60,13 @@ def test_a_mask_named_in_another_case_is_found(tmp_path):
     entries = scan_folder(tmp_path)
     assert [e.path.name for e in entries] == ["a.png"]
     assert find_masks(entries, "mask_files", 10**8)[entries[0].path].path.name == "a.MASK.PNG"
+
+
+def test_a_folder_pasted_with_the_quotes_of_windows_copy_as_path_loads(tmp_path):
+    """Explorer's "Copy as path" (Ctrl+Shift+C) gives '"C:\\Users\\me\\data"'; before, 'does not exist (relative to the
+    working directory: ...)'."""
+    _image(tmp_path / "a.png", "a")
+    quoted = f'"{tmp_path}"'
+    assert check_dataset_folder(quoted) == tmp_path
+    assert [e.caption for e in scan_folder(quoted)] == ["a"]
+    assert folder_fingerprint(quoted) == folder_fingerprint(tmp_path)

@@ -33,8 +33,8 @@ from ..finite_check import check_finite
 from .cache_files import cached_shapes as _cached_shapes, entry_path, mark_used
 from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_duplicates, warn_upscaled
 from .image_hashes import ImageHashes
-from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, image_to_tensor, load_image, no_usable_images,
-                           read_image_header, read_image_size, scan_folder, skip_or_raise)
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, folder_path, image_to_tensor, load_image,
+                           no_usable_images, read_image_header, read_image_size, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 
@@ -150,9 +150,9 @@ class TrainingDataset(EpochBatches):
         if progress is not None:
             progress(len(entries), len(entries))
         if not samples:
-            raise no_usable_images(Path(folder), len(entries), problems)
+            raise no_usable_images(folder_path(folder), len(entries), problems)
         warn_duplicates(copies)  # from the hashes the cache keys need: no image is read for it
-        hashes.save(Path(folder).expanduser())
+        hashes.save(folder_path(folder))
         self.hashed_images = hashes.hashed
         self._finish(samples, repeats)
 

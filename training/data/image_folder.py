@@ -175,10 +175,12 @@ def _walk(root: Path) -> list[Path]:
     return [path for _, path in sorted(found, key=lambda item: item[0])]
 
 
-def _expanded(folder: str | Path) -> Path:
-    """The folder with '~' expanded; an unknown '~user' is a DatasetError (pathlib raises a RuntimeError)."""
+def folder_path(folder: str | Path) -> Path:
+    """The folder with '~' expanded and double quotes around it dropped (Windows' "Copy as path" adds them, and no
+    name may hold '"' there); an unknown '~user' is a DatasetError (pathlib raises a RuntimeError)."""
+    text = str(folder)
     try:
-        return Path(folder).expanduser()
+        return Path(text[1:-1] if len(text) > 1 and text[0] == text[-1] == '"' else folder).expanduser()
     except RuntimeError:
         user = re.split(r"[/\\]", str(folder))[0]
         raise DatasetError(f"dataset folder '{folder}' starts with '{user}', a user whose home folder this machine "
@@ -190,7 +192,7 @@ def check_dataset_folder(folder: str | Path) -> Path:
     fix = "pass the folder that holds your images and their .txt captions"
     if not str(folder).strip():
         raise DatasetError(f"the dataset folder is not set (folder={str(folder)!r}): {fix}")
-    root = _expanded(folder)
+    root = folder_path(folder)
     if not root.exists():
         where = "" if root.is_absolute() else f" (relative to the working directory: {root.absolute()})"
         raise DatasetError(f"dataset folder '{root}' does not exist{where}: {fix}")
@@ -205,7 +207,7 @@ def folder_fingerprint(folder: str | Path) -> str:
     change it; an unreadable or missing folder gives its own value (the node's input check reports it)."""
     digest = hashlib.sha256()
     try:
-        root = _expanded(str(folder))
+        root = folder_path(str(folder))
         for path in _walk(root):
             relative = path.relative_to(root)
             if not any(part.startswith(".") for part in relative.parts) and path.is_file():
