@@ -18,6 +18,7 @@ import functools
 import os
 import re
 import secrets
+import time
 import unicodedata
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -98,6 +99,14 @@ def long_path_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+# Windows: a file another program holds open (an antivirus or the search indexer reading the file just written, a
+# viewer, ComfyUI's loader) cannot be replaced or deleted meanwhile: PermissionError (WinError 5 or 32). Scanners let
+# go within seconds, so there a rename is tried again for a while (as uv and npm do) before the write fails.
+_IN_USE_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0) if os.name == "nt" else ()
+IN_USE_FIX = ("another program holds it open and Windows cannot replace a file in use (an antivirus scan, a viewer, "
+              "a loader): close that program and run again, or choose another filename_prefix or folder")
+
+
 class FileWriteError(OSError):
     """A file could not be written (disk full, no permission, ...): the message names it, the fix, and what was kept
     (`kept`, when the caller knows); errno is the cause's. Any earlier file at that path is unchanged and no temp
@@ -141,12 +150,15 @@ def atomic_save_file(tensors: dict[str, Tensor], path: str | os.PathLike, metada
             os.close(fd)
             fd = None
         if overwrite:
-            os.replace(tmp, path)
+            _replace(tmp, path)
         else:
             _publish_new(tmp, path)
     except BaseException as e:
         if tmp is not None:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # Windows: still open elsewhere; the next run removes it (remove_stale_temporaries)
+                pass
         failure = _as_write_error(path, e)
         if failure is not None:
             raise failure from e
@@ -229,9 +241,31 @@ def _publish_new(tmp: str, path: Path) -> None:
     except OSError:  # a file system without hard links: check, then rename (a tiny race, but no silent loss)
         if path.exists():
             raise FileExistsError(f"{path} already exists") from None
-        os.replace(tmp, path)
+        _replace(tmp, path)
         return
-    os.unlink(tmp)
+    try:
+        _when_free(os.unlink, tmp)
+    except OSError:  # the file is in place; the temp name left is removed by the next run (remove_stale_temporaries)
+        pass
+
+
+def _when_free(action, *args) -> None:
+    """`action(*args)` (a rename or delete), tried again while Windows says the file is in use (_IN_USE_RETRIES)."""
+    for delay in _IN_USE_RETRIES:
+        try:
+            return action(*args)
+        except PermissionError:
+            time.sleep(delay)
+    action(*args)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    try:
+        _when_free(os.replace, tmp, path)
+    except PermissionError as e:
+        if not _IN_USE_RETRIES:  # elsewhere a permission is what is missing
+            raise
+        raise FileWriteError(path, e.errno, e.strerror or str(e), fix=IN_USE_FIX) from e
 
 
 def _fsync_dir(directory: Path) -> None:

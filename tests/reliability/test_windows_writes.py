@@ -1,8 +1,14 @@
-"""Windows without long paths enabled (its default) cannot create a file whose full path passes 259 characters, and
+"""Writes as Windows treats them, simulated on Linux.
+
+Windows without long paths enabled (its default) cannot create a file whose full path passes 259 characters, and
 says so as if the folder were missing (FileNotFoundError: "[WinError 3] The system cannot find the path specified").
 A deep ComfyUI folder (C:\\Users\\<name>\\...\\ComfyUI_windows_portable\\ComfyUI\\user\\tightrope_state\\) and a
 long filename_prefix with subfolders get there. Simulated here: windows_short_paths() forced on, and os.open failing
-on such paths as Windows fails. Every such write is refused naming the path and the two fixes."""
+on such paths as Windows fails. Every such write is refused naming the path and the two fixes.
+
+A file another program holds open (an antivirus scanning the file just written, a viewer) cannot be replaced there
+meanwhile: the rename is tried again for a few seconds, then refused naming that cause (before: 'make the folder
+writable')."""
 import errno
 import os
 
@@ -60,3 +66,38 @@ def test_a_filename_prefix_too_long_for_windows_is_refused_at_queue_time(tmp_pat
 def test_linux_and_windows_with_long_paths_have_no_such_limit(tmp_path):
     assert not atomic_write.windows_short_paths()
     atomic_save_file({"a": torch.zeros(1)}, tmp_path / LONG / "lora.safetensors")
+
+
+# --- a file in use: Windows refuses to replace it while another program (an antivirus scan, a viewer) holds it open
+
+
+def _replace_refused(monkeypatch, times: int) -> list:
+    """os.replace refuses as Windows does while the target is held open, `times` times; retries made instant."""
+    monkeypatch.setattr(atomic_write, "_IN_USE_RETRIES", (0.0,) * 7, raising=False)
+    refused, real = [], os.replace
+
+    def replace(src, dst):
+        if len(refused) < times:
+            refused.append(dst)
+            raise PermissionError(13, "The process cannot access the file because it is being used by another "
+                                      "process", os.fspath(dst))
+        return real(src, dst)
+    monkeypatch.setattr(atomic_write.os, "replace", replace)
+    return refused
+
+
+def test_a_file_held_open_for_a_moment_is_replaced_once_it_is_free(tmp_path, monkeypatch):
+    target = tmp_path / "lora.state.safetensors"
+    atomic_save_file({"a": torch.zeros(1)}, target)
+    refused = _replace_refused(monkeypatch, 3)
+    atomic_save_file({"a": torch.ones(1)}, target)
+    assert len(refused) == 3 and sorted(os.listdir(tmp_path)) == ["lora.state.safetensors"]
+
+
+def test_a_file_held_open_for_good_names_the_cause(tmp_path, monkeypatch):
+    target = tmp_path / "lora.state.safetensors"
+    atomic_save_file({"a": torch.zeros(1)}, target)
+    _replace_refused(monkeypatch, 100)
+    with pytest.raises(FileWriteError, match="another program holds it open and Windows cannot replace a file in use"):
+        atomic_save_file({"a": torch.ones(1)}, target)
+    assert sorted(os.listdir(tmp_path)) == ["lora.state.safetensors"]  # the old file, no temp file
