@@ -1,6 +1,7 @@
 """One dataset folder, the same samples in the same order and the same captions on every OS. Simulated here on
 Linux: Windows' pathlib compares paths ignoring case (so sorted(paths) put 'a.png' before 'B.png' there, after it
 here), and its file system finds 'image.txt' for 'Image.txt' (case-insensitive), which Linux does not."""
+import os
 import pathlib
 
 import pytest
@@ -70,3 +71,26 @@ def test_a_folder_pasted_with_the_quotes_of_windows_copy_as_path_loads(tmp_path)
     assert check_dataset_folder(quoted) == tmp_path
     assert [e.caption for e in scan_folder(quoted)] == ["a"]
     assert folder_fingerprint(quoted) == folder_fingerprint(tmp_path)
+
+
+def test_a_folder_link_back_up_is_not_followed_again_where_entries_have_no_inode(tmp_path, monkeypatch):
+    """On Windows os.DirEntry.stat() leaves st_ino and st_dev 0 except for a symlink: a junction (mklink /J, what
+    Windows users make: no admin rights needed) back to a folder above was entered again and again, each image listed
+    once per level, until the path grew too long (or Python's recursion limit). Simulated: entries report no inode."""
+    from tightrope.training.data import image_folder
+
+    class WindowsEntry:
+        def __init__(self, entry):
+            self._entry, self.name, self.path = entry, entry.name, entry.path
+
+        def is_dir(self):
+            return self._entry.is_dir()
+
+        def stat(self):
+            st = self._entry.stat()
+            return os.stat_result((st.st_mode, 0, 0) + tuple(st)[3:])
+    real_scandir = os.scandir
+    monkeypatch.setattr(image_folder.os, "scandir", lambda folder: [WindowsEntry(e) for e in real_scandir(folder)])
+    _image(tmp_path / "1_a" / "x.png", "x")
+    (tmp_path / "1_a" / "loop").symlink_to(tmp_path / "1_a", target_is_directory=True)
+    assert _order(tmp_path) == ["1_a/x.png"]

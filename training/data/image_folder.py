@@ -165,7 +165,7 @@ def _walk(root: Path) -> list[Path]:
                 is_dir = False
             if is_dir and not entry.name.startswith("."):
                 try:
-                    target = entry.stat()
+                    target = os.stat(path)  # entry.stat() has no inode on Windows but for a symlink's (a junction: 0)
                 except OSError:
                     continue
                 if (target.st_dev, target.st_ino) not in above:
