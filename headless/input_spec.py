@@ -177,6 +177,11 @@ def _converted(spec: InputSpec, value):
     if kind == "COMBO" and value is None:  # JSON null: a node checking its own inputs would take it for a link
         shown = ", ".join(repr(c) for c in list(spec.choices or ())[:20])
         raise ValueError(f"is null, not one of its choices: {shown or 'none available'}")
+    if kind == "COMBO" and isinstance(value, str) and value not in (spec.choices or ()):
+        # a file in a subfolder, from a workflow saved on another OS: ComfyUI lists it as 'flux\\x.safetensors' on
+        # Windows and 'flux/x.safetensors' elsewhere
+        return next((v for v in (value.replace("\\", "/"), value.replace("/", "\\")) if v in (spec.choices or ())),
+                    value)
     return value  # COMBO values are checked against the choices; other types are the node's business
 
 
