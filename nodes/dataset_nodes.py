@@ -5,13 +5,15 @@ from ..training.data.builder import dataset_from_conditioning, dataset_from_fold
 from ..training.data.cache_files import usage_summary
 from ..training.data.image_folder import check_dataset_folder, folder_fingerprint
 from ..training.data.masks import MASK_SOURCES
+from ..training.data.video_clips import DEFAULT_FPS, DEFAULT_FRAMES
 from . import host
 from .input_validation import validation_result
 
 
 class TightropeLoadDataset:
-    DESCRIPTION = ("Images with same-name .txt captions (kohya 'N_name' folders repeat N times), encoded once with "
-                   "the VAE and text encoder and cached on disk, so the next run skips encoding.")
+    DESCRIPTION = ("Images (and, for a video model such as Wan, video clips) with same-name .txt captions (kohya "
+                   "'N_name' folders repeat N times), encoded once with the VAE and text encoder and cached on disk, "
+                   "so the next run skips encoding.")
     CATEGORY = "Tightrope/data"
     RETURN_TYPES = ("TIGHTROPE_DATASET",)
     RETURN_NAMES = ("dataset",)
@@ -38,6 +40,14 @@ class TightropeLoadDataset:
                                                      "mask_files reads name.mask.png beside name.png, alpha the "
                                                      "image's transparency. A missing or wrongly sized mask is an "
                                                      "error."}),
+            "frames": ("INT", {"default": DEFAULT_FRAMES, "min": 1, "max": 1025, "step": 4,
+                               "tooltip": "Video clips (.mp4 .webm .mov .mkv .avi .flv): frames per clip, from its "
+                                          "start. Wan takes 1 + 4k (33, 49, 81); others are rounded down. A shorter "
+                                          "clip trains on the frames it has. Images ignore it."}),
+            "fps": ("FLOAT", {"default": DEFAULT_FPS, "min": 0.0, "max": 240.0, "step": 1.0,
+                              "tooltip": "Video clips: the frame rate they are resampled to, the one the model "
+                                         "samples at (Wan 2.1 / 2.2 A14B: 16, Wan 2.2 5B: 24), so motion trains at "
+                                         "its real speed; 0 keeps each clip's own frames."}),
         }}
 
     @classmethod
@@ -52,10 +62,11 @@ class TightropeLoadDataset:
         images, captions or masks added or edited since the last run are scanned and encoded (new ones only)."""
         return folder_fingerprint(folder) if isinstance(folder, str) else ""
 
-    def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none"):
+    def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none",
+             frames=DEFAULT_FRAMES, fps=DEFAULT_FPS):
         dataset = dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
                                       use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask,
-                                      progress=host.work_progress("encoding images"))
+                                      progress=host.work_progress("encoding images"), frames=frames, fps=fps)
         if host.is_main():  # where the cache is, its size, and what this load did not use (training/data/cache_files)
             host.notify(usage_summary(host.cache_dir(), dataset.cache_files()))
         return (dataset,)
@@ -72,7 +83,8 @@ class TightropeDatasetFromLatents:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "latent": ("LATENT", {"tooltip": "The encoded training images (a batch)."}),
+            "latent": ("LATENT", {"tooltip": "The encoded training images (a batch), or a video VAE's clips (batch, "
+                                             "channels, frames, h, w) for a video model such as Wan."}),
             "conditioning": ("CONDITIONING", {"tooltip": "One conditioning for all images, or one per image."}),
             "caption_dropout": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                           "tooltip": "Fraction of samples trained with the empty conditioning."}),

@@ -134,6 +134,11 @@ def check_dataset_fits_model(session: Any) -> None:
         if widths is None:  # none connected, or a dataset type without shapes to read
             continue
         latent_channels, contexts, pooled = widths()
+        clips = getattr(dataset, "clip_count", lambda: 0)()
+        if clips and not getattr(adapter, "takes_video", lambda: False)():
+            raise DatasetError(f"the {what} holds {clips} video clip(s) (multi-frame latents), but {model} takes "
+                               "image latents: train a video model (Wan) on them, or give this model images only "
+                               "(remove the videos from the folder, or encode single images)")
         if channels and latent_channels != {channels}:
             raise DatasetError(f"the {what}'s latents have {_listed(latent_channels)} channels, but {model} takes "
                                f"{channels}-channel latents: encode the images with this model's VAE (the one that "

@@ -71,8 +71,10 @@ def test_dataset_from_latents_bad_inputs_are_dataset_errors_naming_the_input():
     cond = [[torch.randn(1, 5, 64), {"pooled_output": torch.randn(1, 32)}]]
     with pytest.raises(DatasetError, match=r"conditioning has 2 entries for 3 latents: give one conditioning"):
         TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 8, 8)}, cond * 2, 0.0)
-    with pytest.raises(DatasetError, match=r"latent: samples have shape \(3, 16, 4, 8, 8\); expected images"):
-        TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 4, 8, 8)}, cond, 0.0)
+    with pytest.raises(DatasetError, match=r"latent: samples have shape \(3, 16, 4\); expected images"):
+        TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 4)}, cond, 0.0)
+    (clips,) = TightropeDatasetFromLatents().load({"samples": torch.randn(3, 16, 4, 8, 8)}, cond, 0.0)
+    assert clips.latent_shape(2) == (16, 4, 8, 8)  # a video VAE's clips: one sample each, with their frames
     with pytest.raises(DatasetError, match=r"latent: expected ComfyUI's LATENT"):
         TightropeDatasetFromLatents().load(torch.randn(3, 16, 8, 8), cond, 0.0)
     (dataset,) = TightropeDatasetFromLatents().load({"samples": torch.randn(2, 16, 1, 8, 8)}, cond * 2, 0.0)

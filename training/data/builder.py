@@ -9,6 +9,7 @@ import torch
 from .dataset import TrainingDataset
 from .encoders import ImageEncoder, TextEncoder
 from .image_folder import DatasetError
+from .video_clips import DEFAULT_FPS, DEFAULT_FRAMES, ClipSettings
 
 
 def encoders_for(vae: Any, clip: Any) -> tuple[ImageEncoder, TextEncoder]:
@@ -24,15 +25,20 @@ def encoders_for(vae: Any, clip: Any) -> tuple[ImageEncoder, TextEncoder]:
 
 def dataset_from_folder(folder: str | Path, vae: Any, clip: Any, *, resolution: int, caption_dropout: float,
                         use_repeats: bool, strict: bool, cache_dir: Path | None,
-                        mask: str = "none", progress=None) -> TrainingDataset:
+                        mask: str = "none", progress=None, frames: int = DEFAULT_FRAMES,
+                        fps: float = DEFAULT_FPS) -> TrainingDataset:
+    """frames, fps: how video files in the folder become clips (video_clips.py)."""
+    clips = ClipSettings(frames, float(fps))  # before the encoders: a bad setting fails first
     image, text = encoders_for(vae, clip)
     return TrainingDataset(folder, image, text, max_pixels=resolution * resolution, caption_dropout=caption_dropout,
-                           use_repeats=use_repeats, strict=strict, cache_dir=cache_dir, mask=mask, progress=progress)
+                           use_repeats=use_repeats, strict=strict, cache_dir=cache_dir, mask=mask, progress=progress,
+                           clips=clips)
 
 
 def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropout: float = 0.0,
                               empty_conditioning: list | None = None) -> TrainingDataset:
-    """ComfyUI's LATENT ({"samples": (B,C,H,W)}) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
+    """ComfyUI's LATENT ({"samples": (B,C,H,W)}, or a video VAE's (B,C,T,H,W): B clips of T latent frames each; the
+    model must take video latents, input_checks.check_dataset_fits_model) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
     one conditioning for all latents, or one per latent."""
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not torch.is_tensor(samples):
@@ -40,9 +46,9 @@ def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropo
                            "Empty Latent Image output")
     if samples.ndim == 5 and samples.shape[2] == 1:  # a video VAE's single-frame latents (Wan): image latents
         samples = samples[:, :, 0]
-    if samples.ndim != 4:
+    if samples.ndim not in (4, 5):
         raise DatasetError(f"latent: samples have shape {tuple(samples.shape)}; expected images (batch, channels, "
-                           "height, width) or single-frame video latents: encode still images")
+                           "height, width) or a video VAE's latents (batch, channels, frames, height, width)")
     dropped = sorted({k for _, extra in conditioning for k in extra if k in _IMAGE_CONDITIONING})
     if dropped:
         raise DatasetError(f"conditioning carries {', '.join(dropped)} (an image-to-video / edit / reference "

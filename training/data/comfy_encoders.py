@@ -54,6 +54,8 @@ class ComfyVaeEncoder:
         compress = getattr(vae, "spacial_compression_encode", None)
         self.downscale = int(compress()) if compress else int(getattr(vae, "downscale_ratio", 8))
         self.video = getattr(vae, "latent_dim", 2) == 3
+        stride = getattr(vae, "temporal_compression_decode", None) if self.video else None
+        self.frame_stride = int(stride() or 1) if stride else 1  # Wan's VAE: 4 (1 + 4k frames -> 1 + k latents)
         self._cache_id = None
 
     @property
@@ -64,6 +66,19 @@ class ComfyVaeEncoder:
                 vae.first_stage_model, getattr(vae, "latent_channels", None), self.downscale,
                 getattr(vae, "vae_dtype", None))
         return self._cache_id
+
+    def encode_video(self, frames: Tensor) -> Tensor:
+        """One clip's frames (T, 3, H, W) in [-1, 1] -> its latent (C, T', h, w): the IMAGE batch a video VAE reads as
+        one video (ComfyUI's VAEEncode of a Load Video's frames)."""
+        if not self.video:
+            raise ValueError("ComfyVaeEncoder.encode_video needs a video VAE (latent_dim 3, e.g. Wan's)")
+        if frames.ndim != 4 or frames.shape[1] != 3:
+            raise ValueError(f"ComfyVaeEncoder.encode_video wants (T, 3, H, W) in [-1, 1], got {tuple(frames.shape)}")
+        latent = self.vae.encode(((frames.float() + 1) / 2).clamp(0, 1).movedim(1, -1))
+        if latent.ndim != 5 or latent.shape[0] != 1:
+            raise ValueError(f"the VAE returned latents of shape {tuple(latent.shape)} for one clip; expected "
+                             "(1, C, T, h, w) from a video VAE")
+        return latent[0]
 
     def encode(self, images: Tensor) -> Tensor:
         if images.ndim != 4 or images.shape[1] != 3:

@@ -31,12 +31,14 @@ from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
 from .cache_files import cached_shapes as _cached_shapes, entry_path, mark_used
-from .folder_warnings import UPSCALE_WARNING_FACTOR, warn_animated, warn_duplicates, warn_upscaled
+from .folder_warnings import warn_duplicates
+from .header_checks import warn_from_headers
 from .image_hashes import ImageHashes
 from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, folder_path, image_to_tensor, load_image,
-                           no_usable_images, read_image_header, read_image_size, scan_folder, skip_or_raise)
+                           no_usable_images, read_image_size, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
+from .video_clips import ClipEncoding, ClipSettings, check_video_masks, is_video
 
 # Bump when resizing/cropping/conversion changes, so old cached latents stop matching.
 PREPROCESS_VERSION = "fit-lanczos-center-v1"
@@ -70,29 +72,7 @@ def _cpu(x: Tensor) -> Tensor:
     return x.detach().to("cpu").contiguous()
 
 
-def _warn_from_headers(entries, max_pixels: int, multiple: int, max_image_pixels: int) -> dict[Path, tuple[int, int]]:
-    """From the images' headers, before any encoding: the images that fitting to their bucket enlarges more than
-    UPSCALE_WARNING_FACTOR (path, factor), and those with several frames (an image that cannot be read is the
-    encoding's to report). Returns the sizes read (path -> read_image_size's), for the images the hash index knows."""
-    upscaled, animated, sizes = [], [], {}
-    for entry in entries:
-        try:
-            size, frames = read_image_header(entry.path, max_pixels=max_image_pixels)
-        except (DatasetError, OSError):
-            continue
-        sizes[entry.path] = size
-        bucket = choose_bucket(*size, max_pixels, multiple)
-        factor = max(bucket[0] / size[0], bucket[1] / size[1])  # fit_to_bucket scales to cover the bucket
-        if factor > UPSCALE_WARNING_FACTOR:
-            upscaled.append((entry.path, factor))
-        if frames:
-            animated.append(entry.path)
-    warn_upscaled(upscaled)
-    warn_animated(animated)
-    return sizes
-
-
-class TrainingDataset(EpochBatches):
+class TrainingDataset(EpochBatches, ClipEncoding):
     """Encoded images + caption embeddings, batched by bucket (batching.py).
 
     Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits,
@@ -103,12 +83,12 @@ class TrainingDataset(EpochBatches):
                  max_pixels: int = 512 * 512, multiple: int | None = None, use_repeats: bool = True,
                  caption_dropout: float = 0.0, cache_dir: str | Path | None = None, strict: bool = True,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, mask: str = "none",
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, clips: ClipSettings | None = None):
         """multiple: bucket sides are multiples of this; default downscale * 2 (a patch-2 transformer
         like Flux). use_repeats=False ignores kohya N_name repeat counts. mask: 'none', 'mask_files' or 'alpha'
         (training/masks.py): a loss mask per image, cached with its latent. progress(done, total) after each image
         (a ComfyUI progress bar); what it raises (an interrupt) stops the encoding, and the images encoded so far
-        stay in the cache."""
+        stay in the cache. clips: how video files become samples (video_clips.py; default ClipSettings())."""
         downscale = int(image_encoder.downscale)
         multiple = downscale * 2 if multiple is None else multiple
         if multiple < 1 or multiple % downscale:
@@ -120,7 +100,9 @@ class TrainingDataset(EpochBatches):
         self.encoded_captions = self.caption_cache_hits = 0
 
         entries = scan_folder(folder, strict=strict, use_repeats=use_repeats)
+        check_video_masks(entries, mask)
         masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
+        clips, count = self._clip_plan(entries, image_encoder, clips)
         # the empty caption only where dropout uses it: an encoder that does not pad gives it its own length
         captions = sorted({e.caption for e in entries} | ({""} if caption_dropout > 0 else set()))
         # reported as 0 images done after each call: the captions come first, and the report is where an interrupt
@@ -130,16 +112,20 @@ class TrainingDataset(EpochBatches):
         self._empty_text = text_index.get("")
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
-        sizes = _warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
+        sizes = warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
         samples, repeats, problems, copies = [], [], [], {}  # copies: the images' sha256 -> (path, repeats)
         hashes = ImageHashes(self.cache_dir)  # each image's sha256 from the last load where its file is unchanged
         for k, entry in enumerate(entries):
             if progress is not None and k:
                 progress(k, len(entries))
             try:
-                latent, shape, weights, digest = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
-                                                                    max_image_pixels, masks.get(entry.path), hashes,
-                                                                    sizes.get(entry.path))
+                if is_video(entry.path):
+                    latent, shape, weights, digest = self._encode_clip(entry.path, image_encoder, max_pixels, multiple,
+                                                                       max_image_pixels, hashes, clips, count)
+                else:
+                    latent, shape, weights, digest = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
+                                                                        max_image_pixels, masks.get(entry.path),
+                                                                        hashes, sizes.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
@@ -161,8 +147,9 @@ class TrainingDataset(EpochBatches):
                      captions: list[str] | None = None, empty_context: Tensor | None = None,
                      empty_pooled: Tensor | None = None, caption_dropout: float = 0.0,
                      repeats: list[int] | None = None) -> TrainingDataset:
-        """From already-encoded tensors (ComfyUI's LATENT and CONDITIONING lists): latents (C, h, w),
-        contexts (T, D), pooled (P), each optionally with a leading batch dim of 1. Caption dropout
+        """From already-encoded tensors (ComfyUI's LATENT and CONDITIONING lists): latents (C, h, w) or video
+        latents (C, frames, h, w) (one frame: an image's), contexts (T, D), pooled (P), each optionally with a leading
+        batch dim of 1. Caption dropout
         needs the empty caption's encoding as empty_context / empty_pooled."""
         n = len(latents)
         if n == 0:
@@ -178,10 +165,12 @@ class TrainingDataset(EpochBatches):
             raise DatasetError(f"caption_dropout={caption_dropout} needs the empty caption's encoding: pass "
                                f"empty_context and empty_pooled (encode the caption \"\"), or set caption_dropout=0")
 
-        def unbatch(x: Tensor, ndim: int, what: str) -> Tensor:
-            if x.ndim == ndim + 1 and x.shape[0] == 1:
+        def unbatch(x: Tensor, ndim: int, what: str, video: bool = False) -> Tensor:
+            if x.ndim in (ndim + 1, ndim + 1 + video) and x.shape[0] == 1:  # a latent's channels are never 1
                 x = x[0]
-            if x.ndim != ndim:
+            if video and x.ndim == ndim + 1 and x.shape[1] == 1:  # a single frame: an image's latent
+                x = x[:, 0]
+            if x.ndim != ndim and not (video and x.ndim == ndim + 1):
                 raise DatasetError(f"from_tensors: a {what} has shape {tuple(x.shape)}, expected {ndim} dims "
                                    f"(or {ndim + 1} with a leading batch of 1): pass one item per list entry")
             return _cpu(x)
@@ -199,7 +188,7 @@ class TrainingDataset(EpochBatches):
         self._text_shapes = [(c.shape, p.shape) for c, p in self._texts]
         samples = []
         for i, (latent, caption) in enumerate(zip(latents, captions)):
-            latent = unbatch(latent, 3, "latent")
+            latent = unbatch(latent, 3, "latent", video=True)
             samples.append(_Sample(latent, tuple(latent.shape), caption, i))
         self._finish(samples, repeats)
         return self
@@ -374,6 +363,10 @@ class TrainingDataset(EpochBatches):
         texts = {s.text for s in self._samples} | ({self._empty_text} if self._empty_text is not None else set())
         return ({s.shape[0] for s in self._samples}, {self._text_shapes[i][0][-1] for i in texts},
                 {(self._text_shapes[i][1] or (0,))[-1] for i in texts})
+
+    def clip_count(self) -> int:
+        """How many distinct samples are video clips (latents (C, frames, h, w)), from shapes only."""
+        return sum(len(s.shape) == 4 for s in self._samples)
 
     def text_shape(self, index: int) -> tuple[int, ...]:
         """The context shape (T, D) of distinct image `index`'s caption, without reading it."""

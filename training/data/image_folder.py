@@ -37,6 +37,8 @@ from PIL import Image, ImageOps
 from .folder_warnings import warn_many_repeats, warn_shared_captions
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# video clips (video_clips.py: a video model's samples): what ComfyUI 0.33's nodes_dataset.py takes
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".flv")
 # Formats people often drop in by mistake; named in the "no images" error so the fix is obvious.
 _UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".psd")
 # 100 megapixels: far above any training image, far below what would exhaust memory while decoding.
@@ -134,7 +136,7 @@ def _list_images(root: Path) -> tuple[list[Path], list[Path]]:
                 or path.name.lower().endswith(MASK_SUFFIX):  # an image's mask (training/masks.py), not an image
             continue
         suffix = path.suffix.lower()
-        if suffix in IMAGE_EXTENSIONS:
+        if suffix in IMAGE_EXTENSIONS or suffix in VIDEO_EXTENSIONS:
             images.append(path)
         elif suffix in _UNSUPPORTED_IMAGE_EXTENSIONS:
             unsupported.append(path)
@@ -226,8 +228,9 @@ def scan_folder(folder: str | Path, *, strict: bool = True, use_repeats: bool = 
     if not images:
         found = (f" (found {len(unsupported)} file(s) in unsupported formats, e.g. '{unsupported[0]}': "
                  f"convert them to PNG or JPEG)") if unsupported else ""
-        raise DatasetError(f"dataset folder '{root}' has no images{found}: put {', '.join(IMAGE_EXTENSIONS)} images, "
-                           f"each with a same-name .txt caption, in it or in N_name subfolders")
+        raise DatasetError(f"dataset folder '{root}' has no images{found}: put {', '.join(IMAGE_EXTENSIONS)} images "
+                           f"(or {', '.join(VIDEO_EXTENSIONS)} clips for a video model), each with a same-name .txt "
+                           "caption, in it or in N_name subfolders")
 
     entries, problems, listings = [], [], {}
     for path in images:

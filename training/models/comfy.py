@@ -259,7 +259,14 @@ class ComfyModelAdapter:
         fmt = self.patcher.get_model_object("latent_format")
         if getattr(fmt, "latent_dimensions", 2) == 3 and latents.ndim == 4:
             latents = latents.unsqueeze(2)
+        elif latents.ndim == 5 and not self.takes_video():  # input_checks refuses this before the run
+            raise ConfigError(f"this {self.family} model takes image latents, not video latents of shape "
+                              f"{tuple(latents.shape)}: train it on images, or load a video model (Wan)")
         return fmt.process_in(latents)
+
+    def takes_video(self) -> bool:
+        """Whether the model's latents have a time axis (Wan's latent format: 3-D), so video clips can train it."""
+        return getattr(self.patcher.get_model_object("latent_format"), "latent_dimensions", 2) == 3
 
     def predict(self, module, x_t, t, context, pooled, guidance, to_device=None):
         base = self.patcher.model

@@ -1,0 +1,235 @@
+"""Video clips in a folder dataset: read with PyAV, resampled to a frame rate, fitted to a bucket, encoded as one video.
+
+A clip (.mp4 .webm .mov .mkv .avi .flv: what ComfyUI 0.33's dataset nodes take) trains as ONE sample of its first
+`frames` frames (the head of the clip) at `fps` frames a second: output frame i is the source frame shown at time
+i / fps (the latest one starting at or before it; a slower source repeats frames, a faster one skips them). fps 0
+keeps the source's own frames. A video VAE (Wan's: 4x in time) encodes F = 1 + 4k frames to 1 + k latent frames, so a
+frame count that is not of that form is rounded down (said once); a clip shorter than frames / fps seconds trains on
+the frames it has, rounded down the same way (said per clip). Every frame is fitted to the clip's aspect-ratio bucket
+(resolution^2 pixels a frame, buckets.py) like an image, so a clip's latent is (C, T', h, w) and clips of another T'
+or h, w never share a batch (batching.py buckets by latent shape). Images in the same folder train as 1-frame videos.
+
+PyAV (`av`) is imported only when a folder holds a video: ComfyUI installs it; without it a video is a one-line error.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import warnings
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..state.atomic_write import atomic_save_file
+from .buckets import choose_bucket, fit_to_bucket
+from .cache_files import cached_shapes
+from .image_folder import VIDEO_EXTENSIONS, DatasetError, image_to_tensor, to_rgb
+from .keys import content_key
+
+CLIP_VERSION = "head-latest-frame-lanczos-v1"  # bump when frame picking or fitting changes: old latents stop matching
+DEFAULT_FRAMES = 33  # 2 s at 16 fps; Wan takes 1 + 4k frames (81 at 16 fps is its 5 s sampling default)
+DEFAULT_FPS = 16.0   # Wan 2.1 and Wan 2.2 A14B are trained and sampled at 16 fps (the 5B TI2V at 24: set fps 24)
+
+
+@dataclass(frozen=True)
+class ClipSettings:
+    """How clips become samples: `frames` per clip from its head, resampled to `fps` (0: the source's rate)."""
+    frames: int = DEFAULT_FRAMES
+    fps: float = DEFAULT_FPS
+
+    def __post_init__(self):
+        if not isinstance(self.frames, int) or isinstance(self.frames, bool) or self.frames < 1:
+            raise DatasetError(f"frames={self.frames!r}: a clip needs at least 1 frame; set frames to 1 + 4k for Wan "
+                               "(e.g. 33 or 81)")
+        if not self.fps >= 0:  # NaN too
+            raise DatasetError(f"fps={self.fps!r} is invalid: give the frame rate to train at (16 for Wan 2.1/2.2 "
+                               "A14B, 24 for Wan 2.2 5B), or 0 for the source's own rate")
+
+    def cache_key(self, frames: int) -> str:
+        """Part of a clip's latent cache key: every setting that changes its frames."""
+        return f"clip frames={frames} fps={self.fps!r} {CLIP_VERSION}"
+
+
+def is_video(path: Path) -> bool:
+    return path.suffix.lower() in VIDEO_EXTENSIONS
+
+
+def frames_for(frames: int, stride: int) -> int:
+    """The most frames <= `frames` that a video VAE with time stride `stride` encodes whole: 1 + stride * k."""
+    return 1 + (frames - 1) // stride * stride if stride > 1 else frames
+
+
+def clip_frame_count(settings: ClipSettings, stride: int, said: set | None = None) -> int:
+    """settings.frames rounded down to 1 + stride * k, said once per value (said: the values said already)."""
+    count = frames_for(settings.frames, stride)
+    if count != settings.frames and (said is None or settings.frames not in said):
+        if said is not None:
+            said.add(settings.frames)
+        warnings.warn(f"frames={settings.frames}: the video VAE encodes 1 + {stride}k frames (its time stride is "
+                      f"{stride}), so each clip trains on its first {count} frames; set frames to {count} or "
+                      f"{count + stride} to silence this", stacklevel=2)
+    return count
+
+
+def pick_frames(times: list[float], end: float, fps: float, count: int) -> list[int]:
+    """Indices into the source frames (start times `times`, ascending; the last one shown until `end`) of the clip's
+    first `count` frames at `fps`: frame i is the one shown at times[0] + i / fps. fps 0: the first `count` frames.
+    Fewer where the clip ends first."""
+    if fps == 0:
+        return list(range(min(count, len(times))))
+    picked = []
+    for i in range(count):
+        at = times[0] + i / fps
+        if at >= end - 1e-9:
+            break
+        picked.append(bisect.bisect_right(times, at + 1e-6) - 1)
+    return picked
+
+
+def _av():
+    try:
+        import av
+    except ImportError:
+        raise DatasetError("the dataset folder holds videos, which need PyAV to decode: pip install av (ComfyUI "
+                           "installs it; headless, install it into the python that runs tightrope), or remove the "
+                           "videos") from None
+    return av
+
+
+def _unreadable(path: Path, error: Exception) -> DatasetError:
+    return DatasetError(f"cannot read video '{path}' ({error}): re-encode it as H.264 .mp4 (e.g. ffmpeg -i in.mov "
+                        "-c:v libx264 out.mp4), or delete it (strict=False skips such files)")
+
+
+def read_video_size(path: Path, data: bytes | None = None) -> tuple[int, int]:
+    """(width, height) of the clip's first video stream, from its header."""
+    av = _av()
+    try:
+        with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
+            stream = _stream(container, path)
+            return int(stream.codec_context.width), int(stream.codec_context.height)
+    except DatasetError:
+        raise
+    except Exception as e:  # PyAV raises its own error types for damaged and foreign files
+        raise _unreadable(path, e) from None
+
+
+def _stream(container, path: Path):
+    if not container.streams.video:
+        raise DatasetError(f"'{path}' holds no video stream: remove it from the dataset folder")
+    return container.streams.video[0]
+
+
+def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int,
+              data: bytes | None = None) -> list:
+    """The clip's first `count` frames at settings.fps, each fitted to `bucket` (8-bit RGB PIL images): fewer where
+    the clip is shorter. Frames are fitted as they are decoded, so only bucket-sized frames are held."""
+    av = _av()
+    times, frames = [], []
+    try:
+        with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
+            stream = _stream(container, path)
+            rate = stream.average_rate or stream.guessed_rate or Fraction(25)
+            horizon = None if settings.fps == 0 else (count - 1) / settings.fps
+            for frame in container.decode(stream):
+                width, height = frame.width, frame.height
+                if width * height > max_pixels:
+                    raise DatasetError(f"video '{path}' has {width}x{height} frames, over the limit of {max_pixels} "
+                                       "pixels a frame: downscale it, or remove it from the folder")
+                at = float(frame.time) if frame.time is not None else len(times) / float(rate)
+                if times and at <= times[-1]:  # a repeated or out-of-order timestamp: keep the first
+                    continue
+                if settings.fps == 0 and len(times) == count:
+                    break
+                if horizon is not None and times and at - times[0] > horizon + 1e-6:
+                    times.append(at)  # the frame after the last one needed: only its time is kept (the end)
+                    break
+                times.append(at)
+                frames.append(fit_to_bucket(to_rgb(frame.to_image()), bucket))
+    except DatasetError:
+        raise
+    except Exception as e:
+        raise _unreadable(path, e) from None
+    if not frames:
+        raise DatasetError(f"video '{path}' has no frames that decode: re-encode it, or remove it from the folder")
+    end = times[len(frames)] if len(times) > len(frames) else times[len(frames) - 1] + 1 / float(rate)
+    return [frames[i] for i in pick_frames(times[:len(frames)], end, settings.fps, count)]
+
+
+def clip_to_tensor(frames: list) -> Tensor:
+    """PIL frames -> (T, 3, H, W) float32 in [-1, 1], as image_to_tensor per frame."""
+    return torch.stack([image_to_tensor(frame) for frame in frames])
+
+
+def encode_clip(path: Path, encoder, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int,
+                data: bytes | None) -> Tensor:
+    """The clip's latent (C, T', h, w) by the encoder's encode_video (one video), on the CPU."""
+    encode_video = getattr(encoder, "encode_video", None)
+    if encode_video is None or not getattr(encoder, "video", True):
+        raise video_encoder_error(path, encoder)
+    frames = read_clip(path, settings, count, bucket, max_pixels, data)
+    stride = int(getattr(encoder, "frame_stride", 1))
+    usable = frames_for(len(frames), stride)
+    if len(frames) < count:
+        warnings.warn(f"video '{path}' is shorter than {count} frames at {settings.fps:g} fps: it trains on its "
+                      f"{usable} frames (a sample of its own length: another bucket)", stacklevel=2)
+    with torch.no_grad():
+        latent = encode_video(clip_to_tensor(frames[:usable]))
+    if latent.ndim == 4 and latent.shape[1] == 1:  # one latent frame: an image's latent, batched with images
+        latent = latent[:, 0]
+    return latent.detach().to("cpu").contiguous().clone()
+
+
+def video_encoder_error(path: Path, encoder) -> DatasetError:
+    return DatasetError(f"video '{path}' needs a video VAE, but the VAE input ({getattr(encoder, 'cache_id', '?')}) "
+                        "encodes images only: connect the video model's own VAE (Wan's), or remove the videos from "
+                        "the folder")
+
+
+def clip_bucket(path: Path, max_pixels: int, multiple: int, data: bytes | None) -> tuple[int, int]:
+    return choose_bucket(*read_video_size(path, data), max_pixels, multiple)
+
+
+def check_video_masks(entries, mask: str) -> None:
+    """Loss masks are read per image: a folder with videos takes none (DatasetError before any encoding)."""
+    videos = [e.path for e in entries if is_video(e.path)]
+    if mask != "none" and videos:
+        raise DatasetError(f"mask={mask!r} gives images loss masks, but the folder holds videos (e.g. '{videos[0]}'), "
+                           "which take none: set mask to none, or train the videos from another folder")
+
+
+class ClipEncoding:
+    """TrainingDataset's clip half (a mixin over its `_cache_path(kind, key)` and encoding counters)."""
+
+    @staticmethod
+    def _clip_plan(entries, encoder, clips: ClipSettings | None) -> tuple[ClipSettings, int]:
+        """The clip settings and the frames a clip is cut to; a folder with videos needs a video encoder."""
+        clips = ClipSettings() if clips is None else clips
+        videos = [e.path for e in entries if is_video(e.path)]
+        if videos and (not hasattr(encoder, "encode_video") or not getattr(encoder, "video", True)):
+            raise video_encoder_error(videos[0], encoder)
+        return clips, clip_frame_count(clips, int(getattr(encoder, "frame_stride", 1))) if videos else clips.frames
+
+    def _encode_clip(self, path: Path, encoder, max_pixels: int, multiple: int, max_image_pixels: int,
+                     hashes, clips: ClipSettings, count: int,
+                     trust: bool = True) -> tuple:
+        """_encode_image's for a video file: its latent (C, T', h, w), keyed by its bytes and the clip settings."""
+        digest, data = hashes.digest(path, trust=trust)
+        bucket = clip_bucket(path, max_pixels, multiple, data)
+        key = content_key(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", clips.cache_key(count))
+        cache_path = self._cache_path("latents", key)
+        shapes = cached_shapes(cache_path, ("latent",)) if cache_path else None
+        if shapes:
+            self.image_cache_hits += 1
+            return cache_path, shapes["latent"], None, digest
+        if data is None:  # to be encoded: from the bytes read and hashed now
+            return self._encode_clip(path, encoder, max_pixels, multiple, max_image_pixels, hashes, clips, count, False)
+        latent = encode_clip(path, encoder, clips, count, bucket, max_image_pixels, data)
+        self.encoded_images += 1
+        if cache_path:
+            atomic_save_file({"latent": latent}, cache_path)
+            return cache_path, tuple(latent.shape), None, digest
+        return latent, tuple(latent.shape), None, digest
