@@ -126,7 +126,7 @@ LORA = {"rank": 8, "alpha": 8.0, "rslora": False, "dropout": 0.0, "targets": "at
         "target_regex": "", "existing_lora": "", "algorithm": "lora"}
 DEMO_IMAGES = {"subfolder": "tightrope_demo_images", "count": 16, "size": 32, "seed": 0, "masks": False}
 DATASET = {"folder": "", "resolution": 32, "caption_dropout": 0.0, "use_repeats": True, "strict": False,
-           "mask": "none"}
+           "mask": "none", "frames": 33, "fps": 16.0}
 TRAIN = {"learning_rate": 1e-3, "optimizer": "adamw", "schedule": "constant", "warmup_steps": 10, "batch_size": 4,
          "grad_accumulation": 1, "seed": 0, "timestep_sampling": "logit_normal", "timestep_shift": 1.0,
          "guidance": 1.0, "save_every": 50, "filename_prefix": "tightrope/demo_checkpoint", "device": "auto",

@@ -63,6 +63,30 @@ def test_video_vae_encodes_each_image_as_one_frame():
     assert z.shape == (3, 16, 2, 2) and vae.calls == [1, 1, 1]
 
 
+class FakeVideoVae(FakeVae):
+    """A video VAE over frames: (T, H, W, 3) -> (1, C, 1 + (T - 1) // 4, h, w) (Wan's time stride 4)."""
+    def __init__(self):
+        super().__init__(video=True)
+
+    def temporal_compression_decode(self):
+        return 4
+
+    def encode(self, pixels):
+        z = super().encode(pixels[::4])  # (T', C, 1, h, w)
+        return z[:, :, 0].movedim(0, 1)[None]
+
+
+def test_video_vae_encodes_a_clip_as_one_video():
+    vae = FakeVideoVae()
+    enc = ComfyVaeEncoder(vae)
+    assert enc.frame_stride == 4 and ComfyVaeEncoder(FakeVae()).frame_stride == 1
+    frames = torch.rand(9, 3, 16, 16) * 2 - 1
+    z = enc.encode_video(frames)
+    assert z.shape == (16, 3, 2, 2) and vae.calls == [3]  # one call: the 9 frames are one video
+    with pytest.raises(ValueError, match="encode_video needs a video VAE"):
+        ComfyVaeEncoder(FakeVae()).encode_video(frames)
+
+
 def test_clip_encoder():
     enc = ComfyClipEncoder(FakeClip(pad_to=6))
     assert isinstance(enc, TextEncoder)

@@ -213,3 +213,13 @@ def test_a_lora_to_continue_from_saved_again_under_its_name_counts_as_changed(tm
     assert TightropeLoraSetup.IS_CHANGED(existing_lora="mine.safetensors") != first
     assert TightropeLoraSetup.IS_CHANGED(existing_lora="") == ""
     assert TightropeLoraSetup.IS_CHANGED(existing_lora="gone.safetensors") == "missing"
+
+
+def test_load_dataset_video_inputs_come_after_the_old_ones():
+    """Saved workflows list widget values in input order: frames and fps are appended, optional, with defaults."""
+    optional = TightropeLoadDataset.INPUT_TYPES()["optional"]
+    assert list(optional) == ["mask", "frames", "fps"]
+    assert optional["frames"][1]["default"] == 33 and optional["fps"][1]["default"] == 16.0
+    import inspect
+    params = inspect.signature(TightropeLoadDataset.load).parameters
+    assert params["frames"].default == 33 and params["fps"].default == 16.0

@@ -1,0 +1,158 @@
+"""Video clips in a folder dataset (training/data/video_clips.py): each clip is one sample of its first `frames`
+frames resampled to `fps`, fitted to its aspect-ratio bucket, encoded as ONE video (C, T', h, w); cached under its
+bytes and the frame settings; images in the same folder stay 1-frame samples. Decoding goes through a stand-in PyAV
+(fake_video.py) so this runs without av; test_real_mp4_* use the real one and skip without it."""
+import sys
+import warnings
+
+import pytest
+import torch
+from fake_video import VideoCodec, colour, use_fake_av, write_fake_video
+from PIL import Image
+
+from tightrope.demo.data import make_demo_dataset
+from tightrope.demo.encoders import DemoCaptionEmbedder, DemoLatentCodec
+from tightrope.training.data.buckets import choose_bucket
+from tightrope.training.data.dataset import TrainingDataset
+from tightrope.training.data.image_folder import DatasetError, image_to_tensor
+from tightrope.training.data.video_clips import ClipSettings, frames_for, pick_frames, read_clip
+
+
+def _load(folder, codec=None, cache=None, frames=9, fps=16.0, **kw):
+    return TrainingDataset(folder, codec or VideoCodec(), DemoCaptionEmbedder(), max_pixels=32 * 32, cache_dir=cache,
+                           clips=ClipSettings(frames, fps), **kw)
+
+
+@pytest.fixture
+def mixed(tmp_path, monkeypatch):
+    """2 images of 32x32 and a 40-frame 32 fps clip of 32x32 (frame k coloured colour(k))."""
+    folder = make_demo_dataset(tmp_path / "data", n_images=2, size=32)
+    write_fake_video(folder / "clip.mp4")
+    return folder, use_fake_av(monkeypatch)
+
+
+def test_pick_frames_resamples_the_head_of_the_clip():
+    times = [k / 30 for k in range(90)]  # 3 s at 30 fps
+    assert pick_frames(times, 3.0, 15, 5) == [0, 2, 4, 6, 8]
+    assert pick_frames(times, 3.0, 16, 5) == [0, 1, 3, 5, 7]  # frame i: the one shown at i / 16 s
+    assert pick_frames(times[:8], 8 / 30, 60, 5) == [0, 0, 1, 1, 2]  # a slower source repeats frames
+    assert pick_frames(times[:3], 0.1, 16, 33) == [0, 1]  # the clip ends first: fewer
+    assert pick_frames(times, 3.0, 0, 4) == [0, 1, 2, 3]  # fps 0: the source's frames
+    assert [frames_for(n, 4) for n in (1, 4, 5, 8, 9, 33, 34)] == [1, 1, 5, 5, 9, 33, 33]
+
+
+def test_a_clip_is_one_sample_of_its_resampled_frames_encoded_as_one_video(mixed):
+    folder, av = mixed
+    codec = VideoCodec()
+    data = _load(folder, codec)
+    shapes = sorted(data.latent_shape(i) for i in range(data.num_images))
+    assert shapes == [(16, 3, 16, 16), (16, 16, 16), (16, 16, 16)]  # 9 frames -> 3 latent frames; images: 1
+    assert codec.clips == [9] and data.clip_count() == 1
+    clip = next(i for i in range(3) if len(data.latent_shape(i)) == 4)
+    expected = torch.stack([image_to_tensor(Image.new("RGB", (32, 32), colour(2 * k))) for k in range(9)])
+    assert torch.equal(data.latent(clip), VideoCodec().encode_video(expected))  # 32 fps -> 16: every 2nd frame
+    assert data.caption(clip) == "a clip"
+    assert av.decoded == 18  # decoding stops after the last frame needed (16, at 0.5 s) and the one after it (17)
+    batch_shapes = {tuple(b["latents"].shape) for b, _ in zip(data.batches(1, seed=0), range(10))}
+    assert batch_shapes == {(1, 16, 16, 16), (1, 16, 3, 16, 16)}
+
+
+def test_clips_are_cached_under_their_bytes_and_frame_settings(mixed, tmp_path):
+    folder, av = mixed
+    first = _load(folder, cache=tmp_path / "cache")
+    assert (first.encoded_images, first.image_cache_hits) == (3, 0)
+    av.decoded = 0
+    again = _load(folder, cache=tmp_path / "cache")
+    assert (again.encoded_images, again.image_cache_hits, av.decoded) == (0, 3, 0)
+    clip = next(i for i in range(3) if len(again.latent_shape(i)) == 4)
+    assert torch.equal(again.latent(clip), first.latent(clip))
+    for change in (dict(frames=13), dict(fps=8.0)):  # another frame count or rate: the clip alone encodes again
+        other = _load(folder, cache=tmp_path / "cache", **{"frames": 9, "fps": 16.0, **change})
+        assert (other.encoded_images, other.image_cache_hits) == (1, 2)
+    write_fake_video(folder / "clip.mp4", frames=41)  # other bytes
+    assert _load(folder, cache=tmp_path / "cache").encoded_images == 1
+
+
+def test_frames_not_of_the_vae_form_are_rounded_down_once(mixed):
+    folder, _ = mixed
+    with pytest.warns(UserWarning, match=r"frames=11: the video VAE encodes 1 \+ 4k frames .* first 9 frames"):
+        data = _load(folder, frames=11)
+    assert (16, 3, 16, 16) in data.bucket_counts
+
+
+def test_a_short_clip_trains_on_the_frames_it_has(tmp_path, monkeypatch):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_fake_video(folder / "short.webm", frames=7, fps=16)
+    use_fake_av(monkeypatch)
+    with pytest.warns(UserWarning, match=r"video '.*short.webm' is shorter than 33 frames at 16 fps: it trains on "
+                                         r"its 5 frames"):
+        data = _load(folder, frames=33)
+    assert data.latent_shape(0) == (16, 2, 16, 16)
+
+
+def test_clips_bucket_by_aspect_ratio_like_images(tmp_path, monkeypatch):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_fake_video(folder / "wide.mov", width=64, height=32)
+    use_fake_av(monkeypatch)
+    width, height = choose_bucket(64, 32, 32 * 32, 4)  # an image's bucket: 2:1 in 32x32 pixels
+    assert width > 2 * height - 4 and _load(folder).latent_shape(0) == (16, 3, height // 2, width // 2)
+
+
+def test_an_image_vae_refuses_videos_in_one_line(mixed):
+    folder, _ = mixed
+    with pytest.raises(DatasetError, match=r"video '.*clip.mp4' needs a video VAE, but the VAE input \(demo-latent"
+                                           r".*\) encodes images only: connect the video model's own VAE"):
+        _load(folder, DemoLatentCodec())
+
+
+def test_masks_refuse_a_folder_with_videos(mixed):
+    folder, _ = mixed
+    with pytest.raises(DatasetError, match=r"mask='alpha' gives images loss masks, but the folder holds videos"):
+        _load(folder, mask="alpha")
+
+
+def test_without_pyav_a_video_is_a_one_line_error(tmp_path, monkeypatch):
+    folder = make_demo_dataset(tmp_path / "data", n_images=1, size=32)
+    write_fake_video(folder / "clip.mkv")
+    monkeypatch.setitem(sys.modules, "av", None)  # import av raises ImportError
+    with pytest.raises(DatasetError, match=r"the dataset folder holds videos, which need PyAV to decode: pip install "
+                                           r"av"):
+        _load(folder)
+
+
+def test_a_damaged_video_is_skipped_when_not_strict(mixed):
+    folder, _ = mixed
+    (folder / "broken.mp4").write_bytes(b"not a video")
+    (folder / "broken.txt").write_text("broken")
+    with pytest.raises(DatasetError, match=r"cannot read video '.*broken.mp4' \(invalid data .*\): re-encode it"):
+        _load(folder)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert _load(folder, strict=False).num_images == 3
+
+
+@pytest.mark.parametrize("settings, message", [(dict(frames=0), "frames=0: a clip needs at least 1 frame"),
+                                               (dict(fps=float("nan")), "fps=nan is invalid")])
+def test_bad_clip_settings(settings, message):
+    with pytest.raises(DatasetError, match=message):
+        ClipSettings(**settings)
+
+
+def _real_av():
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        pytest.skip("PyAV (av) is not installed in this python: pip install av (ComfyUI's venv has it)")
+
+
+def test_real_mp4_decodes_resampled_and_fitted(tmp_path):
+    _real_av()
+    from fake_video import write_mp4
+    frames = [Image.new("RGB", (48, 32), colour(k * 4)) for k in range(20)]
+    path = write_mp4(tmp_path / "clip.mp4", frames, fps=30)
+    got = read_clip(path, ClipSettings(5, 15.0), 5, (32, 32), 10**8)
+    assert len(got) == 5 and all(g.size == (32, 32) for g in got)
+    for k, g in enumerate(got):  # frames 0, 2, 4, 6, 8 (lossy codec: colours within a few levels)
+        assert max(abs(a - b) for a, b in zip(g.getpixel((16, 16)), colour(8 * k))) <= 12, (k, g.getpixel((16, 16)))
