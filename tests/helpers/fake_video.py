@@ -1,5 +1,5 @@
 """Video clips for tests without PyAV: a stand-in `av` module (video_clips._av's seam) that "decodes" small text files
-`FAKEVIDEO width height frames fps`, frame k a solid colour from k; and a video encoder over the demo codec (a time
+`FAKEVIDEO width height frames fps rotation`, frame k a solid colour from k; and a video encoder over the demo codec (a time
 stride of 4, like Wan's VAE). Tests with the real PyAV write real clips with write_mp4."""
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ def colour(k: int) -> tuple[int, int, int]:
     return (k * 5) % 256, (k * 11 + 40) % 256, (255 - k * 7) % 256
 
 
-def write_fake_video(path: Path, width=32, height=32, frames=40, fps=32, caption="a clip") -> Path:
-    path.write_text(f"FAKEVIDEO {width} {height} {frames} {fps}")
+def write_fake_video(path: Path, width=32, height=32, frames=40, fps=32, caption="a clip", rotation=0) -> Path:
+    path.write_text(f"FAKEVIDEO {width} {height} {frames} {fps} {rotation}")
     path.with_suffix(".txt").write_text(caption)
     return path
 
 
 class _Frame:
-    def __init__(self, k, width, height, fps):
-        self.k, self.width, self.height, self.time = k, width, height, k / fps
+    def __init__(self, k, width, height, fps, rotation):
+        self.k, self.width, self.height, self.time, self.rotation = k, width, height, k / fps, rotation
 
     def to_image(self):
         return Image.new("RGB", (self.width, self.height), colour(self.k))
@@ -32,8 +32,8 @@ class _Frame:
 
 class _Container:
     def __init__(self, spec: str):
-        _, w, h, n, fps = spec.split()
-        self.w, self.h, self.n, self.fps = int(w), int(h), int(n), int(fps)
+        _, w, h, n, fps, rotation = spec.split()
+        self.w, self.h, self.n, self.fps, self.rotation = int(w), int(h), int(n), int(fps), int(rotation)
         stream = type("Stream", (), {})()
         stream.codec_context = type("Codec", (), {"width": self.w, "height": self.h})()
         stream.average_rate = Fraction(self.fps)
@@ -43,7 +43,7 @@ class _Container:
     def decode(self, stream):
         for k in range(self.n):
             FakeAv.decoded += 1
-            yield _Frame(k, self.w, self.h, self.fps)
+            yield _Frame(k, self.w, self.h, self.fps, self.rotation)
 
     def __enter__(self):
         return self

@@ -52,7 +52,7 @@ def test_a_clip_is_one_sample_of_its_resampled_frames_encoded_as_one_video(mixed
     expected = torch.stack([image_to_tensor(Image.new("RGB", (32, 32), colour(2 * k))) for k in range(9)])
     assert torch.equal(data.latent(clip), VideoCodec().encode_video(expected))  # 32 fps -> 16: every 2nd frame
     assert data.caption(clip) == "a clip"
-    assert av.decoded == 18  # decoding stops after the last frame needed (16, at 0.5 s) and the one after it (17)
+    assert av.decoded == 1 + 18  # its size (first frame), then up to the last frame needed (16, at 0.5 s) and one more
     batch_shapes = {tuple(b["latents"].shape) for b, _ in zip(data.batches(1, seed=0), range(10))}
     assert batch_shapes == {(1, 16, 16, 16), (1, 16, 3, 16, 16)}
 
@@ -63,7 +63,7 @@ def test_clips_are_cached_under_their_bytes_and_frame_settings(mixed, tmp_path):
     assert (first.encoded_images, first.image_cache_hits) == (3, 0)
     av.decoded = 0
     again = _load(folder, cache=tmp_path / "cache")
-    assert (again.encoded_images, again.image_cache_hits, av.decoded) == (0, 3, 0)
+    assert (again.encoded_images, again.image_cache_hits, av.decoded) == (0, 3, 1)  # its first frame: its size
     clip = next(i for i in range(3) if len(again.latent_shape(i)) == 4)
     assert torch.equal(again.latent(clip), first.latent(clip))
     for change in (dict(frames=13), dict(fps=8.0)):  # another frame count or rate: the clip alone encodes again
@@ -98,6 +98,16 @@ def test_clips_bucket_by_aspect_ratio_like_images(tmp_path, monkeypatch):
     use_fake_av(monkeypatch)
     width, height = choose_bucket(64, 32, 32 * 32, 4)  # an image's bucket: 2:1 in 32x32 pixels
     assert width > 2 * height - 4 and _load(folder).latent_shape(0) == (16, 3, height // 2, width // 2)
+
+
+def test_a_rotated_clip_trains_upright(tmp_path, monkeypatch):
+    """A phone's portrait clip: 64x32 stored, rotated a quarter turn on display (as ComfyUI's Load Video turns it)."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_fake_video(folder / "phone.mp4", width=64, height=32, rotation=90)
+    use_fake_av(monkeypatch)
+    width, height = choose_bucket(32, 64, 32 * 32, 4)
+    assert _load(folder).latent_shape(0) == (16, 3, height // 2, width // 2) and height > width
 
 
 def test_an_image_vae_refuses_videos_in_one_line(mixed):

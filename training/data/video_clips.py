@@ -105,16 +105,28 @@ def _unreadable(path: Path, error: Exception) -> DatasetError:
 
 
 def read_video_size(path: Path, data: bytes | None = None) -> tuple[int, int]:
-    """(width, height) of the clip's first video stream, from its header."""
+    """(width, height) of the clip's frames as trained (its rotation applied, as ComfyUI's Load Video applies it),
+    from its first frame."""
     av = _av()
     try:
         with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
             stream = _stream(container, path)
-            return int(stream.codec_context.width), int(stream.codec_context.height)
+            size = int(stream.codec_context.width), int(stream.codec_context.height)
+            frame = next(iter(container.decode(stream)), None)
+            if frame is not None:
+                size = frame.width, frame.height
+            return size[::-1] if _quarter_turns(frame) % 2 else size
     except DatasetError:
         raise
     except Exception as e:  # PyAV raises its own error types for damaged and foreign files
         raise _unreadable(path, e) from None
+
+
+def _quarter_turns(frame) -> int:
+    """The frame's display rotation (a phone's portrait clip) in quarter turns counter-clockwise, as ComfyUI's
+    VideoFromFile applies it (np.rot90 by rotation // 90)."""
+    rotation = getattr(frame, "rotation", 0) or 0
+    return int(round(rotation // 90)) % 4
 
 
 def _stream(container, path: Path):
@@ -148,7 +160,9 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
                     times.append(at)  # the frame after the last one needed: only its time is kept (the end)
                     break
                 times.append(at)
-                frames.append(fit_to_bucket(to_rgb(frame.to_image()), bucket))
+                image = to_rgb(frame.to_image())
+                turns = _quarter_turns(frame)
+                frames.append(fit_to_bucket(image.rotate(90 * turns, expand=True) if turns else image, bucket))
     except DatasetError:
         raise
     except Exception as e:
