@@ -1,6 +1,6 @@
-"""Video clips for tests without PyAV: a stand-in `av` module (video_clips._av's seam) that "decodes" small text files
-`FAKEVIDEO width height frames fps rotation`, frame k a solid colour from k; and a video encoder over the demo codec (a time
-stride of 4, like Wan's VAE). Tests with the real PyAV write real clips with write_mp4."""
+"""Video clips for tests without PyAV: a stand-in `av` module (video_clips._av's seam) that "decodes" small text
+files `FAKEVIDEO width height frames fps rotation`, frame k a solid colour from k; and a video encoder over the demo
+codec (a time stride of 4, like Wan's VAE). Tests with the real PyAV write real clips with write_mp4."""
 from __future__ import annotations
 
 from fractions import Fraction

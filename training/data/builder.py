@@ -38,8 +38,8 @@ def dataset_from_folder(folder: str | Path, vae: Any, clip: Any, *, resolution: 
 def dataset_from_conditioning(latent: dict, conditioning: list, *, caption_dropout: float = 0.0,
                               empty_conditioning: list | None = None) -> TrainingDataset:
     """ComfyUI's LATENT ({"samples": (B,C,H,W)}, or a video VAE's (B,C,T,H,W): B clips of T latent frames each; the
-    model must take video latents, input_checks.check_dataset_fits_model) and CONDITIONING ([[context (1|B,T,D), {"pooled_output": ...}]]):
-    one conditioning for all latents, or one per latent."""
+    model must take video latents, input_checks.check_dataset_fits_model) and CONDITIONING ([[context (1|B,T,D),
+    {"pooled_output": ...}]]): one conditioning for all latents, or one per latent."""
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not torch.is_tensor(samples):
         raise DatasetError("latent: expected ComfyUI's LATENT (a dict with 'samples'); connect a VAE Encode or "
