@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bad_input_cases
 import bad_input_feature_cases
+import bad_input_video_cases
 from bad_input_cases import CHAIN, DATA, LORA, SAVE, STRAT, TRAIN, Case, train_with
 from reliability_kit import load_dataset, lora, resuming, strategy, train_node, widgets, world
 from safetensors import safe_open
@@ -191,4 +192,5 @@ CASES += [
          ("readonly/my_lora_00001_.safetensors", "Permission denied", "was kept in", "tightrope_rescue_my_lora_step1"),
          unwritable_save_folder),
 ]
-CASES += bad_input_feature_cases.CASES  # the training features' inputs, last
+CASES += bad_input_feature_cases.CASES  # the training features' inputs
+CASES += bad_input_video_cases.CASES  # video clips', last

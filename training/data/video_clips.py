@@ -220,11 +220,13 @@ class ClipEncoding:
 
     @staticmethod
     def _clip_plan(entries, encoder, clips: ClipSettings | None) -> tuple[ClipSettings, int]:
-        """The clip settings and the frames a clip is cut to; a folder with videos needs a video encoder."""
+        """The clip settings and the frames a clip is cut to; a folder with videos needs a video encoder and PyAV."""
         clips = ClipSettings() if clips is None else clips
         videos = [e.path for e in entries if is_video(e.path)]
         if videos and (not hasattr(encoder, "encode_video") or not getattr(encoder, "video", True)):
             raise video_encoder_error(videos[0], encoder)
+        if videos:
+            _av()  # here, not per clip: without PyAV, strict=False would skip every clip with a warning each
         return clips, clip_frame_count(clips, int(getattr(encoder, "frame_stride", 1))) if videos else clips.frames
 
     def _encode_clip(self, path: Path, encoder, max_pixels: int, multiple: int, max_image_pixels: int,
