@@ -35,7 +35,9 @@ RUNNER = """
     from tightrope.training.save_session import save_session_lora
     from tightrope.training.train_config import TrainConfig
     from tightrope.training.training_run import run_training_node
+    from tightrope.nodes import host
     ckpt, folder, loras = ARGS[0], Path(ARGS[1]), Path(ARGS[2])
+    host.cache_dir = lambda: loras.parent / "cache"  # not ComfyUI's user folder (folder_paths is imported here)
 
     def colour(k):
         return (k * 23) % 256, (k * 41 + 40) % 256, (255 - k * 17) % 256
@@ -160,6 +162,91 @@ def test_wan_trains_on_a_video_latent_through_the_server(comfy_server, checkpoin
     sampled = saved_latent(comfy_server, entry, out)
     assert sampled.shape == (2, 16, 3, 8, 8) and torch.isfinite(sampled).all()
     assert "lora key not loaded" not in comfy_server.log()
+
+
+MAKE_FILES = """
+    from pathlib import Path
+    import av
+    from PIL import Image
+    import comfy.taesd.taehv as taehv
+    models, folder = Path(ARGS[0]), Path(ARGS[1])
+    g = torch.Generator().manual_seed(0)
+    (models / "vae_approx").mkdir(parents=True)
+    tae = {k: torch.randn(v.shape, generator=g) / max(1, v[0].numel()) ** 0.5
+           for k, v in taehv.TAEHV(16).state_dict().items()}
+    save_file(tae, str(models / "vae_approx" / "lighttaew2_1.safetensors"))  # a tiny random one
+    folder.mkdir(parents=True)
+    with av.open(str(folder / "clip.webm"), "w") as out:
+        stream = out.add_stream("libvpx-vp9", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for k in range(30):
+            for packet in stream.encode(av.VideoFrame.from_image(Image.new("RGB", (64, 64), (8 * k, 100, 200)))):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    (folder / "clip.txt").write_text("a fading clip")
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(folder / "still.png")
+    (folder / "still.txt").write_text("a red square")
+    result("ok")
+"""
+
+
+WIDE_TEXT = """
+from tightrope.demo.encoders import DemoCaptionEmbedder
+
+
+class WideDemoText:
+    \"\"\"A stand-in CLIP of Wan's text width (4096): the tiny Wan's real text encoder would be UMT5-XXL.\"\"\"
+    RETURN_TYPES, FUNCTION, CATEGORY = ("CLIP",), "load", "test"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    def load(self):
+        return (DemoCaptionEmbedder(4096, 0, max_tokens=8),)
+
+
+NODE_CLASS_MAPPINGS = {"WideDemoText": WideDemoText}
+"""
+
+
+@needs_comfyui
+def test_wan_trains_on_clips_headless(tmp_path, comfyui_python):
+    """`tightrope run --comfyui`: ComfyUI's VAELoader (a video TAE) -> Load Dataset (a .webm clip and an image,
+    frames 9 at 12 fps) -> Train -> Save LoRA, the same node code as in ComfyUI; run again, every latent is cached."""
+    from comfy_env import run_headless_batch
+    models, folder = tmp_path / "models", tmp_path / "data"
+    run_in_comfyui(tmp_path, MAKE_FILES, models, folder, env=tightrope_env(tmp_path))
+    (models / "diffusion_models").mkdir()
+    write_checkpoint(models / "diffusion_models" / "tiny_wan21.safetensors", wan_shapes(), seed=2)
+    (tmp_path / "wide_text").mkdir()
+    (tmp_path / "wide_text" / "__init__.py").write_text(WIDE_TEXT)
+    g = Graph()
+    unet = g.add("UNETLoader", unet_name="tiny_wan21.safetensors", weight_dtype="default")
+    vae = g.add("VAELoader", vae_name="lighttaew2_1.safetensors")
+    text = g.add("WideDemoText")
+    dataset = g.add("TightropeLoadDataset", folder=str(folder), vae=[vae, 0], clip=[text, 0], resolution=32,
+                    frames=9, fps=12.0)
+    lora = g.add("TightropeLoraSetup", rank=4, alpha=4.0)
+    train = g.add("TightropeTrain", steps=2, learning_rate=0.01, device="cpu", filename_prefix="tightrope/clips",
+                  model=[unet, 0], dataset=[dataset, 0], lora=[lora, 0])
+    g.add("TightropeSaveLora", session=[train, 0], filename_prefix="tightrope/clips_final")
+    out, workflow = tmp_path / "out", tmp_path / "clips.json"
+    workflow.write_text(json.dumps(g.nodes))
+    argv = ["run", str(workflow), "--models-dir", str(models), "--output-dir", str(out), "--custom-node",
+            str(tmp_path / "wide_text")]
+    runs = [{"argv": argv, "log": str(tmp_path / "clips.log"), "ui_from": None},
+            {"argv": argv, "log": str(tmp_path / "again.log"), "ui_from": None}]  # the same cache: no new entry
+    result = run_headless_batch(comfyui_python, tmp_path, runs, ["clips", "again"], timeout=900)
+    for name in ("clips", "again"):
+        code, log = result[name]
+        assert code == 0, log[-4000:]
+    tensors, meta = read_lora_file(out / "tightrope" / "clips_final_00001_.safetensors")
+    assert meta["tightrope.family"] == "wan" and meta["tightrope.steps"] == "2"
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)
+    for name in ("clips", "again"):  # a clip, an image and their two captions, all four read by the second load too
+        assert "in 4 entries, 4 used by this load" in result[name][1], result[name][1][-3000:]
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
