@@ -109,6 +109,23 @@ RUNNER = """
         mm.unload_all_models()
     out["velocity_diff"] = (x - v * t.view(-1, 1, 1, 1, 1) - x0).abs().max().item()
 
+    # an image model (Flux) refuses the clips before any step, in one line naming the dataset and the fix
+    from tightrope.demo.tiny_checkpoint import make_tiny_checkpoint
+    from tightrope.training.input_checks import check_dataset_fits_model
+    from tightrope.training.session import TrainingSession
+    with torch.inference_mode():
+        flux = comfy.sd.load_diffusion_model(make_tiny_checkpoint(loras.parent / "flux.safetensors"))
+    out["takes_video"] = [adapter.takes_video(), ComfyModelAdapter(flux).takes_video()]
+    try:
+        check_dataset_fits_model(TrainingSession(model=flux, dataset=data, lora=LoraSpec(rank=4),
+                                                 strategy=Strategy.of(compute_dtype="fp32"), config=TrainConfig()))
+    except Exception as e:
+        out["flux_refused"] = [type(e).__name__, str(e)]
+    try:
+        ComfyModelAdapter(flux).process_latents(torch.zeros(1, 16, 3, 4, 4))
+    except Exception as e:
+        out["flux_process"] = [type(e).__name__, str(e)]
+
     path = save_session_lora(s, loras, "video_final", "comfyui")
     lora = load_file(str(path))
     collect = Collect()
@@ -139,6 +156,12 @@ def test_wan_trains_on_a_folder_of_clips_in_comfyui(tmp_path):
     assert r["seen"] == sorted([[1, 16, 3, 4, 4], [1, 16, 3, *shapes["a wide clip"][2:]], [1, 16, 1, 4, 4]])
     assert all(v == v for v in r["losses"])
     assert r["velocity_diff"] <= 1e-5
+    assert r["takes_video"] == [True, False]
+    kind, message = r["flux_refused"]
+    assert kind == "DatasetError" and "the dataset holds 2 video clip(s)" in message
+    assert "takes image latents: train a video model (Wan)" in message
+    kind, message = r["flux_process"]
+    assert kind == "ConfigError" and "takes image latents, not video latents of shape (1, 16, 3, 4, 4)" in message
     warnings, layers, all_patched = r["lora"]
     assert warnings == [] and layers and all_patched
 
