@@ -69,6 +69,7 @@ def test_clips_are_cached_under_their_bytes_and_frame_settings(mixed, tmp_path):
     for change in (dict(frames=13), dict(fps=8.0)):  # another frame count or rate: the clip alone encodes again
         other = _load(folder, cache=tmp_path / "cache", **{"frames": 9, "fps": 16.0, **change})
         assert (other.encoded_images, other.image_cache_hits) == (1, 2)
+        assert other.content_digest() != first.content_digest()  # resume's dataset fingerprint sees the change
     write_fake_video(folder / "clip.mp4", frames=41)  # other bytes
     assert _load(folder, cache=tmp_path / "cache").encoded_images == 1
 
