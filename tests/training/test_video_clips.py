@@ -101,6 +101,16 @@ def test_clips_bucket_by_aspect_ratio_like_images(tmp_path, monkeypatch):
     assert width > 2 * height - 4 and _load(folder).latent_shape(0) == (16, 3, height // 2, width // 2)
 
 
+def test_a_small_clip_is_said_to_be_upscaled(tmp_path, monkeypatch):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_fake_video(folder / "tiny.mp4", width=8, height=8)
+    use_fake_av(monkeypatch)
+    with pytest.warns(UserWarning, match=r"video '.*tiny.mp4' is 8x8, upscaled 4.0x to its 32x32 bucket, which trains "
+                                         r"blur"):
+        _load(folder)
+
+
 def test_a_rotated_clip_trains_upright(tmp_path, monkeypatch):
     """A phone's portrait clip: 64x32 stored, rotated a quarter turn on display (as ComfyUI's Load Video turns it)."""
     folder = tmp_path / "data"

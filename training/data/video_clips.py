@@ -26,6 +26,7 @@ from torch import Tensor
 from ..state.atomic_write import atomic_save_file
 from .buckets import choose_bucket, fit_to_bucket
 from .cache_files import cached_shapes
+from .folder_warnings import UPSCALE_WARNING_FACTOR
 from .image_folder import VIDEO_EXTENSIONS, DatasetError, image_to_tensor, to_rgb
 from .keys import content_key
 
@@ -204,7 +205,15 @@ def video_encoder_error(path: Path, encoder) -> DatasetError:
 
 
 def clip_bucket(path: Path, max_pixels: int, multiple: int, data: bytes | None) -> tuple[int, int]:
-    return choose_bucket(*read_video_size(path, data), max_pixels, multiple)
+    """The clip's aspect-ratio bucket, as an image's; a clip enlarged more than UPSCALE_WARNING_FACTOR is said."""
+    width, height = read_video_size(path, data)
+    bucket = choose_bucket(width, height, max_pixels, multiple)
+    factor = max(bucket[0] / width, bucket[1] / height)
+    if factor > UPSCALE_WARNING_FACTOR:
+        warnings.warn(f"video '{path}' is {width}x{height}, upscaled {factor:.1f}x to its {bucket[0]}x{bucket[1]} "
+                      "bucket, which trains blur: use a larger clip, or lower the Load Dataset resolution",
+                      stacklevel=3)
+    return bucket
 
 
 def check_video_masks(entries, mask: str) -> None:
