@@ -34,7 +34,7 @@ def run(tmp_path_factory):
 
 def test_the_workflow_turns_the_features_on():
     """What the other tests rely on is in the file: masks drawn and read, LoKr, validation, EMA, EMA saved."""
-    assert _widgets("TightropeDemoImages")[-1] is True and _widgets("TightropeLoadDataset")[-1] == "mask_files"
+    assert _widgets("TightropeDemoImages")[-1] is True and _widgets("TightropeLoadDataset")[-3] == "mask_files"
     assert _widgets("TightropeLoraSetup")[-1] == "lokr" and _widgets("TightropeSaveLora")[1] is True  # save_ema
     node = next(n for n in json.loads(WORKFLOW.read_text())["nodes"] if n["type"] == "TightropeTrain")
     problems = []
