@@ -128,6 +128,24 @@ def test_an_image_vae_refuses_videos_in_one_line(mixed):
         _load(folder, DemoLatentCodec())
 
 
+def test_a_comfyui_image_vae_refuses_videos(mixed):
+    """ComfyUI's VAE object of an image model (latent_dim 2: Flux's, SDXL's) has encode_video through our adapter,
+    but encodes images only."""
+    from torch import nn
+
+    from tightrope.training.data.comfy_encoders import ComfyVaeEncoder
+
+    class ImageVae:
+        first_stage_model, latent_dim = nn.Conv2d(3, 16, 8, stride=8), 2
+
+        def encode(self, pixels):
+            raise AssertionError("nothing is encoded")
+    folder, _ = mixed
+    with pytest.raises(DatasetError, match=r"video '.*clip.mp4' needs a video VAE, but the VAE input \(comfy-vae-"
+                                           r"Conv2d-.*\) encodes images only"):
+        _load(folder, ComfyVaeEncoder(ImageVae()))
+
+
 def test_masks_refuse_a_folder_with_videos(mixed):
     folder, _ = mixed
     with pytest.raises(DatasetError, match=r"mask='alpha' gives images loss masks, but the folder holds videos"):
