@@ -133,7 +133,7 @@ def _text_opens_without_encoding(tree: ast.AST) -> list[int]:
         owner = func.value.id if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) else ""
         if name in ("read_text", "write_text"):
             lines.append(node.lineno)
-        elif name == "open" and owner not in ("os", "Image", "tarfile", "zipfile"):
+        elif name == "open" and owner not in ("os", "Image", "tarfile", "zipfile", "av"):  # av: a media container
             first = 0 if isinstance(func, ast.Attribute) and owner not in ("gzip", "io") else 1  # Path.open(mode)
             mode = node.args[first] if len(node.args) > first else next(
                 (k.value for k in node.keywords if k.arg == "mode"), ast.Constant("rb" if owner == "gzip" else "r"))
