@@ -37,8 +37,7 @@ from PIL import Image, ImageOps
 from .folder_warnings import warn_many_repeats, warn_shared_captions
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-# video clips (video_clips.py: a video model's samples): what ComfyUI 0.33's nodes_dataset.py takes
-VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".flv")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".flv")  # clips (video_clips.py), as ComfyUI's datasets
 # Formats people often drop in by mistake; named in the "no images" error so the fix is obvious.
 _UNSUPPORTED_IMAGE_EXTENSIONS = (".gif", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl", ".psd")
 # 100 megapixels: far above any training image, far below what would exhaust memory while decoding.
