@@ -29,6 +29,7 @@ from .layer_offload import _aligned, streams_in_place
 from .plan_cost import Prediction
 from .process_maps import mappings
 from .strategy import Strategy, StrategyError
+from .tensor_kinds import held_dtype
 
 AUTO_HOST_MARGIN_BYTES = 2 << 30  # left free by the default budget: the OS page cache, other programs, the UI
 
@@ -218,8 +219,8 @@ class HostNeeds:
                 spans[s.data_ptr()] = s.nbytes()
                 small[s.data_ptr()] = t.numel() * (1 if t.is_floating_point() else t.element_size())
         frozen = [[p for p in b.parameters() if not p.requires_grad] for b in blocks]
-        copies = [sum(_aligned(p.numel() * (weight_dtype or p.dtype).itemsize) for p in ps
-                      if not streams_in_place(p.data, weight_dtype or p.dtype)) for ps in frozen]
+        copies = [sum(_aligned(p.numel() * held_dtype(p, weight_dtype).itemsize) for p in ps
+                      if not streams_in_place(p.data, held_dtype(p, weight_dtype))) for ps in frozen]
         model_bytes = sum(spans.values())
         if budget_bytes is None:
             free = available_host_bytes()

@@ -36,7 +36,7 @@ from torch import nn
 
 from .devices import normalize_device
 from .host_pinning import PinnedRanges
-from .tensor_kinds import keeps_bytes, plain_view
+from .tensor_kinds import held_dtype, keeps_bytes, plain_view
 
 _ALIGN = 256  # bytes; keeps every param view aligned for any dtype and for vectorised kernels
 
@@ -130,7 +130,7 @@ class LayerOffload:
         block, entries, offset = self.blocks[index], [], 0
         for p in block.parameters():
             if not p.requires_grad:  # a storage subclass's bytes stream as they are (tensor_kinds.py)
-                dtype = self.weight_dtype if self.weight_dtype and type(p.data) is torch.Tensor else p.dtype
+                dtype = held_dtype(p, self.weight_dtype) if type(p.data) is torch.Tensor else p.dtype
                 entries.append((p, offset, p.size(), dtype))
                 offset += _aligned(p.numel() * dtype.itemsize)
         copied = [k for k, (p, _, _, dtype) in enumerate(entries) if not streams_in_place(p.data, dtype)]

@@ -45,7 +45,7 @@ from .offload_selection import check_streamable, select_offloaded
 from .sharding import BlockSharding
 from .stats import StepStats, StepTimer
 from .strategy import Keep, Strategy, StrategyError
-from .tensor_kinds import PackedWrapper
+from .tensor_kinds import PackedWrapper, held_dtype
 from .token_chunks import ChunkContext, chunked_forward_for, recompute_region, stand_in
 
 
@@ -166,8 +166,7 @@ class MemoryRuntime:
         for p in self.model.parameters():
             if id(p) in offloaded_params:
                 continue
-            dtype = self.weight_dtype if (self.weight_dtype and not p.requires_grad and p.is_floating_point()) \
-                else p.dtype
+            dtype = held_dtype(p, self.weight_dtype) if not p.requires_grad and p.is_floating_point() else p.dtype
             self._move(p, dtype, keep=not p.requires_grad)
         for b in self.model.buffers():
             self._move(b, b.dtype, keep=True)

@@ -20,6 +20,7 @@ from torch import nn
 
 from .blocks import discover_blocks
 from .strategy import ShardingConfig, StrategyError
+from .tensor_kinds import held_dtype
 
 
 class BlockSharding:
@@ -49,8 +50,7 @@ class BlockSharding:
                     if p is None or p.requires_grad:
                         continue
                     if id(p) not in fresh:  # FSDP moves and re-registers parameters: give it the copy's own
-                        dtype = self.weight_dtype if (self.weight_dtype is not None and p.is_floating_point()) \
-                            else p.dtype
+                        dtype = held_dtype(p, self.weight_dtype) if p.is_floating_point() else p.dtype
                         fresh[id(p)] = nn.Parameter(p.detach().to(self.device, dtype), requires_grad=False)
                     sub._parameters[name] = fresh[id(p)]
             fully_shard(block, mesh=self.mesh, reshard_after_forward=True, offload_policy=policy,

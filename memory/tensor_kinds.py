@@ -58,6 +58,23 @@ def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return [x for n in names for x in inner_tensors(getattr(t, n))]
 
 
+_OWN_DTYPE = "_tightrope_own_dtype"  # on a frozen Parameter: held in its own dtype, whatever weight_dtype says
+
+
+def keep_own_dtype(p: torch.Tensor) -> torch.Tensor:
+    """Mark frozen parameter `p` to be held and streamed in its own dtype under any weight_dtype: a part of a weight
+    its layer wraps in forward (fp8 data and its fp32 scale, training/models/comfy_quant.py), which the wrapper reads
+    as stored (cast, ComfyUI's dequantization refused the data, and a scale cast to bf16 moved every weight)."""
+    setattr(p, _OWN_DTYPE, True)
+    return p
+
+
+def held_dtype(p: torch.Tensor, weight_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype frozen floating-point parameter `p` is held in: the strategy's weight_dtype (None: auto, its own),
+    or its own where keep_own_dtype marked it."""
+    return p.dtype if weight_dtype is None or getattr(p, _OWN_DTYPE, False) else weight_dtype
+
+
 @dataclass(frozen=True)
 class PackedWrapper:
     """A traceable wrapper tensor saved for backward as its packed inner tensors (see the module docstring)."""

@@ -77,11 +77,15 @@ RUNNER = TRAIN_TINY + textwrap.dedent("""
                   "checkpoint": Strategy.of(**fp32, checkpoint="all"),
                   "compile": Strategy.of(**fp32, checkpoint="all", compile="per_block"),
                   "resident_bf16": Strategy.of(compute_dtype="bf16", offload_fraction=0.0),
+                  # weight_dtype casts plain weights only: the fp8 data and scales stay as stored (they were cast)
+                  "weights_bf16": Strategy.of(compute_dtype="bf16", weight_dtype="bf16", offload_fraction=0.0),
+                  "weights_fp32_offload": Strategy.of(**fp32, weight_dtype="fp32", offload_fraction=1.0),
                   "auto": AutoStrategy(vram_budget_gb=1.0)}  # the planner probes the model, picks a bf16 plan
     runs = {k: train(strategies[k], k) for k in runs_wanted.split(",")}
     first = runs["resident"]
     out["losses"] = {k: s.losses for k, s in runs.items()}
-    base = {k: runs["resident_bf16" if k == "resident_bf16" else "resident"].lora_state for k in runs}
+    base = {k: runs["resident_bf16" if k in ("resident_bf16", "weights_bf16") else "resident"].lora_state
+            for k in runs}
     if "auto" in runs:  # the plan depends on the memory the probe finds (token chunks when short): its own strategy
         base["auto"] = train(runs["auto"].strategy, "auto_plan").lora_state
     out["lora_equal"] = {k: all(torch.equal(base[k][n], s.lora_state[n]) for n in first.lora_state)
@@ -158,7 +162,8 @@ def flux(tmp_path):
 
 
 @pytest.mark.parametrize("form,runs", [
-    ("scaled_fp8", "resident,offload,offload_half_act,checkpoint,compile,resident_bf16,auto"),
+    ("scaled_fp8", "resident,offload,offload_half_act,checkpoint,compile,resident_bf16,weights_bf16,"
+                   "weights_fp32_offload,auto"),
     ("comfy_quant", "resident,offload"),
 ])
 def test_a_scaled_fp8_model_trains_a_lora_offloaded_or_not(tmp_path, flux, form, runs):

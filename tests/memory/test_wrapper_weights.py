@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map_only
 
 from tightrope.memory.runtime import MemoryRuntime
 from tightrope.memory.strategy import Strategy
-from tightrope.memory.tensor_kinds import PackedWrapper, inner_tensors
+from tightrope.memory.tensor_kinds import PackedWrapper, inner_tensors, keep_own_dtype
 
 
 class Scaled(torch.Tensor):
@@ -44,8 +44,9 @@ class ScaledLinear(nn.Module):
         super().__init__()
         w = torch.randn(n, n, generator=g) / n ** 0.5
         scale = w.abs().max() / 448.0
-        self.qdata = nn.Parameter((w / scale).to(torch.float8_e4m3fn), requires_grad=False)
-        self.scale = nn.Parameter(scale.reshape(()), requires_grad=False)
+        # marked as comfy_quant.unwrap_quantized_weights marks ComfyUI's: held as stored under any weight_dtype
+        self.qdata = keep_own_dtype(nn.Parameter((w / scale).to(torch.float8_e4m3fn), requires_grad=False))
+        self.scale = keep_own_dtype(nn.Parameter(scale.reshape(()), requires_grad=False))
 
     def forward(self, x):
         return F.linear(x, Scaled(self.qdata, self.scale))  # saves the transposed wrapper for the input's gradient
@@ -94,5 +95,28 @@ def test_weights_wrapped_in_forward_train_offloaded_as_resident(kw):
         assert bool(rt.offloaded) == (kw["offload_fraction"] > 0)
         if rt.offloaded:
             assert rt.offload.host_copy_bytes() == 0  # the fp8 bytes stream from where they are
+        got = step(m, rt)
+    assert got[0].item() == expected[0].item() and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+
+
+@pytest.mark.parametrize("weight_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("offload_fraction", [0.0, 1.0])
+def test_weight_dtype_leaves_the_parts_of_a_wrapped_weight_as_stored(weight_dtype, offload_fraction):
+    """weight_dtype casts the frozen weights a layer reads as they are; the parts of a weight wrapped in forward are
+    read by the wrapper as stored: cast with the rest, ComfyUI's dequantization refused the bf16/fp32 data of a
+    'scaled fp8' model at the first step (NoCapableBackendError), and a scale cast to bf16 moves every weight by up
+    to 2^-9. They keep their dtype: the run is the weight_dtype auto one, exactly."""
+    resident = model()
+    with MemoryRuntime(resident, Strategy.of(compute_dtype=weight_dtype, offload_fraction=offload_fraction),
+                       "cpu") as rt:
+        expected = step(resident, rt)
+    m = model()
+    with MemoryRuntime(m, Strategy.of(compute_dtype=weight_dtype, weight_dtype=weight_dtype,
+                                      offload_fraction=offload_fraction), "cpu", poison_slots=True) as rt:
+        layer = m.blocks[0][0]
+        if not rt.offloaded:
+            assert (layer.qdata.dtype, layer.scale.dtype) == (torch.float8_e4m3fn, torch.float32)
+        else:
+            assert rt.offload.host_copy_bytes() == 0  # streamed from the model's own bytes, as with auto
         got = step(m, rt)
     assert got[0].item() == expected[0].item() and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])

@@ -23,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from ...memory.tensor_kinds import keep_own_dtype
 from .adapter import ordinary_alias
 
 _PARTS = "_tightrope_quantized_weight"  # on a layer: (class, flatten context, inner names, size, stride)
@@ -44,8 +45,8 @@ def unwrap_quantized_weights(module: nn.Module) -> int:
         setattr(layer, _PARTS, (type(weight), context, tuple(names), weight.size(), weight.stride()))
         del layer._parameters["weight"]
         for name in names:
-            layer.register_parameter(f"weight{name}", nn.Parameter(ordinary_alias(getattr(weight, name)),
-                                                                   requires_grad=False))
+            part = nn.Parameter(ordinary_alias(getattr(weight, name)), requires_grad=False)
+            layer.register_parameter(f"weight{name}", keep_own_dtype(part))  # fp8 data, fp32 scale: as stored
         layer._full_precision_mm = True
         layer.forward = functools.partial(_forward, layer, type(layer).forward)
         layer.__class__ = _with_weight_attribute(type(layer))
