@@ -163,11 +163,14 @@ def _check_cpp_compiler() -> None:
     except RuntimeError as e:  # InvalidCxxCompiler; on Windows torch <= 2.11 a RuntimeError from the missing cl
         if not isinstance(e, InvalidCxxCompiler) and not isinstance(e.__cause__, FileNotFoundError):
             raise  # not a missing compiler (e.g. MSVC without its English language pack): inductor's own words
-        windows = sys.platform == "win32"
-        raise StrategyError("compile=per_block builds the blocks' CPU kernels with a C++ compiler, and inductor found "
-                            "none (" + ("MSVC's cl: run ComfyUI from a Developer Command Prompt of Visual Studio Build "
-                                        "Tools" if windows else "g++: install it, or set CXX to another")
-                            + "): set the Memory Strategy's compile to off, or install one") from None
+        if sys.platform == "win32":
+            what = "MSVC's cl: run ComfyUI from a Developer Command Prompt of Visual Studio Build Tools"
+        else:  # what inductor looked for: CXX, else g++ (clang++ on macOS)
+            from torch._inductor import config
+            cxx = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+            what = f"{' or '.join(str(c) for c in cxx if c) or 'g++'}: install it, or set CXX to another"
+        raise StrategyError(f"compile=per_block builds the blocks' CPU kernels with a C++ compiler, and inductor found "
+                            f"none ({what}): set the Memory Strategy's compile to off, or install one") from None
 
 
 def _triton_installed() -> bool:

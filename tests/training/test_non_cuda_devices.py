@@ -81,9 +81,12 @@ def test_compile_on_a_gpu_without_triton_is_refused_before_anything_is_placed(mo
     block_compile.check_compiler(Strategy.of(compile="off").compiler, torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("platform,advice", [("win32", "MSVC's cl: run ComfyUI from a Developer Command Prompt"),
-                                             ("linux", "g\\+\\+: install it, or set CXX to another")])
-def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(monkeypatch, platform, advice):
+@pytest.mark.parametrize("platform,cxx,advice", [
+    ("win32", None, "MSVC's cl: run ComfyUI from a Developer Command Prompt"),
+    ("linux", "tightrope-no-such-g++", "tightrope-no-such-g\\+\\+: install it, or set CXX to another"),
+    # the compiler searched is named (CXX, clang++ on macOS), not g++ whatever it was (a review helper)
+    ("darwin", "tightrope-no-such-clang++", "tightrope-no-such-clang\\+\\+: install it, or set CXX to another")])
+def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(monkeypatch, platform, cxx, advice):
     """Inductor builds CPU kernels with a C++ compiler: without one (Windows outside a Visual Studio prompt, a Linux
     image without g++) the first step failed deep in inductor. On Linux inductor's real search is run over a compiler
     that does not exist (its config); Windows's search (cl) is replaced by its failure. The real search passes here
@@ -103,10 +106,9 @@ def test_compile_on_the_cpu_without_a_cpp_compiler_is_refused_before_training(mo
     # inductor's own patch (monkeypatch's undo of a config attribute deleted it: later compiles failed)
     refusal = (r"compile=per_block builds the blocks' CPU kernels with a C\+\+ compiler, and inductor found none "
                rf"\({advice}.*set the Memory Strategy's compile")
-    with config.patch({"cpp.cxx": ("tightrope-no-such-g++",)} if platform != "win32" else {}), \
-            pytest.raises(StrategyError, match=refusal):
+    with config.patch({"cpp.cxx": (None, cxx)} if cxx else {}), pytest.raises(StrategyError, match=refusal):
         runtime.MemoryRuntime(demo_model(), Strategy.of(compile="per_block"), "cpu")
-    assert config.cpp.cxx != ("tightrope-no-such-g++",)
+    assert config.cpp.cxx != (None, cxx)
     block_compile.check_compiler(Strategy.of(compile="per_block", compile_backend="aot_eager").compiler, CPU)
     block_compile.check_compiler(Strategy.of(compile="off").compiler, CPU)
 
