@@ -9,6 +9,7 @@ import torch
 SAMPLINGS = ("uniform", "logit_normal")
 FULL_RANGE = (0.0, 1.0)  # TrainConfig.timestep_min/max's defaults: every t
 MODEL_SHIFT = 0.0  # TrainConfig.timestep_shift: the shift the model samples with (TrainConfig.resolved)
+T_EDGE = 1e-5  # every t drawn is clamped to [T_EDGE, 1 - T_EDGE]
 
 
 def sample_timesteps(n: int, generator: torch.Generator, *, kind: str = "logit_normal", shift: float = 1.0,
@@ -38,7 +39,7 @@ def sample_timesteps(n: int, generator: torch.Generator, *, kind: str = "logit_n
         t = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
     if shift != 1.0:
         t = shifted(t, shift)
-    return t.clamp(1e-5, 1 - 1e-5)
+    return t.clamp(T_EDGE, 1 - T_EDGE)
 
 
 def in_range(n: int, generator: torch.Generator, kind: str, shift: float, logit_mean: float, logit_std: float,
@@ -64,7 +65,7 @@ def in_range(n: int, generator: torch.Generator, kind: str, shift: float, logit_
         x = torch.special.ndtri(p)
         p = torch.sigmoid((-x if upper else x) * logit_std + logit_mean)
     t = shifted(p, shift) if shift != 1.0 else p
-    return t.clamp(max(lo, 1e-5), min(hi, 1 - 1e-5)).float()
+    return t.clamp(max(lo, T_EDGE), min(hi, 1 - T_EDGE)).float()  # TrainConfig: a range reaching into that
 
 
 def shifted(t: float, shift: float) -> float:

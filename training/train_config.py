@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 from ..memory.config_base import ConfigBase
 from .flow_loss import LOSSES
-from .timesteps import MODEL_SHIFT, SAMPLINGS
+from .timesteps import MODEL_SHIFT, SAMPLINGS, T_EDGE
 
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy", "adamw_schedulefree")
 SCHEDULES = ("constant", "cosine")
@@ -88,6 +88,13 @@ class TrainConfig(ConfigBase):
             self.fail("timestep_max", self.timestep_max, f"is not above timestep_min={self.timestep_min!r}: the "
                       "timestep range is empty; set timestep_min below timestep_max (Wan 2.2 A14B: 0.875 to 1 for "
                       "its high-noise model, 0 to 0.875 for its low-noise one; 0 to 1 trains every timestep)")
+        elif not (self.timestep_min < 1 - T_EDGE and self.timestep_max > T_EDGE):  # both ends: t is kept inside
+            end = "timestep_min" if self.timestep_min >= 1 - T_EDGE else "timestep_max"
+            self.fail(end, getattr(self, end), f"leaves no timesteps to train on: t is always drawn within "
+                      f"{T_EDGE:g} to {1 - T_EDGE:g}, and this range ({self.timestep_min!r} to {self.timestep_max!r}) "
+                      "lies at or past that end (every draw would be the same t, that end); set "
+                      + (f"timestep_min below {1 - T_EDGE:g}" if end == "timestep_min" else f"timestep_max above "
+                         f"{T_EDGE:g}"))
         self.check_range("guidance", self.guidance, 0.0, 100.0)
         self.check_choice("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.check_number("ema_decay", self.ema_decay) != 0 and not 0 < self.ema_decay < 1:

@@ -143,6 +143,9 @@ CASES += [
          lambda c: train_with(c, timestep_min=0.9, timestep_max=0.875)),
     Case("timestep_max_above_1", "timestep_max > 1", TRAIN, "ConfigError",
          ("timestep_max=1.5 is out of range", "from 0.0 to 1.0"), lambda c: train_with(c, timestep_max=1.5)),
+    Case("timestep_range_at_an_end", "timestep range at an end (timestep_min 0.999999)", TRAIN, "ConfigError",
+         ("timestep_min=0.999999 leaves no timesteps to train on", "set timestep_min below 0.99999"),
+         lambda c: train_with(c, timestep_min=0.999999)),
     Case("tensorboard_missing", "log_dir without tensorboard installed", TRAIN, "ConfigError",
          ("log_dir='<output>/tb'", "pip install tensorboard", "leave log_dir empty"), tensorboard_missing),
 ]

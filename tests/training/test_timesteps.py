@@ -156,11 +156,24 @@ def test_a_uniform_draw_stays_uniform_in_its_range():
                                                   "range is empty; set timestep_min below timestep_max"),
     (dict(timestep_min=0.5, timestep_max=0.5), "timestep_max=0.5 is not above timestep_min=0.5"),
     (dict(timestep_min=1.0), "timestep_max=1.0 is not above timestep_min=1.0"),
+    # a range at or past an end of the clamp every t goes through drew one t, outside the range (a review helper)
+    (dict(timestep_min=0.999999), "timestep_min=0.999999 leaves no timesteps to train on: t is always drawn within "
+                                  "1e-05 to 0.99999"),
+    (dict(timestep_max=1e-6), "timestep_max=1e-06 leaves no timesteps to train on"),
 ])
 def test_bad_ranges_are_refused_naming_the_field_and_the_fix(values, words):
     with pytest.raises(ConfigError) as e:
         TrainConfig(**values)
     assert words in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "logit_normal"])
+@pytest.mark.parametrize("lo, hi", [(0.99998, 1.0), (0.0, 2e-5)])
+def test_a_range_next_to_an_end_draws_inside_it(kind, lo, hi):
+    """The narrowest ranges TrainConfig takes at either end draw t inside the range, not one constant t."""
+    TrainConfig(timestep_min=lo, timestep_max=hi)
+    t = sample_timesteps(1000, torch.Generator().manual_seed(0), kind=kind, shift=3.0, t_range=(lo, hi))
+    assert bool(((t >= lo) & (t <= hi)).all()) and t.unique().numel() > 1
 
 
 def test_a_run_in_a_range_trains_as_a_loop_drawing_t_that_way(tmp_path, monkeypatch):
