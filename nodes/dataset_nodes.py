@@ -1,6 +1,9 @@
 """Dataset nodes: a folder of captioned images, or ComfyUI's own LATENT + CONDITIONING."""
 from __future__ import annotations
 
+import hashlib
+import weakref
+
 from ..training.data.builder import dataset_from_conditioning, dataset_from_folder
 from ..training.data.cache_files import usage_summary
 from ..training.data.image_folder import check_dataset_folder, folder_fingerprint
@@ -8,6 +11,21 @@ from ..training.data.masks import MASK_SOURCES
 from ..training.data.video_clips import DEFAULT_FPS, DEFAULT_FRAMES
 from . import host
 from .input_validation import validation_result
+
+
+# The datasets this process loaded, by folder. ComfyUI keeps a Load Dataset node's output while IS_CHANGED says the
+# same, and a dataset reads its cache entries at each training read: `tightrope cache --delete` (another process) may
+# remove them meanwhile, and the kept dataset failed at its first read (FileNotFoundError). IS_CHANGED says so now,
+# and the folder is loaded again (the removed entries encoded again).
+_LOADED: dict[str, "weakref.WeakSet"] = {}
+
+
+def _removed_entries(folder: str) -> str:
+    """A digest of the cache entries that the datasets loaded from `folder` (every folder for '': a folder linked
+    from another node, which ComfyUI does not give IS_CHANGED) read and that are gone ('' if none)."""
+    kept = [d for f in ([folder] if folder else list(_LOADED)) for d in list(_LOADED.get(f, ()))]
+    gone = sorted({str(p) for d in kept for p in d.cache_files() if not p.is_file()})
+    return hashlib.sha256("\0".join(gone).encode()).hexdigest() if gone else ""
 
 
 class TightropeLoadDataset:
@@ -59,14 +77,18 @@ class TightropeLoadDataset:
     @classmethod
     def IS_CHANGED(cls, folder="", **inputs):
         """ComfyUI reuses this node's cached dataset while its inputs are the same: the folder's files count too, so
-        images, captions or masks added or edited since the last run are scanned and encoded (new ones only)."""
-        return folder_fingerprint(folder) if isinstance(folder, str) else ""
+        images, captions or masks added or edited since the last run are scanned and encoded (new ones only); so are
+        cache entries a kept dataset reads that were removed since (`tightrope cache --delete`)."""
+        folder = folder if isinstance(folder, str) else ""  # None: linked from another node (not given here)
+        gone = _removed_entries(folder)  # the same while the same ones are gone: loaded again once
+        return (folder_fingerprint(folder) if folder else "") + (f"|cache entries removed {gone}" if gone else "")
 
     def load(self, folder, vae, clip, resolution, caption_dropout, use_repeats, strict, mask="none",
              frames=DEFAULT_FRAMES, fps=DEFAULT_FPS):
         dataset = dataset_from_folder(folder, vae, clip, resolution=resolution, caption_dropout=caption_dropout,
                                       use_repeats=use_repeats, strict=strict, cache_dir=host.cache_dir(), mask=mask,
                                       progress=host.work_progress("encoding images"), frames=frames, fps=fps)
+        _LOADED.setdefault(folder, weakref.WeakSet()).add(dataset)
         if host.is_main():  # where the cache is, its size, and what this load did not use (training/data/cache_files)
             host.notify(usage_summary(host.cache_dir(), dataset.cache_files()))
         return (dataset,)

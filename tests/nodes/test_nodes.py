@@ -50,6 +50,35 @@ def test_a_dataset_load_says_where_its_cache_is_and_what_it_did_not_use(out, mon
     assert "are other datasets' or from earlier settings" in said[1] and "--older-than" not in said[1]  # all new
 
 
+def test_a_kept_dataset_whose_cache_entries_were_removed_is_loaded_again(out):
+    """ComfyUI keeps a Load Dataset node's output while IS_CHANGED says the same, and the dataset reads its cache
+    entries at each training read: after `tightrope cache --older-than D --delete` removed them (a server idle for D
+    days), the next training of the kept dataset failed at its first read (FileNotFoundError). IS_CHANGED now changes
+    (and stays so: loaded again once), and a read of a removed entry says what happened (a review helper)."""
+    import os
+    import time
+
+    from tightrope.training.data.cache_files import entries, prune
+    inputs = _dataset_inputs(out)
+    (dataset,) = TightropeLoadDataset().load(**inputs)
+    folder = inputs["folder"]
+    kept = TightropeLoadDataset.IS_CHANGED(folder=folder)
+    linked = TightropeLoadDataset.IS_CHANGED(folder=None)  # a folder linked from another node: ComfyUI gives None
+    assert TightropeLoadDataset.IS_CHANGED(folder=folder) == kept  # nothing changed: ComfyUI reuses the dataset
+    cache = host.cache_dir()
+    then = time.time() - 40 * 86400
+    for e in entries(cache):
+        os.utime(e.path, (then, then))
+    assert len(prune(cache, 30, delete=True)) == len(dataset.cache_files())
+    removed = TightropeLoadDataset.IS_CHANGED(folder=folder)
+    assert removed != kept and TightropeLoadDataset.IS_CHANGED(folder=folder) == removed
+    assert TightropeLoadDataset.IS_CHANGED(folder=None) != linked
+    with pytest.raises(DatasetError, match="was removed after this dataset was loaded .* load the dataset again"):
+        dataset.latent(0)
+    (again,) = TightropeLoadDataset().load(**inputs)
+    assert again.encoded_images == 4 and tuple(again.latent(0).shape) == dataset.latent_shape(0)
+
+
 def test_dataset_errors_name_the_folder(out):
     inputs = _dataset_inputs(out)
     with pytest.raises(ValueError, match="does not exist"):

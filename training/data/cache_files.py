@@ -61,6 +61,22 @@ def cached_shapes(path: Path, names: tuple[str, ...]) -> dict[str, tuple[int, ..
     return shapes
 
 
+def read_entry(path: Path) -> dict:
+    """An entry's tensors, the entry marked used. One removed after its dataset was loaded (`tightrope cache --delete`
+    while ComfyUI kept the dataset) is said so, not a FileNotFoundError's traceback."""
+    from safetensors.torch import load_file
+
+    from .image_folder import DatasetError
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise DatasetError(f"dataset cache file '{path}' was removed after this dataset was loaded (`tightrope cache "
+                           "--delete`, or the cache folder deleted): load the dataset again (its images and captions "
+                           "are encoded again)") from None
+    mark_used(path)
+    return tensors
+
+
 def mark_used(path: Path) -> None:
     """The entry's modification time := now, what prune reads as its last use (an entry's bytes never change)."""
     try:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from ..state.atomic_write import atomic_save_file
@@ -30,7 +29,7 @@ from .batching import EpochBatches
 from .buckets import choose_bucket, fit_to_bucket
 from .encoders import ImageEncoder, TextEncoder
 from ..finite_check import check_finite
-from .cache_files import cached_shapes as _cached_shapes, entry_path, mark_used
+from .cache_files import cached_shapes as _cached_shapes, entry_path, read_entry
 from .folder_warnings import warn_duplicates
 from .header_checks import warn_from_headers
 from .image_hashes import ImageHashes
@@ -61,8 +60,7 @@ def _load(x: Tensor | Path, name: str) -> Tensor:
 
 def _load_cached(path: Path) -> dict[str, Tensor]:
     """A cache file's tensors, checked: a NaN read here would surface steps later as a NaN loss."""
-    tensors = load_file(str(path))
-    mark_used(path)  # in use while it trains: `tightrope cache --older-than` keeps it (cache_files.py)
+    tensors = read_entry(path)  # marked in use while it trains: `tightrope cache --older-than` keeps it
     check_finite(tensors, f"dataset cache file '{path}'", "it is damaged: delete it (or the whole cache folder) and "
                  "run again, so its image or caption is encoded again")
     return tensors
