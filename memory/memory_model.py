@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .layer_offload import _aligned
+from .tensor_kinds import keeps_own_dtype
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,15 @@ def measure_weight_sizes(model: nn.Module, blocks: list[nn.Module], weight_items
             in_blocks.add(id(p))
             if p.requires_grad:
                 t += p.numel() * p.element_size()
-            else:
-                f += p.numel() * (weight_itemsize or p.element_size())
-                k += _aligned(p.numel() * (weight_itemsize or p.element_size()))
+            else:  # the parts of a wrapped weight keep their dtype (tensor_kinds.keep_own_dtype)
+                size = p.element_size() if keeps_own_dtype(p) else weight_itemsize or p.element_size()
+                f += p.numel() * size
+                k += _aligned(p.numel() * size)
         frozen.append(f)
         packed.append(k)
         trainable.append(t)
-    other = sum(p.numel() * (p.element_size() if p.requires_grad or not weight_itemsize else weight_itemsize)
+    other = sum(p.numel() * (p.element_size() if p.requires_grad or not weight_itemsize or keeps_own_dtype(p)
+                             else weight_itemsize)
                 for p in model.parameters() if id(p) not in in_blocks)
     other += sum(b.numel() * b.element_size() for b in model.buffers())
     return WeightSizes(frozen, packed, trainable, other)

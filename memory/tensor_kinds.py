@@ -69,10 +69,15 @@ def keep_own_dtype(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def keeps_own_dtype(p: torch.Tensor) -> bool:
+    """Whether keep_own_dtype marked `p`."""
+    return getattr(p, _OWN_DTYPE, False)
+
+
 def held_dtype(p: torch.Tensor, weight_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype frozen floating-point parameter `p` is held in: the strategy's weight_dtype (None: auto, its own),
     or its own where keep_own_dtype marked it."""
-    return p.dtype if weight_dtype is None or getattr(p, _OWN_DTYPE, False) else weight_dtype
+    return p.dtype if weight_dtype is None or keeps_own_dtype(p) else weight_dtype
 
 
 @dataclass(frozen=True)

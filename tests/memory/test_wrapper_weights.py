@@ -110,10 +110,12 @@ def test_weight_dtype_leaves_the_parts_of_a_wrapped_weight_as_stored(weight_dtyp
     with MemoryRuntime(resident, Strategy.of(compute_dtype=weight_dtype, offload_fraction=offload_fraction),
                        "cpu") as rt:
         expected = step(resident, rt)
+        sizes = rt.sizes  # what the planner and offload selection count: the bytes as held
     m = model()
     with MemoryRuntime(m, Strategy.of(compute_dtype=weight_dtype, weight_dtype=weight_dtype,
                                       offload_fraction=offload_fraction), "cpu", poison_slots=True) as rt:
         layer = m.blocks[0][0]
+        assert rt.sizes == sizes
         if not rt.offloaded:
             assert (layer.qdata.dtype, layer.scale.dtype) == (torch.float8_e4m3fn, torch.float32)
         else:
