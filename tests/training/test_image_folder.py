@@ -1,4 +1,5 @@
 import io
+import os
 import re
 import warnings
 from pathlib import Path
@@ -55,6 +56,20 @@ def test_a_linked_subfolder_is_scanned_and_a_link_loop_ends(tmp_path):
     before = folder_fingerprint(data)
     _image(elsewhere / "m.png", caption="added in the linked folder")
     assert folder_fingerprint(data) != before  # the node's IS_CHANGED sees it
+
+
+def test_a_file_name_that_is_not_utf8_is_fingerprinted(tmp_path):
+    """A name of bytes that are not UTF-8 (a Latin-1 'café.png' copied from an old archive: Linux keeps the bytes,
+    Python gives it as a surrogate escape) raised UnicodeEncodeError in the node's IS_CHANGED, which ComfyUI logs and
+    treats as changed: the dataset was loaded again at every prompt."""
+    _image(tmp_path / "a.png", caption="a")
+    odd = os.path.join(os.fsencode(tmp_path), b"caf\xe9.png")
+    with open(odd, "wb") as f:
+        f.write(b"x")
+    before = folder_fingerprint(tmp_path)
+    assert not before.startswith("unreadable") and folder_fingerprint(tmp_path) == before
+    os.utime(odd, ns=(0, 0))
+    assert folder_fingerprint(tmp_path) != before  # the file is part of it
 
 
 def test_missing_folder(tmp_path):

@@ -213,7 +213,8 @@ def folder_fingerprint(folder: str | Path) -> str:
             relative = path.relative_to(root)
             if not any(part.startswith(".") for part in relative.parts) and path.is_file():
                 stat = path.stat()
-                digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+                digest.update(f"{relative.as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode(
+                    "utf-8", "surrogateescape"))  # a name of bytes that are not UTF-8: those bytes
     except (OSError, DatasetError) as e:
         return f"unreadable: {e}"
     return digest.hexdigest()
