@@ -83,3 +83,15 @@ def test_an_image_model_refuses_video_latents_before_anything_runs(tmp_path):
                                            r"flux model .* takes image latents: train a video model \(Wan\)"):
         train(session.advanced(dataset=data), 2, device=CPU, save=SaveTarget(tmp_path / "out", "run", every=1))
     assert not (tmp_path / "out").exists()
+
+
+def test_thin_batches_name_the_clips_frames():
+    """Clips of other frame counts fall into buckets of their own: the thin-batches warning says so, not only
+    'image size'."""
+    g = torch.Generator().manual_seed(0)
+    latents = [torch.randn(16, t, 8, 8, generator=g) for t in (1, 2, 3, 4, 5, 6, 7, 8)]
+    data = TrainingDataset.from_tensors(latents, [torch.randn(6, 32, generator=g) for _ in latents],
+                                        [torch.zeros(0) for _ in latents])
+    said = data.thin_batches(4)
+    assert "one image or clip size (frames and height x width)" in said
+    assert "give every clip at least the frames set" in said

@@ -45,9 +45,13 @@ class EpochBatches:
             return None
         latent_shapes = {latent for latent, _ in self._buckets}
         by_caption = len(latent_shapes) < len(self._buckets)
-        what = "image size and caption length" if by_caption else "image size"
-        fix = ("crop the images to a few aspect ratios and keep captions under the text encoder's padded length "
-               "(Flux: 256 T5 tokens)") if by_caption else "crop the images to a few aspect ratios"
+        clips = any(len(shape) == 4 for shape in latent_shapes)  # (C, T, h, w): a clip's frames make a bucket too
+        size = "image or clip size (frames and height x width)" if clips else "image size"
+        what = f"{size} and caption length" if by_caption else size
+        fix = "crop the images to a few aspect ratios" + (" and give every clip at least the frames set (a shorter "
+                                                          "clip trains alone)" if clips else "")
+        if by_caption:
+            fix += " and keep captions under the text encoder's padded length (Flux: 256 T5 tokens)"
         return (f"batch_size={batch_size}: a batch holds images of one bucket (one {what}), and the {n} items fall "
                 f"into {len(self._buckets)} buckets: an epoch has {steps} batches of {n / steps:.1f} items on "
                 f"average, not {math.ceil(n / batch_size)} of {batch_size}: {fix} for full batches, or raise "
