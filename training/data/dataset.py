@@ -33,8 +33,8 @@ from .cache_files import cached_shapes as _cached_shapes, entry_path, read_entry
 from .folder_warnings import warn_duplicates
 from .header_checks import warn_from_headers
 from .image_hashes import ImageHashes
-from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, folder_path, image_to_tensor, load_image,
-                           no_usable_images, read_image_size, scan_folder, skip_or_raise)
+from .image_folder import (DEFAULT_MAX_IMAGE_PIXELS, DatasetError, ImageHeader, folder_path, image_to_tensor,
+                           load_image, no_usable_images, scan_folder, skip_or_raise)
 from .keys import content_key as _sha256
 from .masks import MASK_VERSION, MaskSource, find_masks, latent_mask
 from .video_clips import ClipEncoding, ClipSettings, check_video_masks, is_video
@@ -74,7 +74,8 @@ class TrainingDataset(EpochBatches, ClipEncoding):
     """Encoded images + caption embeddings, batched by bucket (batching.py).
 
     Counters for checking the cache: encoded_images / image_cache_hits, encoded_captions / caption_cache_hits,
-    hashed_images (read whole and hashed: the others' hashes came from the index).
+    hashed_images / hashed_masks (read whole and hashed: the others' hashes came from the index), headers_read (image
+    and mask headers read from their files: the others came from the index or the bytes hashed).
     """
 
     def __init__(self, folder: str | Path, image_encoder: ImageEncoder, text_encoder: TextEncoder, *,
@@ -99,7 +100,10 @@ class TrainingDataset(EpochBatches, ClipEncoding):
 
         entries = scan_folder(folder, strict=strict, use_repeats=use_repeats)
         check_video_masks(entries, mask)
-        masks = find_masks(entries, mask, max_image_pixels)  # mask problems fail here, before any encoding
+        # each file's sha256 and header from the last load where the file is unchanged (then it is not opened)
+        hashes = ImageHashes(self.cache_dir)
+        masks = find_masks(entries, mask, max_image_pixels, hashes)  # mask problems fail here, before any encoding
+        self.hashed_masks = hashes.hashed
         clips, count = self._clip_plan(entries, image_encoder, clips)
         # the empty caption only where dropout uses it: an encoder that does not pad gives it its own length
         captions = sorted({e.caption for e in entries} | ({""} if caption_dropout > 0 else set()))
@@ -110,9 +114,8 @@ class TrainingDataset(EpochBatches, ClipEncoding):
         self._empty_text = text_index.get("")
 
         # from the images' headers, before any encoding: an upscale that large makes latents that large too
-        sizes = warn_from_headers(entries, max_pixels, multiple, max_image_pixels)
+        headers = warn_from_headers(entries, hashes, max_pixels, multiple, max_image_pixels)
         samples, repeats, problems, copies = [], [], [], {}  # copies: the images' sha256 -> (path, repeats)
-        hashes = ImageHashes(self.cache_dir)  # each image's sha256 from the last load where its file is unchanged
         for k, entry in enumerate(entries):
             if progress is not None and k:
                 progress(k, len(entries))
@@ -123,7 +126,7 @@ class TrainingDataset(EpochBatches, ClipEncoding):
                 else:
                     latent, shape, weights, digest = self._encode_image(entry.path, image_encoder, max_pixels, multiple,
                                                                         max_image_pixels, masks.get(entry.path),
-                                                                        hashes, sizes.get(entry.path))
+                                                                        hashes, headers.get(entry.path))
             except DatasetError as e:
                 skip_or_raise(e, strict)
                 problems.append(e)
@@ -137,7 +140,7 @@ class TrainingDataset(EpochBatches, ClipEncoding):
             raise no_usable_images(folder_path(folder), len(entries), problems)
         warn_duplicates(copies)  # from the hashes the cache keys need: no image is read for it
         hashes.save(folder_path(folder))
-        self.hashed_images = hashes.hashed
+        self.hashed_images, self.headers_read = hashes.hashed - self.hashed_masks, hashes.headers_read
         self._finish(samples, repeats)
 
     @classmethod
@@ -235,13 +238,14 @@ class TrainingDataset(EpochBatches, ClipEncoding):
         return index
 
     def _encode_image(self, path: Path, encoder: ImageEncoder, max_pixels: int, multiple: int, max_image_pixels: int,
-                      mask: MaskSource | None, hashes: ImageHashes, size: tuple[int, int] | None = None,
+                      mask: MaskSource | None, hashes: ImageHashes, header: ImageHeader | None = None,
                       trust: bool = True) -> tuple[Tensor | Path, tuple[int, ...], Tensor | Path | None, str]:
-        """(latent, its shape, its loss mask) as tensors or their cache file, and the sha256 of the image file. size:
-        its header's, if read already (else read here). The file is read whole only if the index lacks its hash."""
+        """(latent, its shape, its loss mask) as tensors or their cache file, and the sha256 of the image file. header:
+        the image's, if known already (else read here). The file is read only if the index lacks its hash."""
         digest, data = hashes.digest(path, trust=trust)  # data None: the index knew the hash; nothing was read
-        size = read_image_size(path, data=data, max_pixels=max_image_pixels) if data is not None or not size else size
-        bucket = choose_bucket(*size, max_pixels, multiple)
+        if data is not None or header is None:  # from the bytes hashed, recorded with their hash
+            header = hashes.header(path, max_image_pixels, data=data)
+        bucket = choose_bucket(*header.size, max_pixels, multiple)
         key = _sha256(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", PREPROCESS_VERSION)
         if mask is not None:  # the mask is cached with the latent; without one the key stays as it was
             key = _sha256(key, mask.cache_key, MASK_VERSION)

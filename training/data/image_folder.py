@@ -30,6 +30,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from PIL import Image, ImageOps
@@ -258,23 +259,29 @@ def no_usable_images(root: Path, n_images: int, problems: list[DatasetError]) ->
 
 def _open(path: Path, data: bytes | None, max_pixels: int) -> Image.Image:
     """Open lazily (header only) with our own decompression-bomb guard in place of PIL's warning."""
-    def too_big(pixels: str) -> DatasetError:
-        return DatasetError(f"image '{path}' has {pixels} pixels, over the limit of {max_pixels} that guards "
-                            f"against decompression bombs: downscale it to at most {max_pixels} pixels (training "
-                            f"resizes it to the resolution anyway), or remove it from the folder")
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data) if data is not None else path)
     except Image.DecompressionBombError:
-        raise too_big("too many") from None
+        raise _too_big(path, "too many", max_pixels) from None
     except (OSError, SyntaxError, ValueError) as e:  # UnidentifiedImageError is an OSError
         raise _unreadable(path, e) from None
-    width, height = image.size
-    if width * height > max_pixels:
-        raise too_big(f"{width}x{height} = {width * height}")
+    check_pixels(path, image.size, max_pixels)
     return image
+
+
+def check_pixels(path: Path, size: tuple[int, int], max_pixels: int) -> None:
+    """The decompression-bomb guard on a known size (a header read now, or remembered: image_hashes.py)."""
+    width, height = size
+    if width * height > max_pixels:
+        raise _too_big(path, f"{width}x{height} = {width * height}", max_pixels)
+
+
+def _too_big(path: Path, pixels: str, max_pixels: int) -> DatasetError:
+    return DatasetError(f"image '{path}' has {pixels} pixels, over the limit of {max_pixels} that guards "
+                        f"against decompression bombs: downscale it to at most {max_pixels} pixels (training "
+                        f"resizes it to the resolution anyway), or remove it from the folder")
 
 
 def _unreadable(path: Path, error: Exception) -> DatasetError:
@@ -290,8 +297,21 @@ def read_image_size(path: Path, *, data: bytes | None = None,
 
 def read_image_header(path: Path, *, data: bytes | None = None,
                       max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[tuple[int, int], bool]:
-    """(read_image_size's (width, height), whether the file holds several frames). A camera's MPO JPEG (a preview or
-    depth image after the photo) does not count: its first frame is the photo."""
+    """(read_image_size's (width, height), whether the file holds several frames)."""
+    return read_header(path, data=data, max_pixels=max_pixels)[:2]
+
+
+class ImageHeader(NamedTuple):
+    """What a load needs of an image before decoding it: its (width, height) as trained (after EXIF rotation),
+    whether it holds several frames (a camera's MPO JPEG, a preview or depth image after the photo, does not count:
+    its first frame is the photo) and whether it has an alpha channel. Remembered per file by image_hashes.py."""
+    size: tuple[int, int]
+    frames: bool
+    alpha: bool
+
+
+def read_header(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
+    """The image's ImageHeader, from its header alone (one open of the file, or `data`, its bytes)."""
     with _open(path, data, max_pixels) as image:
         width, height = image.size
         try:
@@ -302,7 +322,8 @@ def read_image_header(path: Path, *, data: bytes | None = None,
             frames = image.format != "MPO" and bool(getattr(image, "is_animated", False))
         except (OSError, SyntaxError, ValueError, EOFError):  # a damaged later frame: the first is all we decode
             frames = False
-    return ((height, width) if orientation in (5, 6, 7, 8) else (width, height)), frames
+        alpha = _has_alpha(image)
+    return ImageHeader((height, width) if orientation in (5, 6, 7, 8) else (width, height), frames, alpha)
 
 
 def _header_exif(image: Image.Image) -> Image.Exif:
@@ -366,8 +387,7 @@ def _has_alpha(image: Image.Image) -> bool:
 
 def has_alpha(path: Path, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> bool:
     """Whether the image has an alpha channel (from its header)."""
-    with _open(path, None, max_pixels) as image:
-        return _has_alpha(image)
+    return read_header(path, max_pixels=max_pixels).alpha
 
 
 def load_oriented(path: Path, *, data: bytes | None = None,

@@ -16,7 +16,6 @@ bad image (raised, or skipped with a warning when strict=False).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +25,8 @@ from PIL import Image, ImageOps
 from torch import Tensor
 
 from ..flow_loss import flow_matching_loss
-from .image_folder import (MASK_SUFFIX, DatasetError, ImageEntry, companion_file, has_alpha, load_oriented,
-                           read_image_size)
+from .image_folder import MASK_SUFFIX, DatasetError, ImageEntry, companion_file, load_oriented
+from .image_hashes import ImageHashes
 
 MASK_SOURCES = ("none", "mask_files", "alpha")
 MASK_VERSION = "box-fit-area-v2"  # bump when the mask preprocessing changes, so cached masks stop matching
@@ -48,14 +47,17 @@ def mask_path(image: Path, listings: dict | None = None) -> Path:
     return companion_file(image, image.stem + MASK_SUFFIX, listings)
 
 
-def find_masks(entries: list[ImageEntry], source: str, max_pixels: int) -> dict[Path, MaskSource]:
-    """Each image's mask source (empty for 'none'), checked from file headers; DatasetError naming the files."""
+def find_masks(entries: list[ImageEntry], source: str, max_pixels: int,
+               hashes: ImageHashes | None = None) -> dict[Path, MaskSource]:
+    """Each image's mask source (empty for 'none'), checked from file headers; DatasetError naming the files. hashes:
+    the load's index (image_hashes.py), which gives an unchanged file's header and sha256 without opening it."""
+    hashes = ImageHashes(None) if hashes is None else hashes
     if source not in MASK_SOURCES:
         raise DatasetError(f"mask={source!r} is not supported: choose one of {', '.join(MASK_SOURCES)}")
     if source == "none":
         return {}
     if source == "alpha":
-        opaque = [e.path for e in entries if not has_alpha(e.path, max_pixels=max_pixels)]
+        opaque = [e.path for e in entries if not hashes.header(e.path, max_pixels).alpha]
         if opaque:
             raise DatasetError(f"mask='alpha' but {len(opaque)} of {len(entries)} images have no alpha channel "
                                f"({_names(opaque)}): save them as PNG with transparency (transparent = not trained), "
@@ -71,11 +73,12 @@ def find_masks(entries: list[ImageEntry], source: str, max_pixels: int) -> dict[
     found = {}
     for e in entries:
         path = paths[e.path]
-        size, image_size = read_image_size(path, max_pixels=max_pixels), read_image_size(e.path, max_pixels=max_pixels)
+        digest, data = hashes.digest(path)  # data None: the index knew the file; nothing was read
+        size, image_size = hashes.header(path, max_pixels, data=data).size, hashes.header(e.path, max_pixels).size
         if size != image_size:
             raise DatasetError(f"mask file '{path}' is {size[0]}x{size[1]} but its image '{e.path}' is "
                                f"{image_size[0]}x{image_size[1]}: save the mask at the image's size")
-        found[e.path] = MaskSource(path, False, hashlib.sha256(path.read_bytes()).hexdigest())
+        found[e.path] = MaskSource(path, False, digest)
     return found
 
 
