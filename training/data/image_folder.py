@@ -313,7 +313,7 @@ class ImageHeader(NamedTuple):
 def read_header(path: Path, *, data: bytes | None = None, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageHeader:
     """The image's ImageHeader, from its header alone (one open of the file, or `data`, its bytes)."""
     with _open(path, data, max_pixels) as image:
-        width, height = image.size
+        (width, height), alpha = image.size, _has_alpha(image)
         try:
             orientation = _header_exif(image).get(_EXIF_ORIENTATION, 1)
         except Exception:  # a broken EXIF block: load_image will ignore it too
@@ -322,7 +322,6 @@ def read_header(path: Path, *, data: bytes | None = None, max_pixels: int = DEFA
             frames = image.format != "MPO" and bool(getattr(image, "is_animated", False))
         except (OSError, SyntaxError, ValueError, EOFError):  # a damaged later frame: the first is all we decode
             frames = False
-        alpha = _has_alpha(image)
     return ImageHeader((height, width) if orientation in (5, 6, 7, 8) else (width, height), frames, alpha)
 
 
@@ -383,11 +382,6 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def _has_alpha(image: Image.Image) -> bool:
     return image.mode in ("RGBA", "RGBa", "LA", "La", "PA") or (image.mode == "P" and "transparency" in image.info)
-
-
-def has_alpha(path: Path, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> bool:
-    """Whether the image has an alpha channel (from its header)."""
-    return read_header(path, max_pixels=max_pixels).alpha
 
 
 def load_oriented(path: Path, *, data: bytes | None = None,
