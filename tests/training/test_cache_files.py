@@ -124,11 +124,13 @@ def test_stale_temp_files_are_removed_with_delete(tmp_path):
     folder = cache / "latents" / "ab"
     folder.mkdir(parents=True)
     temp = folder / ".abcd.safetensors.0123abcd.tmp"  # a writer killed mid-write
-    temp.write_bytes(b"half")
-    _age([temp], 2)
-    assert prune(cache, 1, delete=False) == [] and temp.exists()
+    index_temp = cache / ".image_hashes.safetensors.4567cdef.tmp"  # the hash index's (image_hashes.py)
+    for path in (temp, index_temp):
+        path.write_bytes(b"half")
+    _age([temp, index_temp], 2)
+    assert prune(cache, 1, delete=False) == [] and temp.exists() and index_temp.exists()
     prune(cache, 1, delete=True)
-    assert not temp.exists() and not folder.exists()
+    assert not temp.exists() and not folder.exists() and not index_temp.exists()
 
 
 def test_a_wrong_folder_keeps_what_is_not_named_as_a_cache_entry(two_datasets, capsys):

@@ -182,6 +182,7 @@ def prune(cache_dir: str | Path, older_than_days: float, *, delete: bool, now: f
                 removed.append(entry)
         except OSError:  # gone meanwhile, or not ours to delete
             continue
+    remove_stale_temporaries(cache_dir, older_than=cutoff)  # the hash index's (image_hashes.py)
     for kind in KINDS:
         for fan_out in _fan_outs(cache_dir, kind):
             remove_stale_temporaries(fan_out.path, older_than=cutoff)
