@@ -188,3 +188,32 @@ def test_two_loads_writing_the_index_at_once_keep_each_others_entries(tmp_path):
         for image in sorted(a.glob("*.png")) + sorted(b.glob("*.png")):
             again.digest(image)
     assert _opened(opened, tmp_path) == [] and (again.trusted, again.hashed) == (4, 0)
+
+
+def test_a_reload_from_remembered_headers_rotates_and_warns_as_a_read_one(tmp_path):
+    """What the header gives besides the size comes from the index too: EXIF rotation (a JPEG turned upright), several
+    frames (an animated PNG) and the upscale factor, each warned about at every load, none of them opened again."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees: a 64x16 file trains as 16x64
+    Image.new("RGB", (64, 16), (200, 10, 10)).save(folder / "rotated.jpg", exif=exif)
+    frames = [Image.new("RGB", (32, 32), c) for c in ((255, 0, 0), (0, 255, 0))]
+    frames[0].save(folder / "animated.png", save_all=True, append_images=frames[1:])
+    Image.new("RGB", (8, 8), (9, 9, 9)).save(folder / "small.png")
+    for name in ("rotated", "animated", "small"):
+        (folder / f"{name}.txt").write_text(name, encoding="utf-8")
+    _age(*folder.iterdir())
+    said = []
+    for load in range(2):
+        with count_opens() as opened, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dataset = TrainingDataset(folder, DemoLatentCodec(), DemoCaptionEmbedder(), max_pixels=32 * 32,
+                                      cache_dir=tmp_path / "cache")
+        said.append(sorted(str(w.message).split(":")[0] for w in caught if issubclass(w.category, UserWarning)))
+        shapes = {dataset.caption(i): dataset.latent_shape(i)[1:] for i in range(dataset.num_images)}
+        assert shapes["rotated"][0] > shapes["rotated"][1]  # upright: taller than wide
+    assert said[0] == said[1] == ["1 image(s) are animated and train on their first frame only",
+                                  "1 image(s) are smaller than the training resolution and are upscaled more than 2x, "
+                                  "which trains blur"]
+    assert [p for p in opened if p.startswith(str(folder)) and not p.endswith(".txt")] == []
