@@ -74,6 +74,34 @@ def test_clips_are_cached_under_their_bytes_and_frame_settings(mixed, tmp_path):
     assert _load(folder, cache=tmp_path / "cache").encoded_images == 1
 
 
+def test_a_clip_is_hashed_streamed_and_decoded_from_its_file_not_read_whole(mixed, tmp_path, monkeypatch):
+    """A clip can be gigabytes of which only the head trains: it is never held in memory whole (Path.read_bytes),
+    with a cache or without, first load or cache miss; a clip that changes while it is encoded is refused."""
+    from pathlib import Path
+    folder, av = mixed
+    read_whole, read_bytes = [], Path.read_bytes
+
+    def recording(self):
+        read_whole.append(self.name)
+        return read_bytes(self)
+    monkeypatch.setattr(Path, "read_bytes", recording)
+    for cache in (None, tmp_path / "cache", tmp_path / "cache"):
+        data = _load(folder, cache=cache, frames=5 if cache is None else 9)
+        assert data.clip_count() == 1
+    _load(folder, cache=tmp_path / "cache", frames=13)  # a cache miss with the digest from the index
+    assert "clip.mp4" not in read_whole
+    from tightrope.training.data import video_clips
+    encode = video_clips.encode_clip
+
+    def rewritten(path, *args):
+        latent = encode(path, *args)
+        write_fake_video(path, frames=41)  # other bytes than those hashed
+        return latent
+    monkeypatch.setattr(video_clips, "encode_clip", rewritten)
+    with pytest.raises(DatasetError, match="changed while it was read"):
+        _load(folder, cache=tmp_path / "cache", frames=17)
+
+
 def test_frames_not_of_the_vae_form_are_rounded_down_once(mixed):
     folder, _ = mixed
     with pytest.warns(UserWarning, match=r"frames=11: the video VAE encodes 1 \+ 4k frames .* first 9 frames"):

@@ -161,8 +161,19 @@ class ImageHashes:
     def digest(self, path: Path, *, trust: bool = True) -> tuple[str, bytes | None]:
         """(the file's sha256 hex, its bytes; None where the index vouched for the digest and nothing was read).
         trust=False reads and hashes it in any case."""
+        digest, data, _ = self._digest(path, trust, keep=True)
+        return digest, data
+
+    def stream_digest(self, path: Path, *, trust: bool = True) -> tuple[str, list[int] | None]:
+        """digest() of a file too large to hold (a video clip): read in chunks, nothing kept. (the sha256 hex, the
+        file's key (file_key) when it was hashed now: it is those bytes while file_key(path) still equals it; None
+        where the index vouched for the digest)."""
+        digest, _, key = self._digest(path, trust, keep=False)
+        return digest, key
+
+    def _digest(self, path: Path, trust: bool, keep: bool) -> tuple[str, bytes | None, list[int] | None]:
         name = os.path.abspath(path)
-        key = _key_or_none(path)  # None: read_bytes below says why
+        key = _key_or_none(path)  # None: the read below says why
         entry = self._known.get(name)
         if trust and self._trusted(entry, key):
             self._seen[name] = entry[:7]
@@ -170,18 +181,26 @@ class ImageHashes:
             if header is not None:
                 self._attach(name, header, only_seen=True)
             self.trusted += 1
-            return entry[6], None
+            return entry[6], None, None
         started = time.time_ns()
+        h, data = hashlib.sha256(), None
         try:
-            data = path.read_bytes()
+            if keep:
+                data = path.read_bytes()
+                h.update(data)
+            else:
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
         except OSError as e:
             raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
-        digest = hashlib.sha256(data).hexdigest()
+        digest = h.hexdigest()
         self.hashed += 1
-        if key is not None and _key_or_none(path) == key:  # not recorded if it changed while read: hashed again
+        unchanged = key is not None and _key_or_none(path) == key
+        if unchanged:  # not recorded if it changed while read: hashed again
             self._seen[name] = key + [started, digest]
             self._changed = True
-        return digest, data
+        return digest, data, key if unchanged else None
 
     def save(self, root: Path) -> None:
         """Write the index if this load recorded something new or dropped something: the entries seen, those under

@@ -28,6 +28,7 @@ from .buckets import choose_bucket, fit_to_bucket
 from .cache_files import cached_shapes
 from .folder_warnings import UPSCALE_WARNING_FACTOR
 from .image_folder import VIDEO_EXTENSIONS, DatasetError, image_to_tensor, to_rgb
+from .image_hashes import file_key
 from .keys import content_key
 
 CLIP_VERSION = "head-latest-frame-lanczos-v1"  # bump when frame picking or fitting changes: old latents stop matching
@@ -242,19 +243,33 @@ class ClipEncoding:
                      hashes, clips: ClipSettings, count: int,
                      trust: bool = True) -> tuple:
         """_encode_image's for a video file: its latent (C, T', h, w), keyed by its bytes and the clip settings."""
-        digest, data = hashes.digest(path, trust=trust)
-        bucket = clip_bucket(path, max_pixels, multiple, data)
+        # streamed, not read whole: a clip can be gigabytes of which only the head is decoded (it is decoded from
+        # the file, which must still be the bytes hashed when the latent is made)
+        digest, hashed = hashes.stream_digest(path, trust=trust)
+        bucket = clip_bucket(path, max_pixels, multiple, None)
         key = content_key(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", clips.cache_key(count))
         cache_path = self._cache_path("latents", key)
         shapes = cached_shapes(cache_path, ("latent",)) if cache_path else None
         if shapes:
             self.image_cache_hits += 1
             return cache_path, shapes["latent"], None, digest
-        if data is None:  # to be encoded: from the bytes read and hashed now
-            return self._encode_clip(path, encoder, max_pixels, multiple, max_image_pixels, hashes, clips, count, False)
-        latent = encode_clip(path, encoder, clips, count, bucket, max_image_pixels, data)
+        if hashed is None:  # to be encoded: hashed now, so the latent is keyed by the bytes it is made of
+            if trust:
+                return self._encode_clip(path, encoder, max_pixels, multiple, max_image_pixels, hashes, clips, count,
+                                         False)
+            raise DatasetError(f"video '{path}' changed while it was read: load the dataset again")
+        latent = encode_clip(path, encoder, clips, count, bucket, max_image_pixels, None)
+        if _file_key(path) != hashed:
+            raise DatasetError(f"video '{path}' changed while it was read: load the dataset again")
         self.encoded_images += 1
         if cache_path:
             atomic_save_file({"latent": latent}, cache_path)
             return cache_path, tuple(latent.shape), None, digest
         return latent, tuple(latent.shape), None, digest
+
+
+def _file_key(path: Path):
+    try:
+        return file_key(path)
+    except OSError:
+        return None
