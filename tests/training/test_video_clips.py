@@ -102,6 +102,23 @@ def test_a_clip_is_hashed_streamed_and_decoded_from_its_file_not_read_whole(mixe
         _load(folder, cache=tmp_path / "cache", frames=17)
 
 
+def test_only_the_frames_picked_are_fitted_and_held(tmp_path, monkeypatch):
+    """A source much faster than fps: each frame skipped is neither converted nor fitted to the bucket nor held
+    (a 240 fps clip at 16 fps fitted 15 frames for each one it trains on)."""
+    from tightrope.training.data import video_clips
+    use_fake_av(monkeypatch)
+    clip = write_fake_video(tmp_path / "fast.mp4", frames=400, fps=240)
+    fitted, fit = [], video_clips.fit_to_bucket
+    monkeypatch.setattr(video_clips, "fit_to_bucket", lambda image, bucket: fitted.append(1) or fit(image, bucket))
+    frames = read_clip(clip, ClipSettings(9, 16.0), 9, (32, 32), 10 ** 6)
+    assert [f.getpixel((0, 0)) for f in frames] == [colour(15 * k) for k in range(9)]
+    assert len(fitted) == 9
+    fitted.clear()
+    slow = write_fake_video(tmp_path / "slow.mp4", frames=5, fps=8)  # repeated frames are fitted once
+    assert [f.getpixel((0, 0)) for f in read_clip(slow, ClipSettings(9, 16.0), 9, (32, 32), 10 ** 6)] == \
+        [colour(k // 2) for k in range(9)] and len(fitted) == 5
+
+
 def test_frames_not_of_the_vae_form_are_rounded_down_once(mixed):
     folder, _ = mixed
     with pytest.warns(UserWarning, match=r"frames=11: the video VAE encodes 1 \+ 4k frames .* first 9 frames"):

@@ -140,9 +140,28 @@ def _stream(container, path: Path):
 def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int,
               data: bytes | None = None) -> list:
     """The clip's first `count` frames at settings.fps, each fitted to `bucket` (8-bit RGB PIL images): fewer where
-    the clip is shorter. Frames are fitted as they are decoded, so only bucket-sized frames are held."""
+    the clip is shorter. Only the frames picked (pick_frames) are converted and fitted, as they are decoded: a source
+    faster than fps holds no frame it skips (a 240 fps clip at 16 fps fitted and held 15 frames for each one used)."""
     av = _av()
-    times, frames = [], []
+    times, kept, pending = [], {}, None  # kept: index -> fitted frame, of the frames picked; pending: the last one
+    target = 0  # the next output frame not yet placed: it is shown at times[0] + target / fps
+
+    def fitted(frame):
+        image = to_rgb(frame.to_image())
+        turns = _quarter_turns(frame)
+        return fit_to_bucket(image.rotate(90 * turns, expand=True) if turns else image, bucket)
+
+    def place(until: float, last: bool) -> None:
+        """Settle `pending` (frame len(times) - 1, shown until `until`): kept where an output frame shows it, as
+        pick_frames picks (the latest frame starting at or before the output frame's time; none past the end)."""
+        nonlocal target
+        picked = False
+        while target < count and (times[0] + target / settings.fps < until - 1e-9 if last
+                                  else times[0] + target / settings.fps + 1e-6 < until):
+            picked, target = True, target + 1
+        if picked:
+            kept[len(times) - 1] = fitted(pending)
+
     try:
         with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
             stream = _stream(container, path)
@@ -156,23 +175,31 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
                 at = float(frame.time) if frame.time is not None else len(times) / float(rate)
                 if times and at <= times[-1]:  # a repeated or out-of-order timestamp: keep the first
                     continue
-                if settings.fps == 0 and len(times) == count:
-                    break
+                if settings.fps == 0:
+                    if len(times) == count:
+                        break
+                    times.append(at)
+                    kept[len(times) - 1] = fitted(frame)
+                    continue
+                if pending is not None:
+                    place(at, last=False)
                 if horizon is not None and times and at - times[0] > horizon + 1e-6:
                     times.append(at)  # the frame after the last one needed: only its time is kept (the end)
+                    pending = None
                     break
                 times.append(at)
-                image = to_rgb(frame.to_image())
-                turns = _quarter_turns(frame)
-                frames.append(fit_to_bucket(image.rotate(90 * turns, expand=True) if turns else image, bucket))
+                pending = frame
+            if pending is not None:  # the stream ended: its last frame is shown for one frame's time
+                place(times[-1] + 1 / float(rate), last=True)
     except DatasetError:
         raise
     except Exception as e:
         raise _unreadable(path, e) from None
-    if not frames:
+    shown = len(times) - 1 if settings.fps and pending is None and len(times) > 1 else len(times)
+    if not times or not kept:
         raise DatasetError(f"video '{path}' has no frames that decode: re-encode it, or remove it from the folder")
-    end = times[len(frames)] if len(times) > len(frames) else times[len(frames) - 1] + 1 / float(rate)
-    return [frames[i] for i in pick_frames(times[:len(frames)], end, settings.fps, count)]
+    end = times[shown] if len(times) > shown else times[shown - 1] + 1 / float(rate)
+    return [kept[i] for i in pick_frames(times[:shown], end, settings.fps, count)]
 
 
 def clip_to_tensor(frames: list) -> Tensor:
