@@ -16,7 +16,7 @@ import pytest
 import torch
 from api_graph import Graph, saved_latent
 from comfy_env import needs_comfyui, run_in_comfyui, tightrope_env
-from tiny_models import wan_shapes, write_checkpoint
+from tiny_models import qwen_image_shapes, wan_shapes, write_checkpoint
 
 from tightrope.training.lora.files import read_lora_file
 
@@ -165,6 +165,32 @@ def test_wan_trains_on_a_folder_of_clips_in_comfyui(tmp_path):
     warnings, layers, all_patched = r["lora"]
     assert warnings == [] and layers and all_patched
 
+
+QWEN_RUNNER = """
+    from tightrope.training.models.comfy import ComfyModelAdapter
+    with torch.inference_mode():
+        adapter = ComfyModelAdapter(comfy.sd.load_diffusion_model(ARGS[0]))
+    out = {"family": adapter.family, "takes_video": adapter.takes_video(),
+           "image": list(adapter.process_latents(torch.zeros(1, 16, 4, 4)).shape)}
+    try:
+        adapter.process_latents(torch.zeros(1, 16, 3, 4, 4))
+    except Exception as e:
+        out["refused"] = [type(e).__name__, str(e)]
+    result(out)
+"""
+
+
+@needs_comfyui
+def test_qwen_image_refuses_clips(tmp_path):
+    """Qwen-Image reads Wan's 3-D latents (its VAE is Wan 2.1's), but is an image model: clips are refused as for
+    Flux (they trained its time axis, silently)."""
+    ckpt = write_checkpoint(tmp_path / "tiny_qwen_image.safetensors", qwen_image_shapes(), seed=5,
+                            dtype=torch.bfloat16)
+    r, _ = run_in_comfyui(tmp_path, QWEN_RUNNER, ckpt, env=tightrope_env(tmp_path))
+    assert r["family"] == "qwen_image" and r["takes_video"] is False
+    assert r["image"] == [1, 16, 1, 4, 4]  # an image's latent gets its time axis of 1, as before
+    kind, message = r["refused"]
+    assert kind == "ConfigError" and "takes image latents, not video latents" in message
 
 def test_wan_trains_on_a_video_latent_through_the_server(comfy_server, checkpoint):
     name, weight_dtype = checkpoint("wan")

@@ -55,6 +55,7 @@ _CONDITIONING_INPUTS = {"flux": ("txt_in", "vector_in"), "sd3": ("context_embedd
                         "lumina2": ("cap_embedder", "clip_text_pooled_proj"), "wan": ("text_embedding", ""),
                         "qwen_image": ("txt_in", "")}
 
+_VIDEO_FAMILIES = ("wan",)  # families whose latents' time axis is a video's frames (not Qwen-Image)
 
 def _family_of(diffusion_model: nn.Module) -> str | None:
     from comfy.ldm.flux.model import Flux
@@ -265,8 +266,10 @@ class ComfyModelAdapter:
         return fmt.process_in(latents)
 
     def takes_video(self) -> bool:
-        """Whether the model's latents have a time axis (Wan's latent format: 3-D), so video clips can train it."""
-        return getattr(self.patcher.get_model_object("latent_format"), "latent_dimensions", 2) == 3
+        """Whether video clips can train the model: a video model (Wan) with a time axis in its latents. Qwen-Image's
+        latents are 3-D too (Wan's VAE and latent format), but it is an image model: its time axis holds one image."""
+        return self.family in _VIDEO_FAMILIES \
+            and getattr(self.patcher.get_model_object("latent_format"), "latent_dimensions", 2) == 3
 
     def predict(self, module, x_t, t, context, pooled, guidance, to_device=None):
         base = self.patcher.model
