@@ -16,15 +16,19 @@ def colour(k: int) -> tuple[int, int, int]:
     return (k * 5) % 256, (k * 11 + 40) % 256, (255 - k * 7) % 256
 
 
-def write_fake_video(path: Path, width=32, height=32, frames=40, fps=32, caption="a clip", rotation=0) -> Path:
-    path.write_text(f"FAKEVIDEO {width} {height} {frames} {fps} {rotation}")
+def write_fake_video(path: Path, width=32, height=32, frames=40, fps=32, caption="a clip", rotation=0,
+                     ticks=0) -> Path:
+    """ticks: the container's time base is 1/ticks s, frame times rounded to it (Matroska: 1000); 0: exact."""
+    path.write_text(f"FAKEVIDEO {width} {height} {frames} {fps} {rotation} {ticks}")
     path.with_suffix(".txt").write_text(caption)
     return path
 
 
 class _Frame:
-    def __init__(self, k, width, height, fps, rotation):
+    def __init__(self, k, width, height, fps, rotation, ticks=0):
         self.k, self.width, self.height, self.time, self.rotation = k, width, height, k / fps, rotation
+        if ticks:
+            self.time = round(k / fps * ticks) / ticks
 
     def to_image(self):
         return Image.new("RGB", (self.width, self.height), colour(self.k))
@@ -32,18 +36,20 @@ class _Frame:
 
 class _Container:
     def __init__(self, spec: str):
-        _, w, h, n, fps, rotation = spec.split()
+        _, w, h, n, fps, rotation, *ticks = spec.split()
         self.w, self.h, self.n, self.fps, self.rotation = int(w), int(h), int(n), int(fps), int(rotation)
+        self.ticks = int(ticks[0]) if ticks else 0
         stream = type("Stream", (), {})()
         stream.codec_context = type("Codec", (), {"width": self.w, "height": self.h})()
         stream.average_rate = Fraction(self.fps)
         stream.guessed_rate = None
+        stream.time_base = Fraction(1, self.ticks) if self.ticks else None
         self.streams = type("Streams", (), {"video": [stream]})()
 
     def decode(self, stream):
         for k in range(self.n):
             FakeAv.decoded += 1
-            yield _Frame(k, self.w, self.h, self.fps, self.rotation)
+            yield _Frame(k, self.w, self.h, self.fps, self.rotation, self.ticks)
 
     def __enter__(self):
         return self

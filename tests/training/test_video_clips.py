@@ -4,6 +4,7 @@ bytes and the frame settings; images in the same folder stay 1-frame samples. De
 (fake_video.py) so this runs without av; test_real_mp4_* use the real one and skip without it."""
 import sys
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -117,6 +118,43 @@ def test_only_the_frames_picked_are_fitted_and_held(tmp_path, monkeypatch):
     slow = write_fake_video(tmp_path / "slow.mp4", frames=5, fps=8)  # repeated frames are fitted once
     assert [f.getpixel((0, 0)) for f in read_clip(slow, ClipSettings(9, 16.0), 9, (32, 32), 10 ** 6)] == \
         [colour(k // 2) for k in range(9)] and len(fitted) == 5
+
+
+@pytest.mark.parametrize("fps,src", [(24, 24), (16, 16), (30, 30), (15, 30), (16, 48)])
+def test_times_rounded_to_the_containers_ticks_pick_the_frames_they_stand_for(tmp_path, monkeypatch, fps, src):
+    """Matroska / WebM / FLV store times in 1 ms ticks: a 24 fps clip's frame 1 is stored at 0.042 s, after 1/24 s.
+    It is still the frame shown at 1/24 s (a 24 fps clip at fps 24 showed frames 0, 0, 2, 3, 3, 5, ...)."""
+    use_fake_av(monkeypatch)
+    clip = write_fake_video(tmp_path / "clip.mkv", frames=60, fps=src, ticks=1000)
+    frames = read_clip(clip, ClipSettings(13, float(fps)), 13, (32, 32), 10 ** 6)
+    assert [f.getpixel((0, 0)) for f in frames] == [colour(i * src // fps) for i in range(13)]
+    from tightrope.training.data.video_clips import time_tolerance
+    assert time_tolerance(None, 24) == time_tolerance(Fraction(1, 24), 24) == 1e-6  # AVI: times exact, in frames
+    assert time_tolerance(Fraction(1, 1000), 24) == 0.001
+
+
+def test_avi_frames_are_timed_by_their_index(tmp_path, monkeypatch):
+    """AVI has no presentation times: FFmpeg times its H.264 frames with B-frames out of order (1 4 3 5 2 ...) though
+    they decode in order; those frames were dropped as repeats (a 30 fps clip at 15 fps gave frames 0 0 3 3 7 7)."""
+    from tightrope.training.data import video_clips
+    av = use_fake_av(monkeypatch)
+    clip = write_fake_video(tmp_path / "clip.avi", frames=30, fps=30)
+    open_clip, order = av.open, [1, 4, 3, 5, 2, 8, 7, 9, 6, 12, 11, 13, 10] + list(range(14, 40))
+
+    def avi(source):
+        container = open_clip(source)
+        container.format = type("Format", (), {"name": "avi"})()
+        frames = container.decode
+
+        def decode(stream):
+            for frame, pts in zip(frames(stream), order):
+                frame.time = pts / 30
+                yield frame
+        container.decode = decode
+        return container
+    monkeypatch.setattr(video_clips, "_av", lambda: type("Av", (), {"open": staticmethod(avi)}))
+    frames = read_clip(clip, ClipSettings(9, 15.0), 9, (32, 32), 10 ** 6)
+    assert [f.getpixel((0, 0)) for f in frames] == [colour(2 * i) for i in range(9)]
 
 
 def test_frames_not_of_the_vae_form_are_rounded_down_once(mixed):

@@ -31,7 +31,7 @@ from .image_folder import VIDEO_EXTENSIONS, DatasetError, image_to_tensor, to_rg
 from .image_hashes import file_key
 from .keys import content_key
 
-CLIP_VERSION = "head-latest-frame-lanczos-v1"  # bump when frame picking or fitting changes: old latents stop matching
+CLIP_VERSION = "head-latest-tick-lanczos-v2"  # bump when frame picking or fitting changes: old latents stop matching
 DEFAULT_FRAMES = 33  # 2 s at 16 fps; Wan takes 1 + 4k frames (81 at 16 fps is its 5 s sampling default)
 DEFAULT_FPS = 16.0   # Wan 2.1 and Wan 2.2 A14B are trained and sampled at 16 fps (the 5B TI2V at 24: set fps 24)
 
@@ -76,19 +76,28 @@ def clip_frame_count(settings: ClipSettings, stride: int, said: set | None = Non
     return count
 
 
-def pick_frames(times: list[float], end: float, fps: float, count: int) -> list[int]:
+def pick_frames(times: list[float], end: float, fps: float, count: int, tol: float = 1e-6) -> list[int]:
     """Indices into the source frames (start times `times`, ascending; the last one shown until `end`) of the clip's
     first `count` frames at `fps`: frame i is the one shown at times[0] + i / fps. fps 0: the first `count` frames.
-    Fewer where the clip ends first."""
+    Fewer where the clip ends first. tol: how far apart two times may be and be the same (time_tolerance)."""
     if fps == 0:
         return list(range(min(count, len(times))))
     picked = []
     for i in range(count):
         at = times[0] + i / fps
-        if at >= end - 1e-9:
+        if at >= end - tol:
             break
-        picked.append(bisect.bisect_right(times, at + 1e-6) - 1)
+        picked.append(bisect.bisect_right(times, at + tol) - 1)
     return picked
+
+
+def time_tolerance(time_base, rate) -> float:
+    """How much later than an output frame's time a source frame may start and still be the one shown at it: a
+    container stores times rounded to its time base (Matroska, WebM, FLV: 1 ms), so a 24 fps frame that starts at
+    1/24 s is stored at 0.042 s, after the output frame at 1/24 s of a 24 fps clip (which then showed frame 0 twice
+    and skipped frame 1). A time base as coarse as a quarter frame or more (AVI: one frame) holds times exactly."""
+    tick = float(time_base or 0)
+    return max(1e-6, tick) if 0 < tick <= 0.25 / float(rate) else 1e-6
 
 
 def _av():
@@ -156,8 +165,8 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
         pick_frames picks (the latest frame starting at or before the output frame's time; none past the end)."""
         nonlocal target
         picked = False
-        while target < count and (times[0] + target / settings.fps < until - 1e-9 if last
-                                  else times[0] + target / settings.fps + 1e-6 < until):
+        while target < count and (times[0] + target / settings.fps < until - tol if last
+                                  else times[0] + target / settings.fps + tol < until):
             picked, target = True, target + 1
         if picked:
             kept[len(times) - 1] = fitted(pending)
@@ -166,13 +175,17 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
         with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
             stream = _stream(container, path)
             rate = stream.average_rate or stream.guessed_rate or Fraction(25)
+            tol = time_tolerance(getattr(stream, "time_base", None), rate)
+            # AVI holds no presentation times: FFmpeg gives its frames their packets' (decode order: with B-frames,
+            # 1 4 3 5 2 ... for frames in order, which dropped frames 1, 2, 4, ...); its frames are timed by index
+            by_index = getattr(getattr(container, "format", None), "name", "") == "avi"
             horizon = None if settings.fps == 0 else (count - 1) / settings.fps
             for frame in container.decode(stream):
                 width, height = frame.width, frame.height
                 if width * height > max_pixels:
                     raise DatasetError(f"video '{path}' has {width}x{height} frames, over the limit of {max_pixels} "
                                        "pixels a frame: downscale it, or remove it from the folder")
-                at = float(frame.time) if frame.time is not None else len(times) / float(rate)
+                at = float(frame.time) if frame.time is not None and not by_index else len(times) / float(rate)
                 if times and at <= times[-1]:  # a repeated or out-of-order timestamp: keep the first
                     continue
                 if settings.fps == 0:
@@ -183,7 +196,7 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
                     continue
                 if pending is not None:
                     place(at, last=False)
-                if horizon is not None and times and at - times[0] > horizon + 1e-6:
+                if horizon is not None and times and at - times[0] > horizon + tol:
                     times.append(at)  # the frame after the last one needed: only its time is kept (the end)
                     pending = None
                     break
@@ -199,7 +212,7 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
     if not times or not kept:
         raise DatasetError(f"video '{path}' has no frames that decode: re-encode it, or remove it from the folder")
     end = times[shown] if len(times) > shown else times[shown - 1] + 1 / float(rate)
-    return [kept[i] for i in pick_frames(times[:shown], end, settings.fps, count)]
+    return [kept[i] for i in pick_frames(times[:shown], end, settings.fps, count, tol)]
 
 
 def clip_to_tensor(frames: list) -> Tensor:
