@@ -57,6 +57,7 @@ _CONDITIONING_INPUTS = {"flux": ("txt_in", "vector_in"), "sd3": ("context_embedd
 
 _VIDEO_FAMILIES = ("wan",)  # families whose latents' time axis is a video's frames (not Qwen-Image)
 
+
 def _family_of(diffusion_model: nn.Module) -> str | None:
     from comfy.ldm.flux.model import Flux
     from comfy.ldm.lumina.model import NextDiT
