@@ -12,10 +12,11 @@ from tightrope import NODE_CLASS_MAPPINGS
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 
-# ComfyUI core nodes used by the Flux-dev workflows (ComfyUI 0.33): widgets in order, connection inputs, outputs
+# ComfyUI core nodes used by the Flux-dev and Wan workflows (ComfyUI 0.33): widgets in order, connection inputs, outputs
 CORE = {
     "UNETLoader": (["unet_name", "weight_dtype"], [], ["MODEL"]),
     "DualCLIPLoader": (["clip_name1", "clip_name2", "type", "device"], [], ["CLIP"]),
+    "CLIPLoader": (["clip_name", "type", "device"], [], ["CLIP"]),
     "VAELoader": (["vae_name"], [], ["VAE"]),
     "CLIPTextEncode": (["text"], [("clip", "CLIP")], ["CONDITIONING"]),
     "FluxGuidance": (["guidance"], [("conditioning", "CONDITIONING")], ["CONDITIONING"]),
@@ -228,6 +229,39 @@ def flux_dev(strategy: dict, batch_size: int, title: str) -> dict:
     ])
 
 
+def wan21_t2v_1_3b() -> dict:
+    """Wan 2.1 text-to-video 1.3B on a folder of clips (Comfy-Org's repackaged files). The 1.3B model is the one for a
+    12-16 GB GPU: its 2.8 GB of fp16 weights stay on the GPU beside 33-frame 480p activations, where Wan 2.2 TI2V
+    5B's 10 GB would have to be streamed (and it wants 24 fps, 704p clips and its own 48-channel VAE)."""
+    train = {**TRAIN, "learning_rate": 1e-4, "batch_size": 1, "timestep_shift": 0.0, "save_every": 250,
+             "filename_prefix": "tightrope/wan21_t2v_checkpoint", "warmup_steps": 50}
+    return build([
+        {"id": 1, "type": "UNETLoader", "col": 0, "row": 0,
+         "widgets": {"unet_name": "wan2.1_t2v_1.3B_fp16.safetensors", "weight_dtype": "default"}},
+        {"id": 2, "type": "CLIPLoader", "col": 0, "row": 1,
+         "widgets": {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan", "device": "default"}},
+        {"id": 3, "type": "VAELoader", "col": 0, "row": 2, "widgets": {"vae_name": "wan_2.1_vae.safetensors"}},
+        # 33 frames (9 latent frames) at Wan's 16 fps: 2 s of each clip; a pixel budget of 640 x 640 holds Wan's
+        # 480p sizes (832 x 480, 480 x 832, 624 x 624)
+        {"id": 4, "type": "TightropeLoadDataset", "col": 1, "row": 1, "title": "Load Dataset (video clips)",
+         "widgets": {**DATASET, "folder": "my_videos", "resolution": 640, "frames": 33, "fps": 16.0},
+         "links": {"vae": (3, 0), "clip": (2, 0)}},
+        {"id": 5, "type": "TightropeLoraSetup", "col": 1, "row": 2, "widgets": {**LORA, "rank": 32, "alpha": 32.0,
+                                                                              "targets": "attention_mlp"}},
+        {"id": 6, "type": "TightropeMemoryStrategy", "col": 1, "row": 0, "title": "Memory Strategy (auto, 12 GB)",
+         "widgets": {**STRATEGY, "mode": "auto", "vram_budget_gb": 12.0, "compute_dtype": "bf16",
+                     "weight_dtype": "bf16"}},
+        {"id": 7, "type": "TightropeTrain", "col": 2, "row": 0, "title": "Train (1000 steps)",
+         "widgets": {**train, "steps": 1000},
+         "links": {"model": (1, 0), "dataset": (4, 0), "lora": (5, 0), "strategy": (6, 0)}},
+        {"id": 8, "type": "TightropeSaveLora", "col": 3, "row": 0,
+         "widgets": {"filename_prefix": "tightrope/wan21_t2v_lora", "save_ema": True, "dora_for": "comfyui"},
+         "links": {"session": (7, 0)}},
+        {"id": 9, "type": "TightropePlots", "col": 3, "row": 1, "widgets": {"filename_prefix": "tightrope/wan21_t2v"},
+         "links": {"session": (7, 0)}},
+    ])
+
+
 WORKFLOWS = {
     "demo.json": demo,
     "demo_features.json": demo_features,
@@ -240,6 +274,7 @@ WORKFLOWS = {
     "flux_dev_lora_8gb.json": lambda: flux_dev(
         {**STRATEGY, "offload_fraction": 1.0, "prefetch_depth": 1, "activation_offload": True, "checkpoint": "all",
          "compute_dtype": "bf16", "weight_dtype": "bf16"}, 1, "Memory Strategy (8 GB preset)"),
+    "wan21_t2v_1.3b_lora_12gb.json": wan21_t2v_1_3b,
 }
 
 if __name__ == "__main__":

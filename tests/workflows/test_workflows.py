@@ -59,10 +59,38 @@ def test_workflow_validates(path, tmp_path, monkeypatch):
     workflow = json.loads(path.read_text())
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_dataset").mkdir()  # the folder the Flux workflows name for the user's images must exist
+    (tmp_path / "my_videos").mkdir()  # and the Wan workflow's folder of clips
     assert workflow["version"] == 0.4 and workflow["links"] and workflow["nodes"]
     graph = load_workflow(workflow, _mappings_for(workflow))
     types = {spec.class_type for spec in graph.values()}
     assert {"TightropeTrain", "TightropeSaveLora", "TightropeLoraSetup", "TightropeMemoryStrategy"} <= types
+
+
+def test_wan_video_workflow_feeds_clips_to_a_wan_model(tmp_path, monkeypatch):
+    """workflows/wan21_t2v_1.3b_lora_12gb.json: Comfy-Org's repackaged Wan 2.1 T2V 1.3B files, umt5 through CLIPLoader
+    type wan, 33-frame clips at 16 fps, an auto strategy with a VRAM budget, and every node wired to the next."""
+    workflow = json.loads((ROOT / "workflows" / "wan21_t2v_1.3b_lora_12gb.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_videos").mkdir()
+    graph = load_workflow(workflow, _mappings_for(workflow))
+    by_type = {spec.class_type: (node_id, spec.inputs) for node_id, spec in graph.items()}
+    assert by_type["UNETLoader"][1]["unet_name"] == "wan2.1_t2v_1.3B_fp16.safetensors"
+    assert by_type["CLIPLoader"][1] == {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "type": "wan",
+                                        "device": "default"}
+    assert by_type["VAELoader"][1]["vae_name"] == "wan_2.1_vae.safetensors"
+    dataset = by_type["TightropeLoadDataset"][1]
+    assert (dataset["frames"], dataset["fps"], dataset["folder"]) == (33, 16.0, "my_videos")
+    assert 832 * 480 <= dataset["resolution"] ** 2 < 2 * 832 * 480  # Wan's 480p sizes fit the pixel budget
+    assert list(dataset["vae"]) == [by_type["VAELoader"][0], 0]
+    assert list(dataset["clip"]) == [by_type["CLIPLoader"][0], 0]
+    strategy = by_type["TightropeMemoryStrategy"][1]
+    assert strategy["mode"] == "auto" and strategy["vram_budget_gb"] > 0
+    train = by_type["TightropeTrain"][1]
+    assert {k: list(train[k]) for k in ("model", "dataset", "lora", "strategy")} == {
+        "model": [by_type["UNETLoader"][0], 0], "dataset": [by_type["TightropeLoadDataset"][0], 0],
+        "lora": [by_type["TightropeLoraSetup"][0], 0], "strategy": [by_type["TightropeMemoryStrategy"][0], 0]}
+    assert train["timestep_shift"] == 0.0  # 0: Wan's own sampling shift
+    assert list(by_type["TightropeSaveLora"][1]["session"]) == [by_type["TightropeTrain"][0], 0]
 
 
 @pytest.fixture(scope="module")
