@@ -70,7 +70,8 @@ def file_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
-def _key_or_none(path: Path) -> list[int] | None:
+def file_key_or_none(path: Path) -> list[int] | None:
+    """file_key, or None where the file cannot be stat-ed (gone, unreadable)."""
     try:
         return file_key(path)
     except OSError:
@@ -101,7 +102,7 @@ class ImageHashes:
         """The stored entries; {} for a missing, damaged or foreign index (everything is hashed again)."""
         if self.path is None:
             return {}
-        self._index_key = _key_or_none(self.path)  # save() reads it again only if it changed since
+        self._index_key = file_key_or_none(self.path)  # save() reads it again only if it changed since
         try:
             with safe_open(str(self.path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -132,7 +133,7 @@ class ImageHashes:
             header = read_header(path, data=data, max_pixels=max_pixels)
             self._attach(name, header, only_seen=True)
             return header
-        key = _key_or_none(path)
+        key = file_key_or_none(path)
         entry = self._known.get(name)
         trusted = self._trusted(entry, key)
         if trusted and _header(entry) is not None:
@@ -144,7 +145,7 @@ class ImageHashes:
         header = read_header(path, max_pixels=max_pixels)
         self.headers_read += 1
         self._read_now[name] = (key, header)
-        if trusted and _key_or_none(path) == key:
+        if trusted and file_key_or_none(path) == key:
             self._attach(name, header, only_seen=False)
         return header
 
@@ -173,7 +174,7 @@ class ImageHashes:
 
     def _digest(self, path: Path, trust: bool, keep: bool) -> tuple[str, bytes | None, list[int] | None]:
         name = os.path.abspath(path)
-        key = _key_or_none(path)  # None: the read below says why
+        key = file_key_or_none(path)  # None: the read below says why
         entry = self._known.get(name)
         if trust and self._trusted(entry, key):
             self._seen[name] = entry[:7]
@@ -196,7 +197,7 @@ class ImageHashes:
             raise DatasetError(f"cannot read image '{path}' ({e.strerror or e}): check that it is readable") from None
         digest = h.hexdigest()
         self.hashed += 1
-        unchanged = key is not None and _key_or_none(path) == key
+        unchanged = key is not None and file_key_or_none(path) == key
         if unchanged:  # not recorded if it changed while read: hashed again
             self._seen[name] = key + [started, digest]
             self._changed = True
@@ -214,7 +215,7 @@ class ImageHashes:
         gone = {k for k in unseen if k.startswith(inside) and not os.path.exists(k)}
         if not self._changed and not gone:
             return
-        fresh = self._known if _key_or_none(self.path) == self._index_key else self._read() or self._known
+        fresh = self._known if file_key_or_none(self.path) == self._index_key else self._read() or self._known
         kept = {k: self._known[k] for k in unseen if k.startswith(inside) and k not in gone} | self._seen
         others, folders, old = {}, {}, time.time_ns() - GONE_AFTER_NS
         for k, v in fresh.items():  # one stat per folder, not per file, and only when writing anyway

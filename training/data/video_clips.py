@@ -14,7 +14,6 @@ PyAV (`av`) is imported only when a folder holds a video: ComfyUI installs it; w
 from __future__ import annotations
 
 import bisect
-import io
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
@@ -28,7 +27,7 @@ from .buckets import choose_bucket, fit_to_bucket
 from .cache_files import cached_shapes
 from .folder_warnings import UPSCALE_WARNING_FACTOR
 from .image_folder import VIDEO_EXTENSIONS, DatasetError, image_to_tensor, to_rgb
-from .image_hashes import file_key
+from .image_hashes import file_key_or_none
 from .keys import content_key
 
 CLIP_VERSION = "head-latest-tick-lanczos-v2"  # bump when frame picking or fitting changes: old latents stop matching
@@ -115,12 +114,12 @@ def _unreadable(path: Path, error: Exception) -> DatasetError:
                         "-c:v libx264 out.mp4), or delete it (strict=False skips such files)")
 
 
-def read_video_size(path: Path, data: bytes | None = None) -> tuple[int, int]:
+def read_video_size(path: Path) -> tuple[int, int]:
     """(width, height) of the clip's frames as trained (its rotation applied, as ComfyUI's Load Video applies it),
     from its first frame."""
     av = _av()
     try:
-        with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
+        with av.open(str(path)) as container:
             stream = _stream(container, path)
             size = int(stream.codec_context.width), int(stream.codec_context.height)
             frame = next(iter(container.decode(stream)), None)
@@ -146,8 +145,7 @@ def _stream(container, path: Path):
     return container.streams.video[0]
 
 
-def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int,
-              data: bytes | None = None) -> list:
+def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int) -> list:
     """The clip's first `count` frames at settings.fps, each fitted to `bucket` (8-bit RGB PIL images): fewer where
     the clip is shorter. Only the frames picked (pick_frames) are converted and fitted, as they are decoded: a source
     faster than fps holds no frame it skips (a 240 fps clip at 16 fps fitted and held 15 frames for each one used)."""
@@ -172,7 +170,7 @@ def read_clip(path: Path, settings: ClipSettings, count: int, bucket: tuple[int,
             kept[len(times) - 1] = fitted(pending)
 
     try:
-        with av.open(io.BytesIO(data) if data is not None else str(path)) as container:
+        with av.open(str(path)) as container:
             stream = _stream(container, path)
             rate = stream.average_rate or stream.guessed_rate or Fraction(25)
             tol = time_tolerance(getattr(stream, "time_base", None), rate)
@@ -220,13 +218,13 @@ def clip_to_tensor(frames: list) -> Tensor:
     return torch.stack([image_to_tensor(frame) for frame in frames])
 
 
-def encode_clip(path: Path, encoder, settings: ClipSettings, count: int, bucket: tuple[int, int], max_pixels: int,
-                data: bytes | None) -> Tensor:
+def encode_clip(path: Path, encoder, settings: ClipSettings, count: int, bucket: tuple[int, int],
+                max_pixels: int) -> Tensor:
     """The clip's latent (C, T', h, w) by the encoder's encode_video (one video), on the CPU."""
     encode_video = getattr(encoder, "encode_video", None)
     if encode_video is None or not getattr(encoder, "video", True):
         raise video_encoder_error(path, encoder)
-    frames = read_clip(path, settings, count, bucket, max_pixels, data)
+    frames = read_clip(path, settings, count, bucket, max_pixels)
     stride = int(getattr(encoder, "frame_stride", 1))
     usable = frames_for(len(frames), stride)
     if len(frames) < count:
@@ -245,9 +243,9 @@ def video_encoder_error(path: Path, encoder) -> DatasetError:
                         "the folder")
 
 
-def clip_bucket(path: Path, max_pixels: int, multiple: int, data: bytes | None) -> tuple[int, int]:
+def clip_bucket(path: Path, max_pixels: int, multiple: int) -> tuple[int, int]:
     """The clip's aspect-ratio bucket, as an image's; a clip enlarged more than UPSCALE_WARNING_FACTOR is said."""
-    width, height = read_video_size(path, data)
+    width, height = read_video_size(path)
     bucket = choose_bucket(width, height, max_pixels, multiple)
     factor = max(bucket[0] / width, bucket[1] / height)
     if factor > UPSCALE_WARNING_FACTOR:
@@ -286,7 +284,7 @@ class ClipEncoding:
         # streamed, not read whole: a clip can be gigabytes of which only the head is decoded (it is decoded from
         # the file, which must still be the bytes hashed when the latent is made)
         digest, hashed = hashes.stream_digest(path, trust=trust)
-        bucket = clip_bucket(path, max_pixels, multiple, None)
+        bucket = clip_bucket(path, max_pixels, multiple)
         key = content_key(digest, encoder.cache_id, f"{bucket[0]}x{bucket[1]}", clips.cache_key(count))
         cache_path = self._cache_path("latents", key)
         shapes = cached_shapes(cache_path, ("latent",)) if cache_path else None
@@ -298,8 +296,8 @@ class ClipEncoding:
                 return self._encode_clip(path, encoder, max_pixels, multiple, max_image_pixels, hashes, clips, count,
                                          False)
             raise DatasetError(f"video '{path}' changed while it was read: load the dataset again")
-        latent = encode_clip(path, encoder, clips, count, bucket, max_image_pixels, None)
-        if _file_key(path) != hashed:
+        latent = encode_clip(path, encoder, clips, count, bucket, max_image_pixels)
+        if file_key_or_none(path) != hashed:
             raise DatasetError(f"video '{path}' changed while it was read: load the dataset again")
         self.encoded_images += 1
         if cache_path:
@@ -307,9 +305,3 @@ class ClipEncoding:
             return cache_path, tuple(latent.shape), None, digest
         return latent, tuple(latent.shape), None, digest
 
-
-def _file_key(path: Path):
-    try:
-        return file_key(path)
-    except OSError:
-        return None
